@@ -1,0 +1,211 @@
+"""The CPU backend: real, synchronous, gloo collectives, shared-memory files for IPC.
+
+Code here may assume nothing but a CPU build of torch. Work "launched on a stream"
+runs at once on the calling thread, so streams and events are bookkeeping only;
+the `sim` backend (sim.py) subclasses this one to make them asynchronous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from hal.backend import Backend, Event, Stream
+
+
+class ImmediateEvent:
+    """An event on a synchronous device: complete as soon as it is recorded."""
+
+    def __init__(self, timing: bool = False) -> None:
+        self.timing = timing
+        self._time: float | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        self._time = time.perf_counter()
+
+    def wait(self, stream: Stream | None = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end_event: "ImmediateEvent") -> float:
+        """Milliseconds from this event to `end_event`, as torch.cuda.Event reports it."""
+        _check_timing(self, end_event)
+        return (end_event._time - self._time) * 1000.0
+
+
+def _check_timing(start: Any, end: Any) -> None:
+    if not (start.timing and end.timing):
+        raise RuntimeError("elapsed_time needs both events created with timing=True")
+    if start._time is None or end._time is None:
+        raise RuntimeError("elapsed_time: both events must have been recorded and completed")
+
+
+class ImmediateStream:
+    """A stream on a synchronous device: every operation has already finished."""
+
+    def wait_stream(self, stream: Stream) -> None:
+        pass
+
+    def wait_event(self, event: Event) -> None:
+        pass
+
+    def record_event(self, event: ImmediateEvent | None = None) -> ImmediateEvent:
+        event = event or ImmediateEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class SharedMemoryHandle:
+    """Enough to map a tensor living in a shared-memory file from another process."""
+
+    path: str
+    storage_nbytes: int
+    byte_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class CpuBackend(Backend):
+    """Host memory and gloo: the backend every machine has."""
+
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    visible_devices_env = None
+    ray_resource = None
+    supports_pinned_memory = False  # pinning needs an accelerator runtime
+    supports_ipc = True  # through files in /dev/shm
+    supports_async_streams = False
+    collectives_follow_streams = False
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._default_stream = self._make_default_stream()
+        self._shared_paths: dict[int, str] = {}  # storage data_ptr -> file, for export_ipc
+        self._shared_lock = threading.Lock()
+
+    def _make_default_stream(self) -> Any:
+        return ImmediateStream()
+
+    # devices: one, the host
+    def _device_count(self) -> int:
+        return 1
+
+    def _current_device(self) -> int:
+        return 0
+
+    def _set_device(self, index: int) -> None:
+        pass
+
+    def _torch_device(self, index: int) -> torch.device:
+        return torch.device("cpu")
+
+    # streams
+    def _new_stream(self) -> Any:
+        return ImmediateStream()
+
+    def _current_stream(self) -> Any:
+        stack = getattr(self._local, "streams", None)
+        return stack[-1] if stack else self._default_stream
+
+    @contextlib.contextmanager
+    def _stream_context(self, stream: Any):
+        stack = self._local.__dict__.setdefault("streams", [])
+        stack.append(stream)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def _new_event(self, timing: bool) -> Any:
+        return ImmediateEvent(timing)
+
+    def _launch(self, stream: Any, fn: Callable[..., Any], args: tuple) -> None:
+        fn(*args)
+
+    def _synchronize(self) -> None:
+        pass
+
+    # memory
+    def _memory_info(self) -> tuple[int, int]:
+        fields: dict[str, int] = {}
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    key, _, rest = line.partition(":")
+                    fields[key] = int(rest.split()[0]) * 1024
+        except OSError:
+            pass
+        if "MemAvailable" in fields and "MemTotal" in fields:
+            return fields["MemAvailable"], fields["MemTotal"]
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+    # IPC through shared-memory files: any process on the node can map them by path.
+    def _empty_shared(self, nbytes: int) -> torch.Tensor:
+        path = os.path.join(_shm_dir(), f"verl-hal-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+        tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+        with self._shared_lock:
+            self._shared_paths[storage.data_ptr()] = path
+        return tensor
+
+    def _export_ipc(self, tensor: torch.Tensor) -> SharedMemoryHandle:
+        storage = tensor.untyped_storage()
+        with self._shared_lock:
+            path = self._shared_paths.get(storage.data_ptr())
+        if path is None:
+            raise ValueError(
+                f"export_ipc: tensor of shape {tuple(tensor.shape)} is not in shared memory on "
+                f"backend {self.name!r}; allocate it with empty_shared()"
+            )
+        return SharedMemoryHandle(
+            path=path,
+            storage_nbytes=storage.nbytes(),
+            byte_offset=tensor.storage_offset() * tensor.element_size(),
+            shape=tuple(tensor.shape),
+            stride=tuple(tensor.stride()),
+            dtype=tensor.dtype,
+        )
+
+    def _import_ipc(self, handle: SharedMemoryHandle) -> torch.Tensor:
+        if not isinstance(handle, SharedMemoryHandle):
+            raise TypeError(f"import_ipc on backend {self.name!r}: expected a SharedMemoryHandle, got {type(handle).__name__}")
+        if not os.path.exists(handle.path):
+            raise FileNotFoundError(f"import_ipc: shared-memory file {handle.path} is gone (exporter released it)")
+        storage = torch.UntypedStorage.from_file(handle.path, shared=True, nbytes=handle.storage_nbytes)
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+        view = flat[handle.byte_offset :].view(handle.dtype)
+        return view.as_strided(handle.shape, handle.stride)
+
+    def _release_shared(self, tensor: torch.Tensor) -> None:
+        with self._shared_lock:
+            path = self._shared_paths.pop(tensor.untyped_storage().data_ptr(), None)
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

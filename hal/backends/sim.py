@@ -1,0 +1,178 @@
+"""The simulated accelerator: CPU memory, but streams that really run asynchronously.
+
+Each stream owns a worker thread that runs the work launched on it in order,
+sleeping `latency` seconds before each operation. Events are recorded by the
+stream when it reaches them, and `wait_event` holds a stream until the event
+completes. So code that reads a tensor written by device work without waiting
+for the event reads the old bytes, as it would on a GPU, and a test sees it.
+
+Host code (plain torch calls) is not ordered against streams, exactly as on CUDA:
+only `Backend.launch` / `copy_` go through a stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from hal import env
+from hal.backends.cpu import CpuBackend, _check_timing
+
+
+class SimEvent:
+    """An event that completes when the stream it was recorded on reaches it."""
+
+    def __init__(self, timing: bool = False, current_stream: Callable[[], "SimStream"] | None = None) -> None:
+        self.timing = timing
+        self._current_stream = current_stream
+        self._time: float | None = None
+        self._done = threading.Event()
+        self._done.set()  # like CUDA: an event never recorded counts as complete
+
+    def record(self, stream: "SimStream | None" = None) -> None:
+        stream = stream or self._default_stream()
+        self._done = done = threading.Event()
+        stream._put(self._complete, (done,))
+
+    def _complete(self, done: threading.Event) -> None:
+        self._time = time.perf_counter()
+        done.set()
+
+    def wait(self, stream: "SimStream | None" = None) -> None:
+        (stream or self._default_stream()).wait_event(self)
+
+    def _default_stream(self) -> "SimStream":
+        if self._current_stream is None:
+            raise RuntimeError("SimEvent created outside a backend: pass the stream explicitly")
+        return self._current_stream()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def elapsed_time(self, end_event: "SimEvent") -> float:
+        self.synchronize()
+        end_event.synchronize()
+        _check_timing(self, end_event)
+        return (end_event._time - self._time) * 1000.0
+
+
+class SimStream:
+    """A FIFO of device work run by one daemon thread."""
+
+    def __init__(self, latency: float = 0.0, name: str = "sim-stream") -> None:
+        self.latency = latency
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._error: BaseException | None = None
+        # The thread holds only a weak reference, so an unused stream can be collected.
+        self._thread = threading.Thread(target=_run_stream, args=(weakref.ref(self), self._queue), name=name, daemon=True)
+        self._thread.start()
+
+    def __del__(self) -> None:
+        self._queue.put(None)
+
+    def _put(self, fn: Callable[..., Any], args: tuple, *, delayed: bool = False) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queue.put((fn, args, delayed))
+
+    def _task_done(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on this stream after everything already queued (with latency)."""
+        self._put(fn, args, delayed=True)
+
+    def wait_event(self, event: SimEvent) -> None:
+        done = event._done  # the recording in force now, as CUDA captures it at the call
+        self._put(done.wait, ())
+
+    def wait_stream(self, stream: "SimStream") -> None:
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: SimEvent | None = None) -> SimEvent:
+        event = event or SimEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        with self._idle:
+            while self._pending:
+                self._idle.wait()
+        self._raise_pending_error()
+
+    def query(self) -> bool:
+        with self._idle:
+            return self._pending == 0
+
+    def _raise_pending_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"work on simulated stream failed: {error!r}") from error
+
+
+def _run_stream(stream_ref: "weakref.ref[SimStream]", work: queue.SimpleQueue) -> None:
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        fn, args, delayed = item
+        stream = stream_ref()
+        if stream is None:
+            return
+        try:
+            if delayed and stream.latency:
+                time.sleep(stream.latency)
+            fn(*args)
+        except BaseException as exc:  # kept and re-raised on the host at the next synchronize
+            stream._error = exc
+        finally:
+            stream._task_done()
+            del stream
+
+
+class SimBackend(CpuBackend):
+    """CPU memory with asynchronous streams; the test bed for stream/event discipline."""
+
+    name = "sim"
+    supports_async_streams = True
+    collectives_follow_streams = False  # collectives are gloo on host memory
+
+    def __init__(self, latency: float | None = None) -> None:
+        self.latency = env.sim_latency_seconds() if latency is None else float(latency)
+        if self.latency < 0:
+            raise ValueError(f"sim backend: latency must not be negative, got {self.latency}")
+        self._streams: "weakref.WeakSet[SimStream]" = weakref.WeakSet()
+        super().__init__()
+
+    def _make_default_stream(self) -> SimStream:
+        return self._new_stream()
+
+    def _new_stream(self) -> SimStream:
+        stream = SimStream(self.latency)
+        self._streams.add(stream)
+        return stream
+
+    def _new_event(self, timing: bool) -> SimEvent:
+        return SimEvent(timing, self._current_stream)
+
+    def _launch(self, stream: Any, fn: Callable[..., Any], args: tuple) -> None:
+        if stream is None:
+            stream = self._current_stream()
+        if not isinstance(stream, SimStream):
+            raise TypeError(f"backend 'sim': expected a stream from this backend, got {type(stream).__name__}")
+        stream.submit(fn, *args)
+
+    def _synchronize(self) -> None:
+        for stream in list(self._streams):
+            stream.synchronize()

@@ -1,0 +1,33 @@
+"""Every environment variable verl-hal reads, in one table.
+
+Read through these helpers only, so that a reader finds here what can change the
+library's behaviour from outside.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Which backend `hal.current()` resolves: auto | cpu | cuda | npu | sim | a registered name.
+VERL_DEVICE = "VERL_DEVICE"
+# Seconds the simulated accelerator sleeps before each operation on a stream (default 0).
+# Makes a missing wait visible: a read that races the copy sees the old bytes.
+VERL_HAL_SIM_LATENCY = "VERL_HAL_SIM_LATENCY"
+
+
+def device_name() -> str:
+    """The requested backend name, lower-cased; `auto` when unset or empty."""
+    return (os.environ.get(VERL_DEVICE) or "auto").strip().lower()
+
+
+def sim_latency_seconds() -> float:
+    raw = os.environ.get(VERL_HAL_SIM_LATENCY, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{VERL_HAL_SIM_LATENCY}={raw!r}: expected a number of seconds") from None
+    if value < 0:
+        raise ValueError(f"{VERL_HAL_SIM_LATENCY}={raw!r}: must not be negative")
+    return value
