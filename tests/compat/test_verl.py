@@ -1,0 +1,207 @@
+"""hal.compat.verl answers verl's device questions from the resolved backend."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import hal
+from hal.backends.cuda import CudaBackend
+from hal.backends.npu import NpuBackend
+from hal.compat import verl
+from tests.conftest import run_python
+
+# Every public name of verl/utils/device.py at verl-project/verl@addf8056, plus the two
+# older names (is_ascend_npu_available, auto_set_ascend_device_name) trainers still import.
+VERL_NAMES = [
+    "auto_set_ascend_device_name",
+    "auto_set_device",
+    "check_ipc_version_support",
+    "get_device_capability",
+    "get_device_id",
+    "get_device_name",
+    "get_nccl_backend",
+    "get_npu_versions",
+    "get_resource_name",
+    "get_torch_device",
+    "get_visible_devices_keyword",
+    "is_ascend_npu_available",
+    "is_cuda_available",
+    "is_npu_available",
+    "is_rocm_visible_devices",
+    "is_support_ipc",
+    "is_torch_npu_available",
+    "set_expandable_segments",
+]
+
+
+def test_every_verl_name_is_exported():
+    assert sorted(verl.__all__) == sorted(VERL_NAMES)
+    with hal.use("cpu"):
+        for name in VERL_NAMES:
+            assert hasattr(verl, name), name
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'get_device_nmae'"):
+        verl.get_device_nmae  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["cpu", "sim"])
+def test_host_backends(name):
+    with hal.use(name):
+        assert verl.get_device_name() == "cpu"
+        assert verl.get_nccl_backend() == "gloo"
+        assert verl.get_resource_name() == "CPU"
+        assert verl.get_visible_devices_keyword() == "CUDA_VISIBLE_DEVICES"
+        assert verl.is_cuda_available is False
+        assert verl.is_npu_available is False
+        assert verl.is_torch_npu_available() is False
+        assert verl.is_ascend_npu_available() is False
+        assert verl.is_rocm_visible_devices() is False
+        assert verl.get_torch_device() is torch.cpu
+        assert verl.get_device_id() == 0
+        assert verl.get_device_capability() == (None, None)
+        assert verl.is_support_ipc() is False  # host shared files are not device IPC
+        verl.set_expandable_segments(True)  # no-op off CUDA
+
+
+def test_cuda_backend_answers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0) if index == 1 else (8, 0))
+    settings = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append)
+    monkeypatch.setattr(torch.version, "hip", None)
+    with hal.use(CudaBackend()):
+        assert verl.get_device_name() == "cuda"
+        assert verl.get_nccl_backend() == "nccl"
+        assert verl.get_resource_name() == "GPU"
+        assert verl.get_visible_devices_keyword() == "CUDA_VISIBLE_DEVICES"
+        assert verl.is_cuda_available is True
+        assert verl.is_npu_available is False
+        assert verl.get_torch_device() is torch.cuda
+        assert verl.get_device_id() == 3
+        assert verl.get_device_capability(1) == (9, 0)
+        assert verl.is_support_ipc() is True
+        verl.set_expandable_segments(False)
+        assert settings == ["expandable_segments:False"]
+        monkeypatch.setattr(torch.version, "hip", "6.2")
+        assert verl.is_rocm_visible_devices() is True
+        assert verl.is_support_ipc() is False
+
+
+def test_npu_backend_answers(monkeypatch):
+    # Names only: torch.npu itself needs a PrivateUse1 rename (tests/backends/test_fake_devices.py).
+    with hal.use(NpuBackend()):
+        assert verl.get_device_name() == "npu"
+        assert verl.get_nccl_backend() == "hccl"
+        assert verl.get_resource_name() == "NPU"
+        assert verl.get_visible_devices_keyword() == "ASCEND_RT_VISIBLE_DEVICES"
+        assert verl.is_npu_available is True
+        assert verl.is_cuda_available is False
+        assert verl.is_torch_npu_available() is True
+        assert verl.get_device_capability() == (None, None)
+        monkeypatch.setattr(verl, "get_npu_versions", lambda: ("25.5.0", "8.3.rc1"))
+        assert verl.is_support_ipc() is True
+        monkeypatch.setattr(verl, "get_npu_versions", lambda: ("25.2.0", "8.3.rc1"))
+        assert verl.is_support_ipc() is False
+
+
+def test_answers_follow_verl_device(hal_reset, monkeypatch):
+    monkeypatch.setenv("VERL_DEVICE", "sim")
+    assert verl.get_device_name() == "cpu"
+    assert hal.current().name == "sim"
+
+
+def test_torch_npu_package_check_does_not_import_it(monkeypatch):
+    import importlib.util
+
+    seen = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: seen.append(name) or object())
+    assert verl.is_torch_npu_available(check_device=False) is True
+    assert seen == ["torch_npu"]
+
+
+@pytest.mark.parametrize(
+    ("driver", "cann", "expected"),
+    [
+        ("25.3.rc1", "8.3.rc1", True),
+        ("25.3.rc1.2", "8.3.0", True),
+        ("25.5.t3.b001", "8.5.0", True),
+        ("25.5.0", "8.3.RC1", True),
+        ("25.2.0", "8.3.0", False),
+        ("25.3.0", "8.2.rc1", False),
+        ("24.1.rc3", "8.0.0", False),
+        ("25.3", "8.3", True),  # a final release sorts after its release candidates
+    ],
+)
+def test_check_ipc_version_support(driver, cann, expected):
+    assert verl.check_ipc_version_support(driver, cann) is expected
+
+
+def test_check_ipc_version_support_rejects_garbage():
+    with pytest.raises(RuntimeError, match="unrecognised Ascend version 'abc'"):
+        verl.check_ipc_version_support("abc", "8.3.0")
+
+
+def test_get_npu_versions_reads_npu_smi_and_cann(monkeypatch, tmp_path):
+    import platform
+    import subprocess
+
+    info_dir = tmp_path / f"{platform.machine()}-linux"
+    info_dir.mkdir()
+    (info_dir / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=8.3.RC1\n")
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
+    board = "NPU ID : 1\n    Software Version               : 25.3.RC1.2\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=board))
+    assert verl.get_npu_versions() == ("25.3.rc1.2", "8.3.rc1")
+
+
+def test_get_npu_versions_says_what_is_missing(monkeypatch, tmp_path):
+    import subprocess
+
+    def no_npu_smi(*args, **kwargs):
+        raise FileNotFoundError("npu-smi")
+
+    monkeypatch.setattr(subprocess, "run", no_npu_smi)
+    with pytest.raises(RuntimeError, match="npu-smi is not on PATH"):
+        verl.get_npu_versions()
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="Software Version : 25.5.0\n"))
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="CANN toolkit info file .*ascend_toolkit_install.info"):
+        verl.get_npu_versions()
+
+
+def _config(device):
+    return types.SimpleNamespace(trainer=types.SimpleNamespace(device=device))
+
+
+def test_auto_set_device():
+    with hal.use(NpuBackend()):
+        config = _config("cuda")
+        verl.auto_set_device(config)
+        assert config.trainer.device == "npu"
+        config = _config("cpu")  # an explicit cpu is kept, as in verl
+        verl.auto_set_ascend_device_name(config)
+        assert config.trainer.device == "cpu"
+    with hal.use("cpu"):
+        config = _config("cuda")
+        verl.auto_set_device(config)
+        assert config.trainer.device == "cpu"
+    verl.auto_set_device(None)  # verl tolerates a missing config
+    verl.auto_set_device(types.SimpleNamespace(trainer=None))
+
+
+def test_import_resolves_nothing():
+    result = run_python(
+        """
+        import hal.device, hal.compat.verl
+        assert hal.device._resolved is None, hal.device._resolved
+        print("ok")
+        """,
+        env={"VERL_DEVICE": "bogus"},  # a resolution at import would raise
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

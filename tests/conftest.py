@@ -1,0 +1,141 @@
+"""Shared test fixtures and helpers. What other test modules may use:
+
+Fixtures
+    hal_reset        Forget hal's backend resolution before and after the test and unset
+                     VERL_DEVICE, so the test sees a fresh process's view. Use
+                     `monkeypatch.setenv("VERL_DEVICE", ...)` inside the test to choose.
+    sim_backend      A fresh `sim` backend with 20 ms injected latency per stream operation;
+                     its streams are synchronized at teardown (an error left there fails).
+    fake_torch_npu   A directory holding a fake `torch_npu` package (see FAKE_TORCH_NPU);
+                     put it on PYTHONPATH of a *subprocess* only: it renames PrivateUse1 to
+                     "npu" for the rest of that process.
+
+Helpers
+    BACKEND_PARAMS   pytest.param list over every built-in backend: cpu and sim always run,
+                     cuda / npu carry their marker and skip (with the reason) without hardware.
+    run_python(code, env=None, timeout=120)
+                     Run `code` in a fresh interpreter of this venv; returns CompletedProcess
+                     (text, stdout/stderr captured). `env` entries are added to a copy of
+                     os.environ without VERL_DEVICE; a value of None removes that variable.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import hal
+from hal.backends.cuda import CudaBackend
+from hal.backends.npu import NpuBackend
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _hardware_param(name: str, cls: type) -> object:
+    reason = cls.unavailable_reason()
+    marks = [getattr(pytest.mark, name)]
+    if reason is not None:
+        marks.append(pytest.mark.skip(reason=f"{name} backend not usable here: {reason}"))
+    return pytest.param(name, marks=marks, id=name)
+
+
+# Asked once at collection: cheap (no device context beyond is_available()).
+BACKEND_PARAMS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("sim", id="sim"),
+    _hardware_param("cuda", CudaBackend),
+    _hardware_param("npu", NpuBackend),
+]
+
+
+@pytest.fixture
+def hal_reset(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("VERL_DEVICE", raising=False)
+    hal.reset()
+    yield
+    hal.reset()
+
+
+@pytest.fixture
+def sim_backend():
+    from hal.backends.sim import SimBackend
+
+    backend = SimBackend(latency=0.02)
+    yield backend
+    backend.synchronize()
+
+
+# A stand-in for torch_npu on a machine without CANN: enough of a device module for
+# names, resolution and dispatch (tensors cannot be allocated on it). The knobs are
+# environment variables so that one file serves every scenario.
+FAKE_TORCH_NPU = textwrap.dedent(
+    '''
+    """Fake torch_npu for tests: registers a device module as torch.npu."""
+    import os
+    import types
+
+    import torch
+
+    if os.environ.get("FAKE_NPU_IMPORT_ERROR"):
+        raise OSError(os.environ["FAKE_NPU_IMPORT_ERROR"])
+
+    npu = types.ModuleType("fake_torch_npu_device_module")
+    calls = []  # what hal asked of the fake, in order, for assertions
+    _current = [0]
+
+    def _log(name, *args):
+        calls.append((name, *args))
+
+    npu.calls = calls
+    npu.is_available = lambda: os.environ.get("FAKE_NPU_AVAILABLE", "1") == "1"
+    npu.device_count = lambda: int(os.environ.get("FAKE_NPU_COUNT", "2"))
+    npu.current_device = lambda: _current[0]
+
+    def set_device(index):
+        _log("set_device", index)
+        _current[0] = index
+
+    npu.set_device = set_device
+    npu._is_in_bad_fork = lambda: False
+    npu.manual_seed_all = lambda seed: _log("manual_seed_all", seed)
+    npu.synchronize = lambda device=None: _log("synchronize")
+    npu.empty_cache = lambda: _log("empty_cache")
+    npu.mem_get_info = lambda device=None: (3 * 2**30, 64 * 2**30)
+
+    torch.utils.rename_privateuse1_backend("npu")
+    torch._register_device_module("npu", npu)
+    torch.utils.generate_methods_for_privateuse1_backend()
+    '''
+)
+
+
+@pytest.fixture
+def fake_torch_npu(tmp_path: Path) -> Path:
+    package = tmp_path / "fake_npu" / "torch_npu"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_TORCH_NPU)
+    return package.parent
+
+
+def run_python(code: str, env: dict[str, str | None] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "VERL_DEVICE"}
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
+    # The child imports the tests package and hal from this checkout.
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (full_env.get("PYTHONPATH"), str(REPO_ROOT)) if p)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
