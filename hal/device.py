@@ -65,7 +65,11 @@ def backend_class(name: str) -> type[Backend]:
         valid = ", ".join(["auto", *backend_names()])
         raise ValueError(f"unknown backend {name!r} (VERL_DEVICE); valid names: {valid}")
     module_name, _, attr = spec.partition(":")
-    cls = getattr(importlib.import_module(module_name), attr)
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        # A registered backend whose package is broken is known but unusable: say which.
+        raise BackendUnavailableError(f"backend {name!r} ({spec}) cannot be loaded: {type(exc).__name__}: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise TypeError(f"backend {name!r} ({spec}) is not a hal.Backend subclass")
     return cls

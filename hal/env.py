@@ -31,3 +31,13 @@ def sim_latency_seconds() -> float:
     if value < 0:
         raise ValueError(f"{VERL_HAL_SIM_LATENCY}={raw!r}: must not be negative")
     return value
+
+
+# Root of the Ascend CANN toolkit; only `hal.compat.verl.get_npu_versions` reads it, to find
+# the toolkit's version file. Default: where the CANN installer puts it.
+ASCEND_HOME_PATH = "ASCEND_HOME_PATH"
+ASCEND_HOME_DEFAULT = "/usr/local/Ascend/ascend-toolkit/latest"
+
+
+def ascend_home() -> str:
+    return os.environ.get(ASCEND_HOME_PATH) or ASCEND_HOME_DEFAULT

@@ -199,9 +199,10 @@ class CpuBackend(Backend):
         if not os.path.exists(handle.path):
             raise FileNotFoundError(f"import_ipc: shared-memory file {handle.path} is gone (exporter released it)")
         storage = torch.UntypedStorage.from_file(handle.path, shared=True, nbytes=handle.storage_nbytes)
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-        view = flat[handle.byte_offset :].view(handle.dtype)
-        return view.as_strided(handle.shape, handle.stride)
+        # Set the typed view directly on the storage: viewing the whole uint8 storage as
+        # `dtype` first fails when its byte length is not a multiple of the element size.
+        itemsize = handle.dtype.itemsize
+        return torch.empty(0, dtype=handle.dtype).set_(storage, handle.byte_offset // itemsize, handle.shape, handle.stride)
 
     def _release_shared(self, tensor: torch.Tensor) -> None:
         with self._shared_lock:
