@@ -1,0 +1,347 @@
+"""One contract, every backend: each test runs on cpu and sim here, on cuda / npu where present.
+
+A backend passes when it answers every operation of `hal.Backend` the same way; the
+tests use only the contract, never a backend's internals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hal
+from hal.device import backend_class
+from tests.backends._workers import open_shared
+from tests.conftest import BACKEND_PARAMS
+from tests.multiproc import run_group
+
+
+@pytest.fixture(params=BACKEND_PARAMS)
+def backend(request):
+    instance = hal.get_backend(request.param)
+    yield instance
+    instance.synchronize()  # surfaces errors left on a stream by the test
+
+
+def fill(tensor: torch.Tensor, value: float) -> None:
+    tensor.fill_(value)
+
+
+# ---- declared attributes and availability -------------------------------------------
+
+
+def test_declared_attributes(backend):
+    assert backend.name in hal.backend_names()
+    assert torch.device(backend.device_type).type == backend.device_type
+    assert backend.dist_backend in {"gloo", "nccl", "hccl"}
+    assert backend.visible_devices_env is None or backend.visible_devices_env.endswith("VISIBLE_DEVICES")
+    assert backend.ray_resource is None or backend.ray_resource.isupper()
+    # Only an accelerator hides devices or asks Ray for one.
+    accelerator = backend.device_type != "cpu"
+    assert (backend.visible_devices_env is not None) == accelerator
+    assert (backend.ray_resource is not None) == accelerator
+    for capability in ("supports_pinned_memory", "supports_ipc", "supports_async_streams", "collectives_follow_streams"):
+        assert isinstance(getattr(backend, capability), bool), capability
+    described = backend.describe()
+    assert described["name"] == backend.name
+    assert described["dist_backend"] == backend.dist_backend
+    assert set(described) >= {"device_type", "visible_devices_env", "ray_resource", "supports_ipc"}
+    assert backend.name in repr(backend)
+
+
+def test_available(backend):
+    cls = backend_class(backend.name)
+    assert isinstance(backend, cls)
+    assert cls.unavailable_reason() is None
+    assert cls.is_available()
+
+
+# ---- devices ----------------------------------------------------------------------
+
+
+def test_devices(backend):
+    count = backend.device_count()
+    assert count >= 1
+    current = backend.current_device()
+    assert 0 <= current < count
+    assert backend.device() == backend.device(current)
+    for index in range(count):
+        assert backend.device(index).type == backend.device_type
+
+
+def test_set_device(backend):
+    start = backend.current_device()
+    try:
+        for index in range(backend.device_count()):
+            backend.set_device(index)
+            assert backend.current_device() == index
+    finally:
+        backend.set_device(start)
+
+
+@pytest.mark.parametrize("bad", [-1, "count", True, "0", 0.0])
+def test_bad_device_index(backend, bad):
+    index = backend.device_count() if bad == "count" else bad
+    for call in (backend.device, backend.set_device):
+        with pytest.raises(ValueError, match=rf"device index .* out of range for backend '{backend.name}'"):
+            call(index)
+
+
+# ---- streams ----------------------------------------------------------------------
+
+
+def test_streams(backend):
+    default = backend.current_stream()
+    assert isinstance(default, hal.Stream)
+    stream = backend.new_stream()
+    assert isinstance(stream, hal.Stream)
+    with backend.stream(stream) as inside:
+        assert inside is stream
+        assert backend.current_stream() == stream
+        other = backend.new_stream()
+        with backend.stream(other):
+            assert backend.current_stream() == other
+        assert backend.current_stream() == stream
+    assert backend.current_stream() == default
+    with backend.stream(None) as inside:
+        assert inside is None
+        assert backend.current_stream() == default
+
+
+def test_launch_and_synchronize(backend):
+    x = backend.empty(16, torch.float32)
+    y = backend.empty(16, torch.float32)
+    stream = backend.new_stream()
+    backend.launch(stream, fill, x, 3.0)
+    with backend.stream(stream):
+        backend.launch(None, fill, y, 4.0)  # None: the current stream
+    backend.synchronize()
+    assert stream.query()
+    assert x.cpu().eq(3.0).all()
+    assert y.cpu().eq(4.0).all()
+
+
+def test_stream_synchronize(backend):
+    x = backend.empty(8, torch.int64)
+    stream = backend.new_stream()
+    backend.launch(stream, fill, x, 7)
+    stream.synchronize()
+    assert stream.query()
+    assert x.cpu().eq(7).all()
+
+
+def test_wait_event_orders_streams(backend):
+    producer, consumer = backend.new_stream(), backend.new_stream()
+    x = backend.empty(1024, torch.float32)
+    y = backend.empty(1024, torch.float32)
+    backend.launch(producer, fill, x, 5.0)
+    ready = producer.record_event()
+    consumer.wait_event(ready)
+    backend.copy_(y, x, stream=consumer)
+    consumer.synchronize()
+    assert y.cpu().eq(5.0).all()
+
+
+def test_wait_stream_orders_streams(backend):
+    producer, consumer = backend.new_stream(), backend.new_stream()
+    x = backend.empty(1024, torch.float32)
+    y = backend.empty(1024, torch.float32)
+    backend.launch(producer, fill, x, 6.0)
+    consumer.wait_stream(producer)
+    backend.copy_(y, x, stream=consumer)
+    consumer.synchronize()
+    assert y.cpu().eq(6.0).all()
+
+
+# ---- events -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timing", [False, True])
+def test_event_record_wait_query_synchronize(backend, timing):
+    event = backend.new_event(timing=timing)
+    assert isinstance(event, hal.Event)
+    assert event.query()  # never recorded: complete, as on CUDA
+    producer, consumer = backend.new_stream(), backend.new_stream()
+    x = backend.empty(64, torch.float32)
+    y = backend.empty(64, torch.float32)
+    backend.launch(producer, fill, x, 2.0)
+    event.record(producer)
+    event.wait(consumer)
+    backend.copy_(y, x, stream=consumer)
+    event.synchronize()
+    assert event.query()
+    consumer.synchronize()
+    assert y.cpu().eq(2.0).all()
+
+
+def test_record_on_current_stream(backend):
+    stream = backend.new_stream()
+    event = backend.new_event()
+    x = backend.empty(4, torch.float32)
+    with backend.stream(stream):
+        backend.launch(None, fill, x, 1.0)
+        event.record()  # no stream: the current one
+    event.synchronize()
+    assert x.cpu().eq(1.0).all()
+
+
+def test_elapsed_time(backend):
+    start, end = backend.new_event(timing=True), backend.new_event(timing=True)
+    stream = backend.new_stream()
+    x = backend.empty(1 << 16, torch.float32)
+    start.record(stream)
+    backend.launch(stream, fill, x, 1.0)
+    end.record(stream)
+    end.synchronize()
+    elapsed = start.elapsed_time(end)
+    assert isinstance(elapsed, float)
+    assert elapsed >= 0.0
+
+
+def test_elapsed_time_needs_timing_events(backend):
+    start, end = backend.new_event(timing=False), backend.new_event(timing=False)
+    stream = backend.new_stream()
+    start.record(stream)
+    end.record(stream)
+    end.synchronize()
+    with pytest.raises(RuntimeError):
+        start.elapsed_time(end)
+
+
+# ---- copies -----------------------------------------------------------------------
+
+
+def test_copy_casts_dtype(backend):
+    src = torch.linspace(-3, 3, 32, dtype=torch.float32).to(backend.device())
+    dst = backend.empty(32, torch.bfloat16)
+    stream = backend.new_stream()
+    backend.copy_(dst, src, stream=stream)
+    stream.synchronize()
+    assert dst.dtype == torch.bfloat16
+    assert torch.equal(dst.cpu(), src.cpu().to(torch.bfloat16))
+
+
+def test_copy_reshapes_same_element_count(backend):
+    src = torch.arange(6, dtype=torch.int32).reshape(2, 3).to(backend.device())
+    dst = backend.empty(6, torch.int32)
+    backend.copy_(dst, src)
+    backend.synchronize()
+    assert dst.cpu().tolist() == list(range(6))
+
+
+def test_copy_element_count_mismatch(backend):
+    dst = backend.empty((2, 3), torch.float32)
+    src = backend.empty((7,), torch.float32)
+    with pytest.raises(ValueError, match=r"destination has 6 elements, source 7 \(shapes \(2, 3\) and \(7,\)\)"):
+        backend.copy_(dst, src)
+
+
+# ---- memory -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [16, (4, 8)])
+def test_empty_pinned(backend, shape):
+    tensor = backend.empty_pinned(shape, torch.float16)
+    assert tensor.device.type == "cpu"
+    assert tensor.dtype == torch.float16
+    assert tuple(tensor.shape) == ((shape,) if isinstance(shape, int) else shape)
+    assert tensor.is_pinned() == backend.supports_pinned_memory
+
+
+def test_empty_pinned_negative_dimension(backend):
+    with pytest.raises(ValueError, match=r"negative dimension in shape \(4, -1\)"):
+        backend.empty_pinned((4, -1))
+
+
+def test_empty(backend):
+    tensor = backend.empty((3, 5), torch.bfloat16)
+    assert tensor.device == backend.device()
+    assert tuple(tensor.shape) == (3, 5)
+    assert tensor.dtype == torch.bfloat16
+
+
+def test_memory_info_and_empty_cache(backend):
+    info = backend.memory_info()
+    assert isinstance(info, hal.MemoryInfo)
+    assert 0 <= info.free <= info.total
+    assert info.total > 0
+    backend.empty_cache()  # must not raise, whatever the runtime caches
+
+
+# ---- same-node sharing ------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_ipc_across_processes(backend):
+    if not backend.supports_ipc:
+        with pytest.raises(NotImplementedError, match="supports_ipc"):
+            backend.empty_shared(64)
+        return
+    shared = backend.empty_shared(64)
+    assert shared.dtype == torch.uint8 and shared.numel() == 64
+    view = shared[16:48].view(torch.float32)  # a view at an offset, not the whole buffer
+    view.copy_(torch.arange(8, dtype=torch.float32).to(backend.device()))
+    backend.synchronize()
+    handle = backend.export_ipc(view)
+    try:
+        [seen] = run_group(open_shared, 1, args=(backend.name, handle, -1.0), init_process_group=False, timeout=120)
+        assert seen == [float(i) for i in range(8)]
+        assert view.cpu().eq(-1.0).all()  # the child's writes landed in our memory
+    finally:
+        backend.release_shared(shared)
+
+
+def test_empty_shared_validates_size(backend):
+    if not backend.supports_ipc:
+        pytest.skip(f"backend {backend.name!r} has no IPC (supports_ipc is False)")
+    with pytest.raises(ValueError, match="nbytes must be positive, got 0"):
+        backend.empty_shared(0)
+
+
+def test_export_ipc_rejects_unshared_tensor(backend):
+    if not backend.supports_ipc:
+        pytest.skip(f"backend {backend.name!r} has no IPC (supports_ipc is False)")
+    # A plain host tensor is neither in a shared-memory file nor on the device.
+    with pytest.raises(ValueError, match="export_ipc"):
+        backend.export_ipc(torch.zeros(4))
+
+
+# ---- misc -------------------------------------------------------------------------
+
+
+def test_manual_seed_reproducible(backend):
+    device = backend.device()
+    backend.manual_seed(1234)
+    first = torch.rand(16, device=device)
+    backend.manual_seed(1234)
+    again = torch.rand(16, device=device)
+    backend.manual_seed(4321)
+    other = torch.rand(16, device=device)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_dist_backend_string(backend):
+    plain = backend.dist_backend_string(with_cpu=False)
+    mixed = backend.dist_backend_string()
+    assert plain == backend.dist_backend
+    if backend.device_type == "cpu":
+        assert mixed == "gloo"
+    else:
+        assert mixed == f"{backend.device_type}:{backend.dist_backend},cpu:gloo"
+        pairs = dict(item.split(":") for item in mixed.split(","))
+        assert pairs == {backend.device_type: backend.dist_backend, "cpu": "gloo"}
+
+
+def test_dist_backend_string_initialises_a_group(backend):
+    assert not dist.is_initialized()
+    dist.init_process_group(backend.dist_backend_string(), store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tensor = torch.ones(4, device=backend.device())
+        dist.all_reduce(tensor)
+        host = torch.ones(2)  # the cpu:gloo half of a mixed group
+        dist.all_reduce(host)
+        assert tensor.cpu().eq(1).all() and host.eq(1).all()
+    finally:
+        dist.destroy_process_group()
