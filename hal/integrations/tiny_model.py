@@ -1,0 +1,155 @@
+"""Tiny Llama-architecture models built locally, for the demo, the tests and the benchmark.
+
+    path = build_tiny_llama("/tmp/tiny", TinyModelSpec(vocab_size=64))
+    llm = vllm.LLM(model=str(path), dtype="float32", ...)
+
+No hub access: the model comes from a `transformers.LlamaConfig`, the tokenizer is a
+`tokenizers` WordLevel model with exactly `vocab_size` entries (vLLM checks that the
+tokenizer and the embedding agree). Words are `t0`, `t1`, ...; ids 0-2 are `<unk>`,
+`<s>`, `</s>`. Everything is saved in float32 safetensors so vLLM's fp32 greedy output
+equals Hugging Face's token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+UNK, BOS, EOS = 0, 1, 2
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+
+
+@dataclass(kw_only=True, slots=True)
+class TinyModelSpec:
+    """Shape of the model; defaults give a ~0.4 M-parameter model that builds in a second."""
+
+    vocab_size: int = 64
+    """Embedding rows and tokenizer entries (at least 4: three special tokens and one word)."""
+    hidden_size: int = 128
+    """head_dim = hidden_size / num_attention_heads must be one vLLM's CPU attention supports (32 here)."""
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    init_std: float = 0.2
+    """Std of the normal init of every matrix. Larger than transformers' 0.02 so greedy
+    decoding is decisive (no near-ties that float noise could flip between engines)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < len(SPECIAL_TOKENS) + 1:
+            raise ValueError(f"vocab_size: need at least {len(SPECIAL_TOKENS) + 1}, got {self.vocab_size}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.init_std <= 0:
+            raise ValueError(f"init_std must be positive, got {self.init_std}")
+
+    def nbytes_fp32(self) -> int:
+        """Bytes of all parameters in float32 (untied embeddings)."""
+        h, i, v, n = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
+        kv = h // self.num_attention_heads * self.num_key_value_heads
+        per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+        return 4 * (2 * v * h + h + n * per_layer)
+
+
+# About 0.63 GiB in fp32, 75 tensors: the size the benchmark asks for (at least 0.5 GiB).
+BENCH_SPEC = TinyModelSpec(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    init_std=0.02,
+)
+
+
+def llama_config(spec: TinyModelSpec):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=UNK,
+        torch_dtype="float32",
+        initializer_range=spec.init_std,
+    )
+
+
+def build_model(spec: TinyModelSpec):
+    """A fresh `LlamaForCausalLM` in float32, deterministically initialised from `spec.seed`."""
+    from transformers import AutoModelForCausalLM
+
+    generator = torch.Generator().manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(llama_config(spec), torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * spec.init_std)
+            else:  # RMSNorm weights
+                param.fill_(1.0)
+    model.eval()
+    return model
+
+
+def build_tokenizer(vocab_size: int):
+    """A `PreTrainedTokenizerFast` over words `t3`..`t{vocab_size-1}` plus the special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for i in range(len(SPECIAL_TOKENS), vocab_size):
+        vocab[f"t{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
+    )
+    if len(fast) != vocab_size:
+        raise RuntimeError(f"tokenizer has {len(fast)} entries, expected exactly vocab_size={vocab_size}")
+    return fast
+
+
+def build_tiny_llama(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Write model (fp32 safetensors), config and tokenizer into `out_dir`; returns the path.
+
+    Reuses the directory when it already holds a model built from the same spec.
+    """
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    stamp = out / "hal_tiny_spec.json"
+    wanted = json.dumps(asdict(spec), sort_keys=True)
+    if stamp.exists() and stamp.read_text() == wanted and (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(spec)
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer(spec.vocab_size).save_pretrained(out)
+    stamp.write_text(wanted)
+    return out
+
+
+def load_trainer_model(model_dir: str | Path):
+    """The Hugging Face model from `model_dir` in float32 (the trainer's copy)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)

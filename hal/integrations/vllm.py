@@ -1,0 +1,314 @@
+"""A vLLM weight-transfer engine backed by hal: `WeightTransferConfig(backend="hal")`.
+
+    llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="hal"))
+    sync = hal.integrations.vllm_client.WeightSync([OfflineEngine(llm)])
+    sync.init(); sync.sync(trainer_model, version=step)
+
+vLLM loads `register()` in every process through the `vllm.general_plugins` entry point
+(declared in pyproject.toml), so the engine core and every worker know the backend
+without user code. Users drive it through vLLM's native API: `init_weight_transfer_engine`,
+`start_weight_update`, `update_weights`, `finish_weight_update`.
+
+Nothing here is specific to a device: the trainer<->worker group uses
+`hal.current().dist_backend` (gloo on the CPU, NCCL on CUDA, HCCL on Ascend), and the
+engine waits for device work through `hal.current().synchronize()` rather than
+`torch.accelerator.synchronize()` (which raises on a machine without an accelerator).
+
+Applying weights uses vLLM's layerwise reload (the path `reload_weights` takes), which
+also works on vLLM-CPU, where a plain `load_weights` after start-up fails because linear
+weights were repacked for oneDNN. Each received bucket is handed to `model.load_weights`
+while the next bucket is already in flight; a layer is re-processed as soon as its last
+tensor arrives.
+
+Where the native API is missing (older vLLM, forks), `HalWorkerExtension` offers the
+same engine as a `worker_extension_cls` reached through `collective_rpc`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+import hal
+from hal.sync import Receiver, SyncConfig, SyncMetrics
+from hal.sync.transport import BroadcastTransport
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "hal"
+
+
+def dtype_from_name(name: str | None) -> torch.dtype | None:
+    """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16; None stays None."""
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype name {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+@dataclass(kw_only=True)
+class HalInitInfo(WeightTransferInitInfo):
+    """What every worker needs to join the trainer's group, sent once by the trainer.
+
+    The sync settings travel here so sender and receivers cannot disagree on them.
+    """
+
+    master_address: str
+    """Host of the trainer's rendezvous store (the trainer is rank 0 of the group)."""
+    master_port: int
+    rank_offset: int = 1
+    """Group rank of this engine's first worker; worker `r` of the engine joins as `rank_offset + r`."""
+    world_size: int = 2
+    """Trainer (1) plus every worker of every engine in the group."""
+    bucket_bytes: int
+    """Resolved by the trainer (never None here): both sides must lay out the same buckets."""
+    wire_dtype: str | None = None
+    verify: bool = False
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank_offset < self.world_size:
+            raise ValueError(f"HalInitInfo.rank_offset {self.rank_offset} outside 1..{self.world_size - 1} (world_size)")
+        dtype_from_name(self.wire_dtype)
+
+    def sync_config(self) -> SyncConfig:
+        return SyncConfig(
+            bucket_bytes=self.bucket_bytes,
+            wire_dtype=dtype_from_name(self.wire_dtype),
+            verify=self.verify,
+            timeout_s=self.timeout_s,
+        )
+
+
+@dataclass(kw_only=True)
+class HalUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the weight version the trainer is about to send (its step)."""
+
+    version: int
+
+
+class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
+    """Worker side: receives through a hal `Receiver` and applies by layerwise reload."""
+
+    init_info_cls = HalInitInfo
+    update_info_cls = HalUpdateInfo
+
+    def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._group: Any = None
+        self._receiver: Receiver | None = None
+        self._layer_of: dict[str, frozenset[str]] = {}
+        self._seen: set[str] = set()
+        self._reloading = False
+        self.last_metrics: SyncMetrics | None = None
+
+    # ---- init ---------------------------------------------------------------------
+    def group_rank(self, init_info: HalInitInfo) -> int:
+        """This worker's rank in the trainer<->workers group (unique across data parallel)."""
+        pc = self.parallel_config
+        return pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
+
+    def init_transfer_engine(self, init_info: HalInitInfo) -> None:
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        from hal.integrations._specs import checkpoint_specs, layer_groups, resolve_model_dir
+
+        if self._group is not None:
+            raise RuntimeError("hal weight transfer: already initialised; call shutdown_weight_transfer_engine first")
+        backend = hal.current()
+        specs = checkpoint_specs(
+            resolve_model_dir(self.model_config.model, getattr(self.model_config, "revision", None)),
+            dtype=dtype_from_name(init_info.wire_dtype) or self.model_config.dtype,
+        )
+        rank = self.group_rank(init_info)
+        logger.info(
+            "hal weight transfer: joining %s:%d as rank %d of %d (%s), %d tensors expected",
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, backend.dist_backend, len(specs),
+        )
+        self._group = stateless_init_torch_distributed_process_group(
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            backend=backend.dist_backend,
+            timeout=timedelta(seconds=init_info.timeout_s),
+        )
+        self._receiver = Receiver(BroadcastTransport(self._group, src=0), specs, init_info.sync_config())
+        self._layer_of = layer_groups([s.name for s in specs])
+
+    # ---- one update ---------------------------------------------------------------
+    def start_weight_update(self) -> None:
+        # Layerwise reload starts lazily with the first bucket, after the receiver has
+        # checked the trainer's header: a refused update leaves the model untouched.
+        self._reloading = False
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        typed = self.parse_update_info(update_info)
+        try:
+            self.receive_weights(typed)
+        finally:
+            # Every layer that was not (fully) loaded gets its old kernel tensors back,
+            # so the engine keeps serving whole weights whatever happened.
+            self._finish_reload()
+        hal.current().synchronize()
+
+    def receive_weights(self, update_info: HalUpdateInfo) -> None:
+        if self._receiver is None:
+            raise RuntimeError("hal weight transfer: not initialised; call init_weight_transfer_engine first")
+        start = time.perf_counter()
+        with _no_mtp_check():
+            metrics = self._receiver.receive(self._apply_bucket)
+        if metrics.version is not None and metrics.version != update_info.version:
+            raise RuntimeError(
+                f"hal weight transfer: update_weights announced version {update_info.version}, "
+                f"the trainer sent version {metrics.version}"
+            )
+        self.last_metrics = metrics
+        logger.info(
+            "hal weight transfer: version %s, %.3f GiB in %d buckets, %.3f s (apply %.3f s)",
+            metrics.version, metrics.bytes / 2**30, metrics.buckets, time.perf_counter() - start, metrics.apply_s or 0.0,
+        )
+
+    def _apply_bucket(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        if not self._reloading:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+            self._seen = set()
+        self._seen.update(name for name, _ in pairs)
+        # The views are valid during this call only. A layer whose tensors are not all
+        # here yet keeps the ones it got until its last one arrives: those are copied.
+        batch = [(n, t if self._layer_of.get(n, frozenset((n,))) <= self._seen else t.clone()) for n, t in pairs]
+        self.model.load_weights(batch)
+
+    def _finish_reload(self) -> None:
+        if self._reloading:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            self._reloading = False
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def finish_weight_update(self) -> None:
+        self._finish_reload()
+
+    @property
+    def version(self) -> int | None:
+        """The last version applied on this worker (None before the first)."""
+        return None if self._receiver is None else self._receiver.version
+
+    def shutdown(self) -> None:
+        group, self._group, self._receiver = self._group, None, None
+        if group is not None:
+            try:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - a group vLLM made statelessly may not be registered
+                shutdown = getattr(group, "shutdown", None)
+                if callable(shutdown):
+                    shutdown()
+
+
+class _no_mtp_check:
+    """vLLM's `disable_mtp_completeness_check` where it exists (a partial load is expected per bucket)."""
+
+    def __enter__(self) -> None:
+        try:
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+            self._cm = disable_mtp_completeness_check()
+        except ImportError:
+            self._cm = None
+        if self._cm is not None:
+            self._cm.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(*exc)
+
+
+class HalWorkerExtension:
+    """The same engine through `worker_extension_cls`, for vLLM builds without the native API.
+
+        LLM(model=..., worker_extension_cls="hal.integrations.vllm.HalWorkerExtension")
+        llm.collective_rpc("hal_init", kwargs={"init_info": {...}})
+        llm.collective_rpc("hal_update", kwargs={"update_info": {"version": 3}})
+
+    Methods are mixed into vLLM's worker, which provides `vllm_config`, `device` and
+    `model_runner`.
+    """
+
+    def _hal_engine(self) -> HalWeightTransferEngine:
+        engine = getattr(self, "_hal_weight_engine", None)
+        if engine is None:
+            engine = HalWeightTransferEngine(
+                WeightTransferConfig(backend=BACKEND_NAME),
+                self.vllm_config,  # type: ignore[attr-defined]
+                self.device,  # type: ignore[attr-defined]
+                self.model_runner.get_model(),  # type: ignore[attr-defined]
+            )
+            self._hal_weight_engine = engine
+        return engine
+
+    def hal_init(self, init_info: dict[str, Any]) -> None:
+        engine = self._hal_engine()
+        engine.init_transfer_engine(engine.parse_init_info(init_info))
+
+    def hal_update(self, update_info: dict[str, Any]) -> int | None:
+        engine = self._hal_engine()
+        engine.start_weight_update()
+        engine.update_weights(update_info)
+        return engine.version
+
+    def hal_version(self) -> int | None:
+        return self._hal_engine().version
+
+    def hal_shutdown(self) -> None:
+        engine = getattr(self, "_hal_weight_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def register() -> None:
+    """Entry point of `vllm.general_plugins`: make `backend="hal"` known to vLLM's factories.
+
+    Safe to call any number of times in any process (vLLM loads general plugins in the
+    API server, the engine core and every worker).
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    _register(WeightTransferEngineFactory, "hal.integrations.vllm", "HalWeightTransferEngine")
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:  # vLLM without trainer-side engines
+        return
+    _register(WeightTransferTrainerFactory, "hal.integrations.vllm_client", "HalTrainerWeightTransferEngine")
+
+
+def _register(factory: Any, module: str, cls_name: str) -> None:
+    registry = getattr(factory, "_registry", None)
+    if isinstance(registry, dict) and BACKEND_NAME in registry:
+        return
+    try:
+        factory.register_engine(BACKEND_NAME, module, cls_name)
+    except ValueError as exc:
+        if "already registered" not in str(exc):
+            raise

@@ -1,0 +1,455 @@
+"""Trainer side: push a trainer's weights into one or more live vLLM engines through hal.
+
+    from hal.integrations.vllm_client import WeightSync, OfflineEngine, HttpEngine
+    sync = WeightSync([OfflineEngine(llm), HttpEngine("http://127.0.0.1:8000")])
+    sync.init()                                   # once: the group is reused by every sync
+    result = sync.sync(model, version=step)       # start / update (+ send) / finish / reset cache
+    sync.close()
+
+Each engine is driven through vLLM's native weight-update API (the offline `LLM`'s
+methods, or the HTTP server's routes). The engine-side `update_weights` call blocks
+until the workers have received and applied everything, so it runs in a background
+thread while this thread runs the hal `Sender`; both are bounded by a timeout and
+any failure on either side fails the sync with an error that names the engine.
+
+The weight version is the trainer's step: the engine reports it afterwards
+(`get_weight_version`), and a version older than the engine's is refused.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ClassVar, Protocol, Sequence
+
+import hal
+from hal.integrations.vllm import BACKEND_NAME, HalInitInfo, dtype_name
+from hal.sync import Sender, SyncConfig, SyncError, SyncMetrics
+from hal.sync.config import default_bucket_bytes
+from hal.sync.errors import PeerError
+from hal.sync.source import as_source
+from hal.sync.transport import BroadcastTransport
+
+
+class Engine(Protocol):
+    """One vLLM engine as the trainer sees it (offline `LLM`, HTTP server, or your own)."""
+
+    name: str
+    num_workers: int
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+    def get_weight_version(self) -> str: ...
+    def reset_prefix_cache(self) -> None: ...
+    def shutdown_weight_transfer_engine(self) -> None: ...
+
+
+class OfflineEngine:
+    """An offline `vllm.LLM` in this process (its workers may run in child processes)."""
+
+    def __init__(self, llm: Any, *, name: str = "llm", num_workers: int | None = None) -> None:
+        self.llm = llm
+        self.name = name
+        if num_workers is None:
+            pc = llm.llm_engine.vllm_config.parallel_config
+            num_workers = pc.world_size * max(1, getattr(pc, "data_parallel_size_local", 1) or 1)
+        self.num_workers = num_workers
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def get_weight_version(self) -> str:
+        return self.llm.get_weight_version()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+
+class HttpEngine:
+    """A `vllm serve` process, through the RL routes it serves with `VLLM_SERVER_DEV_MODE=1`.
+
+    Routes used (vLLM 0.32): POST /init_weight_transfer_engine, /start_weight_update,
+    /update_weights, /finish_weight_update, /shutdown_weight_transfer_engine,
+    /reset_prefix_cache; GET /weight_info.
+    """
+
+    def __init__(self, base_url: str, *, num_workers: int = 1, timeout_s: float = 300.0, name: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.name = name or self.base_url
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+
+    def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        import json
+        import urllib.error
+        import urllib.request
+
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(
+            f"{self.base_url}/{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            raise RuntimeError(f"vLLM server {self.name}: {method} /{path} returned {exc.code}: {detail}") from exc
+        except urllib.error.URLError as exc:
+            raise RuntimeError(f"vLLM server {self.name}: {method} /{path} failed: {exc.reason}") from exc
+        return json.loads(body) if body else None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._request("POST", "init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._request("POST", "start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._request("POST", "update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._request("POST", "finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
+
+    def get_weight_version(self) -> str:
+        return self._request("GET", "weight_info")["weight_version"]
+
+    def reset_prefix_cache(self) -> None:
+        self._request("POST", "reset_prefix_cache")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._request("POST", "shutdown_weight_transfer_engine")
+
+
+@dataclass(slots=True)
+class SyncResult:
+    """One sync into every engine."""
+
+    version: int
+    seconds: float
+    """From the call until every engine reports the new version (finish + cache reset included)."""
+    metrics: SyncMetrics
+    """The sender's metrics (bytes, buckets, transfer and pack time)."""
+    engine_versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.metrics.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _Call:
+    """Run one engine call in a daemon thread; `result(timeout)` re-raises its error."""
+
+    def __init__(self, what: str, fn: Callable[[], Any]) -> None:
+        self.what = what
+        self._error: BaseException | None = None
+        self._value: Any = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"hal-{what}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as exc:  # noqa: BLE001 - surfaced by result()
+            self._error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self, timeout: float) -> Any:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise PeerError(f"{self.what} did not return within {timeout:.0f} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class WeightSync:
+    """Drives hal syncs from this (trainer) process into `engines`.
+
+    The trainer is rank 0 of one group that joins it with every worker of every engine;
+    the group's collective backend is `hal.current().dist_backend`.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        *,
+        config: SyncConfig | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if not engines:
+            raise ValueError("WeightSync needs at least one engine")
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}")
+        self.engines = list(engines)
+        self.config = config or SyncConfig()
+        self.master_address = master_address
+        self.master_port = master_port
+        self.timeout_s = timeout_s
+        self._group: Any = None
+        self._sender: Sender | None = None
+        self.version: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(e.num_workers for e in self.engines)
+
+    def init(self) -> None:
+        """Join every engine's workers into one group with this process (once)."""
+        from datetime import timedelta
+
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        if self._group is not None:
+            raise RuntimeError("WeightSync.init called twice")
+        backend = hal.current()
+        bucket_bytes = self.config.bucket_bytes or default_bucket_bytes(backend)
+        self.config = SyncConfig(
+            bucket_bytes=bucket_bytes,
+            bypass_cpu=self.config.bypass_cpu,
+            wire_dtype=self.config.wire_dtype,
+            verify=self.config.verify,
+            timeout_s=self.config.timeout_s,
+        )
+        port = self.master_port or free_port(self.master_address)
+        calls = []
+        offset = 1
+        for engine in self.engines:
+            info = HalInitInfo(
+                master_address=self.master_address,
+                master_port=port,
+                rank_offset=offset,
+                world_size=self.world_size,
+                bucket_bytes=bucket_bytes,
+                wire_dtype=dtype_name(self.config.wire_dtype),
+                verify=self.config.verify,
+                timeout_s=self.config.timeout_s,
+            )
+            offset += engine.num_workers
+            payload = asdict(info)
+            calls.append(_Call(f"{engine.name}: init_weight_transfer_engine", lambda e=engine, p=payload: e.init_weight_transfer_engine(p)))
+        try:
+            self._group = stateless_init_torch_distributed_process_group(
+                self.master_address, port, 0, self.world_size, backend=backend.dist_backend,
+                timeout=timedelta(seconds=self.timeout_s),
+            )
+        except Exception as exc:
+            for call in calls:
+                if call.done():
+                    call.result(0)  # an engine-side error explains the failure better
+            raise PeerError(f"trainer could not join the weight-sync group at {self.master_address}:{port}: {exc}") from exc
+        for call in calls:
+            call.result(self.timeout_s)
+        self._sender = Sender(BroadcastTransport(self._group, src=0), self.config)
+
+    def sync(self, source: Any, version: int) -> SyncResult:
+        """Send `source` (a module, a hal source, a dict or list of pairs) as `version`.
+
+        Returns when every engine serves the new weights and reports `version`.
+        """
+        if self._sender is None:
+            raise RuntimeError("WeightSync.sync before init()")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError(f"version must be an int (the trainer step), got {version!r}")
+        source = as_source(source)
+        start = time.perf_counter()
+        for engine in self.engines:
+            engine.start_weight_update()
+        calls = [
+            _Call(f"{e.name}: update_weights", lambda e=e: e.update_weights({"version": version})) for e in self.engines
+        ]
+        try:
+            metrics = self._sender.send(source, version=version)
+        except SyncError as exc:
+            # the engines fail the same sync; their message is usually the precise one
+            errors = []
+            for call in calls:
+                try:
+                    call.result(self.timeout_s)
+                except BaseException as engine_exc:  # noqa: BLE001
+                    errors.append(f"{call.what}: {engine_exc}")
+            if errors:
+                raise type(exc)(f"{exc} | " + " | ".join(errors)) from exc
+            raise
+        for call in calls:
+            call.result(self.timeout_s)
+        versions = {}
+        for engine in self.engines:
+            engine.finish_weight_update(str(version))
+            # KV computed with the old weights must not be reused (prefix caching)
+            engine.reset_prefix_cache()
+            versions[engine.name] = engine.get_weight_version()
+        seconds = time.perf_counter() - start
+        self.version = version
+        return SyncResult(version=version, seconds=seconds, metrics=metrics, engine_versions=versions)
+
+    def close(self) -> None:
+        """Release the group on both sides; the engines keep serving."""
+        group, self._group, self._sender = self._group, None, None
+        for engine in self.engines:
+            try:
+                engine.shutdown_weight_transfer_engine()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        if group is not None:
+            try:
+                from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+                stateless_destroy_torch_distributed_process_group(group)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def __enter__(self) -> "WeightSync":
+        if self._group is None:
+            self.init()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---- vLLM's trainer-side factory (WeightTransferTrainerFactory) ------------------------
+def _trainer_classes() -> tuple[type, type]:
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+    return TrainerInitInfo, TrainerWeightTransferEngine
+
+
+_TrainerInitInfo, _TrainerEngine = _trainer_classes()
+
+
+class _ClientEngine:
+    """Adapts a vLLM `VLLMWeightSyncClient` (four methods) to `Engine`."""
+
+    def __init__(self, client: Any, num_workers: int) -> None:
+        self.client = client
+        self.name = type(client).__name__
+        self.num_workers = num_workers
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.client.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.client.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.client.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.client.finish_weight_update(weight_version)
+
+    def get_weight_version(self) -> str:
+        get = getattr(self.client, "get_weight_version", None)
+        return get() if callable(get) else ""
+
+    def reset_prefix_cache(self) -> None:
+        reset = getattr(self.client, "reset_prefix_cache", None)
+        if callable(reset):
+            reset()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        stop = getattr(self.client, "shutdown_weight_transfer_engine", None)
+        if callable(stop):
+            stop()
+
+
+@dataclass(kw_only=True)
+class HalTrainerInitInfo(_TrainerInitInfo):
+    """`WeightTransferTrainerFactory.trainer_init(HalTrainerInitInfo(rank=0), client=..., source=model)`."""
+
+    backend: ClassVar[str] = BACKEND_NAME
+    num_workers: int = 1
+    master_address: str = "127.0.0.1"
+    master_port: int | None = None
+    bucket_bytes: int | None = None
+    verify: bool = False
+    timeout_s: float = 120.0
+
+
+class HalTrainerWeightTransferEngine(_TrainerEngine):
+    """vLLM's trainer-side engine interface over `WeightSync` (one client, rank 0 sends)."""
+
+    init_info_cls = HalTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True, sync: WeightSync | None = None) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.sync_driver = sync
+        self.step = 0
+
+    @classmethod
+    def trainer_init(cls, init_info: HalTrainerInitInfo, *, client: Any, source: Any = None) -> "HalTrainerWeightTransferEngine":
+        if source is None:
+            raise ValueError("hal trainer weight transfer needs a source (a module or hal/vLLM WeightSource)")
+        if not init_info.is_sender:
+            raise NotImplementedError("hal trainer weight transfer: only rank 0 sends; gather on the trainer first")
+        driver = WeightSync(
+            [_ClientEngine(client, init_info.num_workers)],
+            config=SyncConfig(bucket_bytes=init_info.bucket_bytes, verify=init_info.verify, timeout_s=init_info.timeout_s),
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            timeout_s=init_info.timeout_s,
+        )
+        driver.init()
+        return cls(client=client, source=source, sync=driver)
+
+    def send_weights(self, version: int | None = None) -> SyncResult:
+        """One full sync; `version` defaults to one more than the last."""
+        assert self.sync_driver is not None
+        self.step = self.step + 1 if version is None else version
+        return self.sync_driver.sync(_VllmSourceAdapter.wrap(self.source), self.step)
+
+    def shutdown(self) -> None:
+        if self.sync_driver is not None:
+            self.sync_driver.close()
+
+
+class _VllmSourceAdapter:
+    """A vLLM `WeightSource` (ParamMeta metadata) seen as a hal source (TensorSpec metadata)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    @classmethod
+    def wrap(cls, source: Any) -> Any:
+        import torch
+
+        if isinstance(source, torch.nn.Module) or not hasattr(source, "metadata"):
+            return source
+        meta = source.metadata()
+        if meta and not hasattr(meta[0], "nbytes"):  # vLLM ParamMeta, not hal TensorSpec
+            return cls(source)
+        return source
+
+    def metadata(self) -> list:
+        from hal.sync import TensorSpec
+
+        return [TensorSpec(m.name, tuple(m.shape), m.dtype) for m in self.source.metadata()]
+
+    def __iter__(self):
+        return iter(self.source)
