@@ -62,6 +62,12 @@ class SimEvent:
         return (end_event._time - self._time) * 1000.0
 
 
+# Streams with queued work or an unreported error. As on CUDA, dropping the last handle
+# to a stream must neither cancel its work nor lose its error; a module-level set (not a
+# self-reference, which the cycle collector would free) keeps such streams alive.
+_RETAINED: "set[SimStream]" = set()
+
+
 class SimStream:
     """A FIFO of device work run by one daemon thread."""
 
@@ -71,7 +77,7 @@ class SimStream:
         self._pending = 0
         self._idle = threading.Condition()
         self._error: BaseException | None = None
-        # The thread holds only a weak reference, so an unused stream can be collected.
+        # The thread holds only a weak reference, so an idle, unused stream can be collected.
         self._thread = threading.Thread(target=_run_stream, args=(weakref.ref(self), self._queue), name=name, daemon=True)
         self._thread.start()
 
@@ -81,12 +87,15 @@ class SimStream:
     def _put(self, fn: Callable[..., Any], args: tuple, *, delayed: bool = False) -> None:
         with self._idle:
             self._pending += 1
+            _RETAINED.add(self)
         self._queue.put((fn, args, delayed))
 
     def _task_done(self) -> None:
         with self._idle:
             self._pending -= 1
             if self._pending == 0:
+                if self._error is None:
+                    _RETAINED.discard(self)
                 self._idle.notify_all()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -116,8 +125,11 @@ class SimStream:
             return self._pending == 0
 
     def _raise_pending_error(self) -> None:
-        if self._error is not None:
+        with self._idle:
             error, self._error = self._error, None
+            if error is not None and self._pending == 0:
+                _RETAINED.discard(self)
+        if error is not None:
             raise RuntimeError(f"work on simulated stream failed: {error!r}") from error
 
 
