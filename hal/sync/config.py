@@ -1,0 +1,54 @@
+"""Typed configuration of a weight sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hal.backend import Backend
+
+MIB = 1 << 20
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncConfig:
+    """How a sync moves weights. Sender and receivers must use the same values."""
+
+    bucket_bytes: int | None = None
+    """Size of one bucket in bytes. None: derived from the device's free memory
+    (see `default_bucket_bytes`). Two buckets are in use at a time on each side."""
+
+    bypass_cpu: bool = True
+    """True: pack device tensors straight into the device bucket. False: stage them
+    through a reused pinned host buffer first (what parameter snapshots need)."""
+
+    wire_dtype: torch.dtype | None = None
+    """Cast floating-point tensors to this dtype on the wire (fp32 master weights to a
+    bf16 engine). None: send each tensor in its own dtype."""
+
+    verify: bool = False
+    """Send a checksum of every piece; receivers compare before applying and fail the
+    sync on a mismatch."""
+
+    timeout_s: float = 60.0
+    """Longest wait for any one transfer or agreement with the peers before the sync
+    fails with PeerError instead of hanging."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes is not None and (not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 4096):
+            raise ValueError(f"SyncConfig.bucket_bytes must be an int of at least 4096 bytes, got {self.bucket_bytes!r}")
+        if self.wire_dtype is not None and not (isinstance(self.wire_dtype, torch.dtype) and self.wire_dtype.is_floating_point):
+            raise ValueError(f"SyncConfig.wire_dtype must be a floating-point torch.dtype or None, got {self.wire_dtype!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"SyncConfig.timeout_s must be positive, got {self.timeout_s!r}")
+
+
+def default_bucket_bytes(backend: Backend) -> int:
+    """1/64 of free device memory, between 32 MiB and 256 MiB, rounded to whole MiB.
+
+    Two buckets per side must fit beside the model and the engine's KV cache; past a few
+    hundred MiB a larger bucket only delays the first transfer.
+    """
+    free = backend.memory_info().free
+    return max(32 * MIB, min(256 * MIB, free // 64 // MIB * MIB))

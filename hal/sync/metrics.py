@@ -1,0 +1,58 @@
+"""What one sync did and how long each part took.
+
+A phase that did not happen on this side is None, not 0.0: a timer reports only work
+that was done (verl PR 4655 review: offload timers that measured nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+
+@dataclass(slots=True)
+class SyncMetrics:
+    version: int | None = None
+    bytes: int = 0
+    """Bytes of tensor data that travelled (checksums and padding excluded)."""
+    buckets: int = 0
+    tensors: int = 0
+    gather_s: float | None = None
+    """Materializing source tensors (e.g. FSDP full_tensor), sender only."""
+    pack_s: float | None = None
+    """Waiting for packs into the bucket, sender only."""
+    transfer_s: float | None = None
+    """Waiting for the transport."""
+    apply_s: float | None = None
+    """Inside the receiver's apply callable, receiver only."""
+    total_s: float = 0.0
+    plan_reused: bool = False
+
+    @property
+    def gib_per_s(self) -> float | None:
+        return self.bytes / self.total_s / 2**30 if self.total_s > 0 and self.bytes else None
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["gib_per_s"] = self.gib_per_s
+        return out
+
+
+@dataclass(slots=True)
+class PhaseTimer:
+    """Accumulates seconds per phase; a phase never entered stays None."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def get(self, phase: str) -> float | None:
+        return self.seconds.get(phase)

@@ -1,0 +1,192 @@
+"""Where each tensor goes: the bucket layout, built from metadata alone.
+
+The plan depends only on (name, shape, wire dtype) of every tensor plus the bucket
+size, so the sender and every receiver build the same plan from the same header, and
+the sender caches it while the metadata is unchanged. Nothing per-sync lives here:
+tensors, iterators and conversion objects are created fresh by each sync (SkyRL PR
+1345: a conversion object cached across syncs loaded wrong weights).
+
+A tensor larger than a bucket is split into byte chunks across consecutive buckets
+and reassembled by the receiver.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from hal.kernels import ALIGNMENT, align_up
+
+# Bytes reserved per piece for its checksum when verification is on.
+CHECKSUM_BYTES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What a receiver needs to know of one tensor: its name, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TensorSpec.name must be a non-empty string, got {self.name!r}")
+        shape = tuple(int(d) for d in self.shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"TensorSpec {self.name!r}: negative dimension in shape {shape}")
+        object.__setattr__(self, "shape", shape)
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"TensorSpec {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
+        return cls(name, tuple(tensor.shape), tensor.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One tensor, or one chunk of a tensor too large for a bucket, inside a bucket."""
+
+    spec: TensorSpec
+    offset: int  # byte offset in the bucket
+    nbytes: int  # bytes of this piece
+    tensor_offset: int  # byte offset of this piece within the whole tensor
+    checksum_slot: int  # index of its checksum in the bucket's checksum area
+
+    @property
+    def is_whole(self) -> bool:
+        return self.tensor_offset == 0 and self.nbytes == self.spec.nbytes
+
+    @property
+    def is_first(self) -> bool:
+        return self.tensor_offset == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.tensor_offset + self.nbytes == self.spec.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    index: int
+    pieces: tuple[Piece, ...]
+    checksum_offset: int  # where the int64 checksums start (== data end when verify is off)
+    nbytes: int  # bytes that travel: data plus checksums
+
+    def checksum_ranges(self) -> list[tuple[int, int]]:
+        """The byte range each checksum covers (the piece, rounded up to whole 8-byte words)."""
+        return [(p.offset, min(align_up(p.nbytes, 8), self.checksum_offset - p.offset)) for p in self.pieces]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketPlan:
+    specs: tuple[TensorSpec, ...]
+    bucket_bytes: int
+    verify: bool
+    buckets: tuple[Bucket, ...]
+    digest: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def max_bucket_nbytes(self) -> int:
+        return max((b.nbytes for b in self.buckets), default=0)
+
+
+def plan_key(specs: Sequence[TensorSpec], bucket_bytes: int, verify: bool) -> str:
+    h = hashlib.sha256(f"{bucket_bytes}|{verify}|{ALIGNMENT}".encode())
+    for s in specs:
+        h.update(f"\n{s.name}|{s.shape}|{s.dtype}".encode())
+    return h.hexdigest()[:24]
+
+
+def build_plan(specs: Iterable[TensorSpec], bucket_bytes: int, *, verify: bool = False) -> BucketPlan:
+    """Lay `specs` out in buckets of at most `bucket_bytes`, in order, splitting what does not fit."""
+    specs = tuple(specs)
+    slot_bytes = CHECKSUM_BYTES if verify else 0
+    min_bucket = 2 * ALIGNMENT + slot_bytes
+    if bucket_bytes < min_bucket:
+        raise ValueError(f"bucket_bytes must be at least {min_bucket}, got {bucket_bytes}")
+    seen: set[str] = set()
+    for s in specs:
+        if s.name in seen:
+            raise ValueError(f"parameter {s.name!r} appears twice in the sync")
+        seen.add(s.name)
+
+    buckets: list[Bucket] = []
+    pieces: list[Piece] = []
+    used = 0  # aligned end of data in the open bucket
+
+    def capacity_left() -> int:
+        # data must leave room for one more checksum slot at the end, 8-aligned
+        return bucket_bytes - used - (len(pieces) + 1) * slot_bytes - 8
+
+    def close() -> None:
+        nonlocal pieces, used
+        checksum_offset = align_up(used, 8)
+        buckets.append(Bucket(len(buckets), tuple(pieces), checksum_offset, checksum_offset + len(pieces) * slot_bytes))
+        pieces, used = [], 0
+
+    for spec in specs:
+        remaining = spec.nbytes
+        tensor_offset = 0
+        if remaining == 0:  # an empty tensor still gets a (zero-length) piece so the receiver applies it
+            if capacity_left() < 0:
+                close()
+            pieces.append(Piece(spec, used, 0, 0, len(pieces)))
+            continue
+        while remaining:
+            room = capacity_left()
+            if tensor_offset == 0 and remaining > room and remaining <= bucket_bytes - slot_bytes - 8 and pieces:
+                close()  # fits whole in a fresh bucket: do not split it
+                room = capacity_left()
+            if room < ALIGNMENT:
+                close()
+                room = capacity_left()
+            # chunk boundaries stay ALIGNMENT-aligned inside the tensor so views stay aligned
+            take = remaining if remaining <= room else room // ALIGNMENT * ALIGNMENT
+            pieces.append(Piece(spec, used, take, tensor_offset, len(pieces)))
+            used = align_up(used + take)
+            tensor_offset += take
+            remaining -= take
+    if pieces:
+        close()
+    plan_specs = specs
+    return BucketPlan(plan_specs, bucket_bytes, verify, tuple(buckets), plan_key(specs, bucket_bytes, verify))
+
+
+class PlanCache:
+    """Keeps the last few plans, keyed by their metadata: rebuilt when anything changes."""
+
+    def __init__(self, size: int = 4) -> None:
+        self._size = size
+        self._plans: dict[str, BucketPlan] = {}
+        self.builds = 0  # how many plans were built (tests check reuse)
+
+    def get(self, specs: Sequence[TensorSpec], bucket_bytes: int, verify: bool) -> BucketPlan:
+        key = plan_key(specs, bucket_bytes, verify)
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            plan = build_plan(specs, bucket_bytes, verify=verify)
+            self.builds += 1
+        self._plans[key] = plan  # most recent last
+        while len(self._plans) > self._size:
+            self._plans.pop(next(iter(self._plans)))
+        return plan

@@ -1,0 +1,193 @@
+"""The receiving side of a weight sync: built from engine-side specs alone.
+
+A receiver knows the names, shapes and dtypes it accepts (`TensorSpec`s, e.g. from
+the engine's own model), never the trainer's model. Per sync it checks the sender's
+header against them before anything is applied (every rank learns the verdict), then
+takes each bucket into a reused slot and hands zero-copy views to `apply`, while the
+next bucket is already on its way where the transport allows.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+import hal
+from hal import kernels
+from hal.backend import Backend
+from hal.sync import errors
+from hal.sync.config import SyncConfig
+from hal.sync.metrics import PhaseTimer, SyncMetrics
+from hal.sync.plan import Bucket, BucketPlan, PlanCache, TensorSpec
+from hal.sync.transport import Transport
+
+Apply = Callable[[list[tuple[str, torch.Tensor]]], Any]
+
+_MAX_REPORTED = 5
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise errors.SpecMismatchError(f"header names an unknown dtype {name!r}")
+    return dtype
+
+
+class Receiver:
+    """Receives syncs into `apply`, accepting only tensors described by `specs`.
+
+    A sync may carry any subset of `specs` (a LoRA sync sends only adapters).
+    `version` is the weight version this side holds: set after a sync that every rank
+    completed, never after a failed one.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        specs: Iterable[TensorSpec],
+        config: SyncConfig | None = None,
+        *,
+        backend: Backend | None = None,
+        version: int | None = None,
+    ) -> None:
+        if transport.is_sender:
+            raise ValueError(f"Receiver on rank {transport.rank}, which is the transport's sender")
+        self.transport = transport
+        self.config = config or SyncConfig()
+        self.backend = backend or hal.current()
+        self.transport.timeout_s = self.config.timeout_s
+        self.specs: dict[str, TensorSpec] = {}
+        for spec in specs:
+            if not isinstance(spec, TensorSpec):
+                raise TypeError(f"Receiver specs must be TensorSpec, got {type(spec).__name__}")
+            if spec.name in self.specs:
+                raise ValueError(f"parameter {spec.name!r} is listed twice in the receiver's specs")
+            self.specs[spec.name] = spec
+        self.version = version
+        self.plans = PlanCache()
+        self._stream = self.backend.new_stream()
+
+    def _check_header(self, header: dict[str, Any]) -> tuple[BucketPlan | None, str | None]:
+        version = header["version"]
+        if self.version is not None and version < self.version:
+            return None, errors.encode("stale", f"receiver holds weight version {self.version}; refusing older version {version}")
+        problems: list[str] = []
+        specs: list[TensorSpec] = []
+        for name, shape, dtype_name in header["specs"]:
+            try:
+                dtype = _dtype(dtype_name)
+            except errors.SpecMismatchError as exc:
+                problems.append(f"parameter {name!r}: {exc}")
+                continue
+            spec = TensorSpec(name, tuple(shape), dtype)
+            specs.append(spec)
+            expected = self.specs.get(name)
+            if expected is None:
+                problems.append(f"parameter {name!r}: not a parameter this receiver accepts")
+            elif expected.shape != spec.shape:
+                problems.append(f"parameter {name!r}: expected shape {expected.shape}, got {spec.shape}")
+            elif expected.dtype != spec.dtype:
+                problems.append(f"parameter {name!r}: expected dtype {expected.dtype}, got {spec.dtype}")
+        if problems:
+            more = f" (+{len(problems) - _MAX_REPORTED} more)" if len(problems) > _MAX_REPORTED else ""
+            return None, errors.encode("spec", "; ".join(problems[:_MAX_REPORTED]) + more)
+        plan = self.plans.get(specs, header["bucket_bytes"], header["verify"])
+        if plan.digest != header["digest"]:
+            return None, errors.encode("spec", f"bucket layout differs from the sender's ({plan.digest} vs {header['digest']}): mismatched verl-hal versions?")
+        return plan, None
+
+    def receive(self, apply: Apply) -> SyncMetrics:
+        """Take one sync; `apply(pairs)` is called once per bucket with zero-copy views
+        that are valid only during the call (copy what you keep, as `load_weights` does).
+        """
+        start = time.perf_counter()
+        timer = PhaseTimer()
+        rank = self.transport.rank
+        builds = self.plans.builds
+        header = self.transport.broadcast_object(None)
+        version = header["version"]
+        where = f"sync of version {version}"
+        plan, error = self._check_header(header)
+        errors.raise_if_any(self.transport.agree(error, "header check"), rank, where)
+        assert plan is not None  # every rank agreed there was no error
+        self.transport.setup(self.backend, plan.max_bucket_nbytes)
+
+        local_error = self._receive_buckets(plan, apply, timer)
+        errors.raise_if_any(self.transport.agree(local_error, "apply status"), rank, where)
+        self.version = version
+        return SyncMetrics(
+            version=version,
+            bytes=plan.total_bytes,
+            buckets=len(plan.buckets),
+            tensors=len(plan.specs),
+            transfer_s=timer.get("transfer"),
+            apply_s=timer.get("apply"),
+            total_s=time.perf_counter() - start,
+            plan_reused=self.plans.builds == builds,
+        )
+
+    def _receive_buckets(self, plan: BucketPlan, apply: Apply, timer: PhaseTimer) -> str | None:
+        """Runs every bucket through the transport even after a local failure, so the
+        ranks stay in step; returns this rank's error, if any."""
+        transport, buckets = self.transport, plan.buckets
+        local_error: str | None = None
+        partial: dict[str, torch.Tensor] = {}  # chunked tensors being reassembled
+        if buckets:
+            transport.recv(0, 0, buckets[0].nbytes)
+        for bucket in buckets:
+            k, slot = bucket.index, bucket.index % 2
+            nxt = buckets[k + 1] if k + 1 < len(buckets) else None
+            with timer("transfer"):
+                data = transport.wait_received(k, slot, bucket.nbytes)
+            if nxt is not None and transport.prefetch:
+                transport.recv(k + 1, (k + 1) % 2, nxt.nbytes)
+            if local_error is None:
+                try:
+                    self._verify(bucket, data)
+                    pairs = self._views(bucket, data, partial)
+                    if pairs:
+                        with timer("apply"):
+                            apply(pairs)
+                except errors.PeerError:
+                    raise
+                except Exception as exc:
+                    local_error = errors.encode_exception(exc)
+            transport.release(k)
+            if nxt is not None and not transport.prefetch:
+                with timer("transfer"):
+                    transport.recv(k + 1, (k + 1) % 2, nxt.nbytes)
+        transport.finish(len(buckets))
+        return local_error
+
+    def _verify(self, bucket: Bucket, data: torch.Tensor) -> None:
+        if not bucket.pieces or not self._verifying(bucket):
+            return
+        sent = kernels.typed_view(data, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
+        got = torch.stack([kernels.checksum(data[o : o + n]) for o, n in bucket.checksum_ranges()])
+        bad = (sent != got).nonzero().flatten().tolist()
+        if bad:
+            names = ", ".join(repr(bucket.pieces[i].spec.name) for i in bad[:_MAX_REPORTED])
+            raise errors.ChecksumMismatchError(f"bucket {bucket.index}: checksum mismatch for parameter(s) {names}")
+
+    def _verifying(self, bucket: Bucket) -> bool:
+        return bucket.nbytes > bucket.checksum_offset
+
+    def _views(self, bucket: Bucket, data: torch.Tensor, partial: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        pairs: list[tuple[str, torch.Tensor]] = []
+        for piece in bucket.pieces:
+            spec = piece.spec
+            if piece.is_whole:
+                pairs.append((spec.name, kernels.typed_view(data, piece.offset, spec.shape, spec.dtype)))
+                continue
+            if piece.is_first:
+                partial[spec.name] = self.backend.empty(spec.nbytes)
+            whole = partial[spec.name]
+            self.backend.copy_(whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes], data[piece.offset : piece.offset + piece.nbytes], stream=self._stream)
+            if piece.is_last:
+                self._stream.synchronize()  # the reassembled tensor is read by apply on the host
+                pairs.append((spec.name, kernels.typed_view(partial.pop(spec.name), 0, spec.shape, spec.dtype)))
+        # the slot is reused after this bucket: copies out of it must be complete
+        self._stream.synchronize()
+        return pairs
