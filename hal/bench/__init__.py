@@ -1,0 +1,136 @@
+"""`hal bench`: how fast a trainer's weights reach an engine, against the transport's floor.
+
+    hal bench --preset qwen2.5-0.5b --json out.json --plot out.png
+    hal bench --preset tiny --repeats 2 --methods floor,hal_bucketed
+    hal bench --engine vllm ...          # into a live vLLM engine (hal.bench.vllm_engine)
+
+`--engine transfer` (the default) runs hal.bench.transfer: a sender and a receiver process
+joined by gloo, measuring `floor`, `per_tensor`, `hal_bucketed`, `hal_shm` (and the
+zero-copy-apply variants) on synthetic weights from hal.bench.presets. The JSON holds
+{"preset", "results": [{"method", "seconds", "gib_per_s", "ratio_to_floor",
+"peak_extra_bytes", ...}, ...]} plus the configuration and per-sync metrics.
+
+`--engine vllm` hands the parsed arguments to `hal.bench.vllm_engine.run(args)`, which
+returns a dict; that module is imported only then (it needs vllm). If it defines
+`add_arguments(parser)`, its options are declared here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+from hal.bench.presets import PRESETS
+
+ENGINES = ("transfer", "vllm")
+_VLLM_MODULE = "hal.bench.vllm_engine"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hal.bench.transfer import ALL_METHODS
+
+    parser.add_argument("--engine", choices=ENGINES, default="transfer", help="transfer: process-to-process benchmark (default); vllm: into a live vLLM engine")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="synthetic weight set (default: qwen2.5-0.5b)")
+    parser.add_argument("--repeats", type=_positive_int, default=5, help="measured repetitions per method; the median is reported (default: 5)")
+    parser.add_argument("--warmup", type=_non_negative_int, default=1, help="discarded repetitions per method first (default: 1)")
+    parser.add_argument("--bucket-mb", type=_positive_float, default=256.0, help="bucket size in MiB for the hal methods (default: 256)")
+    parser.add_argument(
+        "--methods",
+        type=_method_list,
+        default=ALL_METHODS,
+        help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all)",
+    )
+    parser.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds before every benchmark process is killed (default: 300)")
+    parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip the (untimed) byte check at the receiver")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results")
+    try:
+        vllm_engine = importlib.import_module(_VLLM_MODULE)
+    except ImportError:
+        return
+    add = getattr(vllm_engine, "add_arguments", None)
+    if callable(add):
+        try:
+            add(parser.add_argument_group("--engine vllm"))
+        except argparse.ArgumentError as exc:
+            print(f"hal bench: ignoring options of {_VLLM_MODULE}: {exc}", file=sys.stderr)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        report = importlib.import_module(_VLLM_MODULE).run(args)
+    else:
+        report = _run_transfer(args)
+    _emit(report, args)
+    return 0
+
+
+def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
+    from hal.bench.transfer import TransferConfig, run_transfer
+
+    config = TransferConfig(
+        preset=args.preset,
+        methods=tuple(args.methods),
+        repeats=args.repeats,
+        warmup=args.warmup,
+        bucket_bytes=int(args.bucket_mb * 1024 * 1024),
+        timeout_s=args.timeout,
+        verify=args.verify,
+    )
+    return run_transfer(config)
+
+
+def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
+    from hal.bench.transfer import format_table
+
+    results = report.get("results") if isinstance(report, dict) else None
+    if results and all("best_seconds" in r for r in results):
+        print(format_table(report))
+    else:
+        print(json.dumps(report, indent=2, default=str))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        if not results:
+            raise ValueError("--plot: the benchmark returned no results to plot")
+        from hal.bench.plot import plot_results
+
+        plot_results(report, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _method_list(text: str) -> tuple[str, ...]:
+    from hal.bench.transfer import ALL_METHODS
+
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown or not methods:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; valid: {','.join(ALL_METHODS)}")
+    return methods

@@ -1,0 +1,149 @@
+"""Synthetic weight sets shaped like real decoder-only models, for the sync benchmark.
+
+Only names, shapes and dtypes matter to a transfer, so a preset is a model config
+(the numbers from the model's published `config.json`) that expands into the list of
+parameters a Qwen2-architecture checkpoint holds, in checkpoint order:
+
+    qwen2.5-0.5b   290 tensors, 0.92 GiB bf16 (the embedding alone is 272 MB > 256 MiB)
+    qwen2.5-1.5b   338 tensors, 2.88 GiB bf16
+    tiny           26 tensors, 0.27 MiB bf16 (for tests: seconds, not minutes)
+
+With tied embeddings (both Qwen2.5 sizes here) `lm_head.weight` is the embedding and is
+not a separate tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One parameter as the transfer sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Preset:
+    """A Qwen2-architecture model's shape-defining config."""
+
+    name: str
+    """The `--preset` value."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_embeddings: bool = True
+    """When False, `lm_head.weight` is a tensor of its own (vocab x hidden)."""
+    dtype: torch.dtype = torch.bfloat16
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"preset {self.name!r}: {field} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"preset {self.name!r}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    def params(self) -> list[Param]:
+        """Every parameter, in the order a checkpoint lists them."""
+        h, dt = self.hidden_size, self.dtype
+        q_out = self.num_heads * self.head_dim
+        kv_out = self.num_kv_heads * self.head_dim
+        out = [Param("model.embed_tokens.weight", (self.vocab_size, h), dt)]
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            out += [
+                Param(p + "self_attn.q_proj.weight", (q_out, h), dt),
+                Param(p + "self_attn.q_proj.bias", (q_out,), dt),
+                Param(p + "self_attn.k_proj.weight", (kv_out, h), dt),
+                Param(p + "self_attn.k_proj.bias", (kv_out,), dt),
+                Param(p + "self_attn.v_proj.weight", (kv_out, h), dt),
+                Param(p + "self_attn.v_proj.bias", (kv_out,), dt),
+                Param(p + "self_attn.o_proj.weight", (h, q_out), dt),
+                Param(p + "mlp.gate_proj.weight", (self.intermediate_size, h), dt),
+                Param(p + "mlp.up_proj.weight", (self.intermediate_size, h), dt),
+                Param(p + "mlp.down_proj.weight", (h, self.intermediate_size), dt),
+                Param(p + "input_layernorm.weight", (h,), dt),
+                Param(p + "post_attention_layernorm.weight", (h,), dt),
+            ]
+        out.append(Param("model.norm.weight", (h,), dt))
+        if not self.tie_embeddings:
+            out.append(Param("lm_head.weight", (self.vocab_size, h), dt))
+        return out
+
+    def total_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params())
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        # Qwen/Qwen2.5-0.5B config.json: 494M parameters.
+        Preset(
+            name="qwen2.5-0.5b",
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_layers=24,
+            num_heads=14,
+            num_kv_heads=2,
+            head_dim=64,
+            description="Qwen2.5-0.5B: 290 bf16 tensors, 0.92 GiB",
+        ),
+        # Qwen/Qwen2.5-1.5B config.json: 1.54B parameters.
+        Preset(
+            name="qwen2.5-1.5b",
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_layers=28,
+            num_heads=12,
+            num_kv_heads=2,
+            head_dim=128,
+            description="Qwen2.5-1.5B: 338 bf16 tensors, 2.88 GiB",
+        ),
+        # Small enough for a unit test; its embedding (128 KiB) is still the largest tensor,
+        # so a bucket below that exercises chunking.
+        Preset(
+            name="tiny",
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            description="a toy Qwen2 shape for tests: 26 bf16 tensors",
+        ),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}") from None

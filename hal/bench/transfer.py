@@ -1,0 +1,531 @@
+"""The transfer benchmark: one sender process, one receiver process, gloo between them.
+
+Both processes are spawned fresh and joined by one gloo group that is created once and
+reused by every method (as a trainer-engine group would be). The parent process only
+waits, with a deadline: a rank that fails or outlives the deadline gets every rank
+killed, so no process is left behind.
+
+What each method must leave at the receiver is the same: every tensor's bytes in
+receiver-owned memory (a preallocated destination tensor per parameter).
+
+    floor          one broadcast of one flat tensor holding all the bytes; the weights
+                   and the destinations are views into those flat tensors, so nothing
+                   is packed or copied: the transport's floor.
+    per_tensor     one broadcast per parameter, straight into its destination (what most
+                   trainers do today).
+    hal_bucketed   hal.sync's Sender/Receiver over BroadcastTransport; the receiver's
+                   apply callable copies the zero-copy views into the destinations.
+    hal_shm        the same over IpcTransport (same-node shared memory).
+    *_view         the hal methods again with an apply callable that takes the views and
+                   copies nothing: the sync machinery alone, NOT comparable to floor since
+                   nothing is left in receiver-owned memory afterwards.
+
+Timing: each repetition starts after a barrier; its time is the latest end minus the
+earliest start over both processes (`time.perf_counter`, CLOCK_MONOTONIC, shared by the
+processes of a node). Warm-up repetitions are run and discarded; `seconds` is the median
+of the measured repetitions (the best is reported too). After every repetition the
+receiver checks every byte of the destinations against the sender's (deterministic)
+pattern and clears them, both outside the timed region.
+
+Memory: per process, the Linux resident-set high-water mark (VmHWM) is reset through
+/proc/self/clear_refs just before a method's objects (transports, senders, receivers) are
+created (the baseline), and again after each repetition's verification; the largest
+`VmHWM - baseline` read right after a repetition is that process's peak extra memory:
+everything the method allocated and touched beyond the weights and destinations, which
+are allocated and touched before any method runs. `peak_extra_bytes` is the larger of the
+two processes; both are reported. Pages of a shared-memory file count in the RSS of every
+process that touches them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hal.bench.presets import Param, get_preset
+
+GIB = 1024**3
+MIB = 1024**2
+
+# Methods every run reports (the issue's four), then the zero-copy-apply variants.
+CORE_METHODS = ("floor", "per_tensor", "hal_bucketed", "hal_shm")
+VIEW_METHODS = ("hal_bucketed_view", "hal_shm_view")
+ALL_METHODS = CORE_METHODS + VIEW_METHODS
+
+SENDER, RECEIVER = 0, 1
+_PATTERN_PERIOD = 1_048_573  # a prime number of bytes: no two tensors share a checksum by accident
+
+
+@dataclass(kw_only=True, slots=True)
+class TransferConfig:
+    """What one `run_transfer` call measures."""
+
+    preset: str
+    """A name from hal.bench.presets.PRESETS."""
+    methods: tuple[str, ...] = ALL_METHODS
+    """Which methods, in the order they run."""
+    repeats: int = 5
+    """Measured repetitions per method; `seconds` is their median."""
+    warmup: int = 1
+    """Discarded repetitions per method before the measured ones."""
+    bucket_bytes: int = 256 * MIB
+    """Bucket size handed to hal's SyncConfig."""
+    timeout_s: float = 300.0
+    """Deadline for the whole run; past it every process is killed."""
+    collective_timeout_s: float = 60.0
+    """Timeout of the gloo group (and of hal's SyncConfig)."""
+    verify: bool = True
+    """Check every tensor's bytes at the receiver after every repetition (not timed)."""
+
+    def __post_init__(self) -> None:
+        get_preset(self.preset)
+        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        if unknown:
+            raise ValueError(f"methods: unknown {unknown}; valid: {', '.join(ALL_METHODS)}")
+        if not self.methods:
+            raise ValueError("methods: at least one method is needed")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must not be negative, got {self.warmup}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.timeout_s <= 0 or self.collective_timeout_s <= 0:
+            raise ValueError("timeout_s and collective_timeout_s must be positive")
+
+
+# ---------------------------------------------------------------------------------------
+# memory accounting from /proc
+
+
+def _status_kib() -> dict[str, int]:
+    fields: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                fields[key] = int(parts[0]) * 1024
+    return fields
+
+
+class PeakMemory:
+    """RSS high-water mark of this process since `reset()`, in bytes above the RSS at reset."""
+
+    def __init__(self) -> None:
+        self.available = os.path.exists("/proc/self/clear_refs")
+        self.baseline = 0
+
+    def reset(self) -> None:
+        """Take the current RSS as the baseline and start a new peak from it."""
+        gc.collect()
+        self.restart_peak()
+        self.baseline = _status_kib().get("VmRSS", 0)
+
+    def restart_peak(self) -> None:
+        """Reset the high-water mark to the current RSS, keeping the baseline."""
+        if self.available:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # "5": reset the peak RSS (VmHWM) to the current RSS
+            except OSError:
+                self.available = False
+
+    def extra(self) -> int | None:
+        if not self.available:
+            return None
+        return max(0, _status_kib().get("VmHWM", 0) - self.baseline)
+
+
+# ---------------------------------------------------------------------------------------
+# weights
+
+
+def _layout(params: list[Param]) -> tuple[list[int], int]:
+    """Byte offset of each parameter in a flat buffer (each aligned to its dtype), and the total."""
+    offsets, cursor = [], 0
+    for p in params:
+        align = p.dtype.itemsize
+        cursor = (cursor + align - 1) // align * align
+        offsets.append(cursor)
+        cursor += p.nbytes
+    return offsets, cursor
+
+
+def _views(flat: torch.Tensor, params: list[Param], offsets: list[int]) -> list[torch.Tensor]:
+    return [flat[o : o + p.nbytes].view(p.dtype).view(p.shape) for p, o in zip(params, offsets)]
+
+
+def _fill_pattern(flat: torch.Tensor, seed: int = 0) -> None:
+    """Deterministic pseudo-random bytes at memcpy speed: a random block of a prime length, tiled.
+
+    Byte i is `block[i % period]`, so `_matches_pattern` can check a buffer without a
+    second copy of the weights, and a tensor landing at a wrong offset shows.
+    """
+    n = flat.numel()
+    period = min(_PATTERN_PERIOD, n)
+    flat[:period] = _pattern_block(period, seed)
+    filled = period
+    while filled < n:
+        step = min(filled, n - filled)
+        flat[filled : filled + step].copy_(flat[:step])
+        filled += step
+
+
+def _pattern_block(period: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (period,), dtype=torch.uint8, generator=gen)
+
+
+def _matches_pattern(flat: torch.Tensor, seed: int = 0) -> bool:
+    """Whether `flat` holds exactly what `_fill_pattern` writes (two memcmp-speed passes)."""
+    n = flat.numel()
+    period = min(_PATTERN_PERIOD, n)
+    if not torch.equal(flat[:period], _pattern_block(period, seed)):
+        return False
+    return n == period or torch.equal(flat[period:], flat[: n - period])
+
+
+def _first_mismatch(flat: torch.Tensor, params: list[Param], offsets: list[int], seed: int = 0) -> str:
+    """The name of the first parameter whose bytes differ from the pattern (for the error message)."""
+    n = flat.numel()
+    period = min(_PATTERN_PERIOD, n)
+    block = _pattern_block(period, seed)
+    for p, o in zip(params, offsets):
+        for start in range(o, o + p.nbytes, period):
+            stop = min(start + period, o + p.nbytes)
+            phase = start % period
+            want = torch.cat([block[phase:], block[:phase]])[: stop - start]
+            if not torch.equal(flat[start:stop], want):
+                return p.name
+    return "(none)"
+
+
+# ---------------------------------------------------------------------------------------
+# methods: each is a setup(ctx) that returns (run_once, teardown) for this rank
+
+
+@dataclass(slots=True)
+class RankContext:
+    rank: int
+    config: TransferConfig
+    params: list[Param]
+    flat: torch.Tensor  # the sender's weights or the receiver's destinations, all bytes
+    tensors: list[torch.Tensor]  # views into `flat`, one per parameter
+    step: int = 0
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == SENDER
+
+
+def _setup_floor(ctx: RankContext) -> tuple[Callable[[], None], Callable[[], None]]:
+    import torch.distributed as dist
+
+    def run() -> None:
+        dist.broadcast(ctx.flat, src=SENDER)
+
+    return run, lambda: None
+
+
+def _setup_per_tensor(ctx: RankContext) -> tuple[Callable[[], None], Callable[[], None]]:
+    import torch.distributed as dist
+
+    def run() -> None:
+        for t in ctx.tensors:
+            dist.broadcast(t, src=SENDER)
+
+    return run, lambda: None
+
+
+def _setup_hal(ctx: RankContext, transport_name: str, copy_into_destinations: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec
+    from hal.sync import transport as transports
+
+    transport_cls = getattr(transports, transport_name)
+    transport = transport_cls(group=None, src=SENDER)
+    sync_config = SyncConfig(bucket_bytes=ctx.config.bucket_bytes, timeout_s=ctx.config.collective_timeout_s)
+    names = [p.name for p in ctx.params]
+
+    if ctx.is_sender:
+        sender = Sender(transport, sync_config)
+        pairs = list(zip(names, ctx.tensors))
+
+        def run() -> None:
+            ctx.step += 1
+            metrics = sender.send(TensorSource(pairs), version=ctx.step)
+            ctx.metrics.append(_metrics_dict(metrics))
+
+        def teardown() -> None:
+            _close(sender)
+            _close(transport)
+
+        return run, teardown
+
+    specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in ctx.params]
+    receiver = Receiver(transport, specs, sync_config)
+    destination = dict(zip(names, ctx.tensors))
+    if copy_into_destinations:
+
+        def apply(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            for name, view in pairs:
+                destination[name].copy_(view)
+
+    else:
+
+        def apply(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            for _name, _view in pairs:
+                pass
+
+    def run() -> None:
+        metrics = receiver.receive(apply)
+        ctx.metrics.append(_metrics_dict(metrics))
+
+    def teardown() -> None:
+        _close(receiver)
+        _close(transport)
+
+    return run, teardown
+
+
+def _close(obj: Any) -> None:
+    for name in ("close", "shutdown"):
+        fn = getattr(obj, name, None)
+        if callable(fn):
+            fn()
+            return
+
+
+def _metrics_dict(metrics: Any) -> dict[str, Any]:
+    if metrics is None:
+        return {}
+    if hasattr(metrics, "as_dict"):
+        return dict(metrics.as_dict())
+    return {}
+
+
+SETUPS: dict[str, Callable[[RankContext], tuple[Callable[[], None], Callable[[], None]]]] = {
+    "floor": _setup_floor,
+    "per_tensor": _setup_per_tensor,
+    "hal_bucketed": lambda ctx: _setup_hal(ctx, "BroadcastTransport", True),
+    "hal_shm": lambda ctx: _setup_hal(ctx, "IpcTransport", True),
+    "hal_bucketed_view": lambda ctx: _setup_hal(ctx, "BroadcastTransport", False),
+    "hal_shm_view": lambda ctx: _setup_hal(ctx, "IpcTransport", False),
+}
+
+# Methods whose run leaves the receiver's destinations filled (and so can be verified).
+_FILLS_DESTINATIONS = {"floor", "per_tensor", "hal_bucketed", "hal_shm"}
+
+
+# ---------------------------------------------------------------------------------------
+# one rank
+
+
+def _rank_main(rank: int, port: int, config: TransferConfig, out: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=config.collective_timeout_s),
+        )
+        out.put((rank, "ok", _rank_body(rank, config)))
+    except BaseException:  # noqa: BLE001 - reported to the parent whatever it is
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    params = get_preset(config.preset).params()
+    offsets, total = _layout(params)
+    flat = torch.empty(total, dtype=torch.uint8)
+    if rank == SENDER:
+        _fill_pattern(flat)
+    else:
+        flat.zero_()  # touch every page now, so it is part of the baseline
+    tensors = _views(flat, params, offsets)
+    ctx = RankContext(rank=rank, config=config, params=params, flat=flat, tensors=tensors)
+    memory = PeakMemory()
+
+    report: dict[str, Any] = {"rank": rank, "total_bytes": total, "tensors": len(params), "methods": {}}
+    for method in config.methods:
+        ctx.metrics = []
+        dist.barrier()
+        memory.reset()  # baseline: weights and destinations only
+        run, teardown = SETUPS[method](ctx)
+        starts, ends, peaks = [], [], []
+        try:
+            for i in range(config.warmup + config.repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                run()
+                t1 = time.perf_counter()
+                peaks.append(memory.extra())
+                if i >= config.warmup:
+                    starts.append(t0)
+                    ends.append(t1)
+                if rank == RECEIVER:
+                    if config.verify and method in _FILLS_DESTINATIONS and not _matches_pattern(flat):
+                        raise RuntimeError(
+                            f"{method}: repetition {i}: parameter {_first_mismatch(flat, params, offsets)!r} "
+                            "arrived with wrong bytes"
+                        )
+                    flat.zero_()  # the next repetition must write every byte again
+                # Verification is not part of the sync: forget its temporaries' pages, keep
+                # the baseline (so buffers the method keeps across repetitions still count).
+                memory.restart_peak()
+        finally:
+            teardown()
+            del run, teardown
+        report["methods"][method] = {
+            "starts": starts,
+            "ends": ends,
+            "peak_extra_bytes": None if None in peaks else max(peaks),
+            "metrics": ctx.metrics[config.warmup :],
+        }
+    dist.barrier()
+    return report
+
+
+# ---------------------------------------------------------------------------------------
+# the parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_and_wait(config: TransferConfig) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(rank, port, config, out), daemon=True, name=f"hal-bench-rank{rank}") for rank in (SENDER, RECEIVER)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        deadline = time.monotonic() + config.timeout_s
+        while len(results) < len(procs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [r for r in range(len(procs)) if r not in results]
+                raise TimeoutError(f"hal bench: rank(s) {missing} did not finish within {config.timeout_s:.0f} s")
+            try:
+                rank, status, value = out.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+                if dead:
+                    # A rank may have put its result just before exiting; look once more.
+                    try:
+                        rank, status, value = out.get(timeout=1.0)
+                    except queue.Empty:
+                        codes = [procs[r].exitcode for r in dead]
+                        raise RuntimeError(f"hal bench: rank(s) {dead} died with exit code(s) {codes}") from None
+                else:
+                    continue
+            if status == "error":
+                role = "sender" if rank == SENDER else "receiver"
+                raise RuntimeError(f"hal bench: the {role} (rank {rank}) failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        out.close()
+    return [results[r] for r in range(len(procs))]
+
+
+def _median_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return {k: float(statistics.median(r[k] for r in rows if k in r)) for k in keys}
+
+
+def run_transfer(config: TransferConfig) -> dict[str, Any]:
+    """Run the benchmark and return {"preset", "config", "results": [...]} (see module doc)."""
+    reports = _spawn_and_wait(config)
+    total = reports[SENDER]["total_bytes"]
+    results = []
+    for method in config.methods:
+        per_rank = [r["methods"][method] for r in reports]
+        times = [
+            max(ends) - min(starts)
+            for starts, ends in zip(zip(*(m["starts"] for m in per_rank)), zip(*(m["ends"] for m in per_rank)))
+        ]
+        extras = [m["peak_extra_bytes"] for m in per_rank]
+        seconds = statistics.median(times)
+        results.append(
+            {
+                "method": method,
+                "seconds": seconds,
+                "gib_per_s": total / seconds / GIB,
+                "ratio_to_floor": None,
+                "peak_extra_bytes": None if None in extras else max(extras),
+                "best_seconds": min(times),
+                "all_seconds": times,
+                "sender_peak_extra_bytes": extras[SENDER],
+                "receiver_peak_extra_bytes": extras[RECEIVER],
+                "leaves_receiver_owned_copy": method in _FILLS_DESTINATIONS,
+                "sender_metrics": _median_metrics(per_rank[SENDER]["metrics"]),
+                "receiver_metrics": _median_metrics(per_rank[RECEIVER]["metrics"]),
+            }
+        )
+    floor = next((r["seconds"] for r in results if r["method"] == "floor"), None)
+    for r in results:
+        r["ratio_to_floor"] = r["seconds"] / floor if floor else None
+    preset = get_preset(config.preset)
+    return {
+        "preset": config.preset,
+        "bytes": total,
+        "tensors": len(preset.params()),
+        "config": {**{k: v for k, v in asdict(config).items() if k != "methods"}, "methods": list(config.methods)},
+        "timing": f"median of {config.repeats} after {config.warmup} warm-up",
+        "torch_threads": torch.get_num_threads(),
+        "results": results,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The result table as text."""
+    lines = [
+        f"preset {report['preset']}: {report['bytes'] / GIB:.3f} GiB in {report['tensors']} tensors; "
+        f"bucket {report['config']['bucket_bytes'] / MIB:g} MiB; {report['timing']}",
+        f"{'method':<18} {'seconds':>8} {'best':>8} {'GiB/s':>7} {'x floor':>8} {'peak extra MiB':>15}  {'(sender / receiver)':<20}",
+    ]
+    for r in report["results"]:
+        ratio = "-" if r["ratio_to_floor"] is None else f"{r['ratio_to_floor']:.2f}"
+
+        def mib(v: int | None) -> str:
+            return "n/a" if v is None else f"{v / MIB:.0f}"
+
+        lines.append(
+            f"{r['method']:<18} {r['seconds']:>8.3f} {r['best_seconds']:>8.3f} {r['gib_per_s']:>7.2f} {ratio:>8} "
+            f"{mib(r['peak_extra_bytes']):>15}  ({mib(r['sender_peak_extra_bytes'])} / {mib(r['receiver_peak_extra_bytes'])})"
+        )
+    return "\n".join(lines)
