@@ -8,6 +8,7 @@ backend's availability is asked, never when `hal` is imported.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 import torch
@@ -21,6 +22,11 @@ class NpuBackend(TorchDeviceBackend):
     dist_backend = "hccl"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     ray_resource = "NPU"
+
+    @classmethod
+    def runtime_installed(cls) -> bool:
+        """torch_npu is installed (found on the path, not imported: importing it loads CANN)."""
+        return importlib.util.find_spec("torch_npu") is not None
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -22,7 +22,6 @@ computed on first access (PEP 562), so importing this module resolves nothing.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import platform
@@ -88,7 +87,9 @@ def is_torch_npu_available(check_device: bool = True) -> bool:
     that is answered from the installed packages without importing it.
     """
     if not check_device:
-        return importlib.util.find_spec("torch_npu") is not None
+        from hal.backends.npu import NpuBackend
+
+        return NpuBackend.runtime_installed()
     return hal.current().device_type == "npu"
 
 
