@@ -100,16 +100,20 @@ def engine_greedy(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[l
 
 
 def trainer_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy completions from the transformers model, one prompt at a time (no padding)."""
     import torch
 
     model.eval()
+    outs = []
     with torch.no_grad():
-        ids = torch.tensor(prompts)
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
-        )
-    return out[:, ids.shape[1]:].tolist()
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )
+            outs.append(out[0, len(prompt):].tolist())
+    return outs
 
 
 def random_prompts(gen: Any, n: int, vocab_size: int) -> list[list[int]]:

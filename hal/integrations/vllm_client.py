@@ -81,6 +81,47 @@ class OfflineEngine:
         self.llm.shutdown_weight_transfer_engine()
 
 
+class ExtensionEngine:
+    """An offline `LLM` started with `worker_extension_cls="hal.integrations.vllm.HalWorkerExtension"`.
+
+    For vLLM builds without the native weight-transfer API: the same engine and transport,
+    reached through `collective_rpc`. The version is tracked by the hal receiver on each
+    worker (and mirrored into vLLM's weight version where that API exists).
+    """
+
+    def __init__(self, llm: Any, *, name: str = "llm-ext", num_workers: int | None = None) -> None:
+        self.llm = llm
+        self.name = name
+        self.num_workers = OfflineEngine(llm).num_workers if num_workers is None else num_workers
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("hal_init", kwargs={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        pass  # hal_update starts and finishes the layerwise reload itself
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("hal_update", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        setter = getattr(self.llm, "update_weight_version", None)
+        if weight_version is not None and callable(setter):
+            setter(weight_version)
+
+    def get_weight_version(self) -> str:
+        versions = set(self.llm.collective_rpc("hal_version"))
+        if len(versions) != 1:
+            raise RuntimeError(f"engine {self.name}: workers hold different weight versions {sorted(map(str, versions))}")
+        (version,) = versions
+        return "" if version is None else str(version)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.collective_rpc("hal_shutdown")
+
+
 class HttpEngine:
     """A `vllm serve` process, through the RL routes it serves with `VLLM_SERVER_DEV_MODE=1`.
 
