@@ -296,3 +296,65 @@ def test_offload_only_the_optimizer(backend):
     assert not off.is_offloaded(m) and off.is_offloaded(opt)
     off.onload(None, opt)
     _assert_same(_snapshot(m, opt), before)
+
+
+# ---- an offloaded trainer syncing into another process -----------------------------------------
+
+
+def offloaded_sync_worker(rank: int, world_size: int):
+    import io
+
+    from hal.sync import BroadcastTransport, ModuleSource, Receiver, Sender, SyncConfig
+    from hal.sync.rollout import allocate, copy_into
+
+    config = SyncConfig(bucket_bytes=8192, timeout_s=30.0)
+    transport = BroadcastTransport(src=0)
+    model = _model()  # same seed on both ranks: only the trainer's copy is used for values
+    specs = ModuleSource(model).metadata()
+    if rank == 0:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        sender = Sender(transport, config)
+        out = []
+        for step in range(2):
+            _train_step(model, opt, step)
+            off.offload(model, opt)
+            with off.onloaded(model) as report:  # only the module: the optimizer stays in host memory
+                metrics = sender.send(ModuleSource(model), version=step)
+            assert off.is_offloaded(model) and off.is_offloaded(opt)
+            buf = io.BytesIO()
+            torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, buf)
+            out.append(dict(report=report.as_dict(), bytes=metrics.bytes, expected=buf.getvalue()))
+            off.onload(model, opt)
+        return out
+    weights = allocate(specs, fill=float("nan"))
+    receiver = Receiver(transport, specs, config)
+    out = []
+    for _ in range(2):
+        receiver.receive(copy_into(weights))
+        buf = io.BytesIO()
+        torch.save({n: t.clone() for n, t in weights.items()}, buf)
+        out.append(buf.getvalue())
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend_name", ["cpu", "sim"])
+def test_offloaded_trainer_syncs_through_onloaded(backend_name):
+    import io
+
+    from tests.multiproc import run_group
+
+    env = {"VERL_DEVICE": backend_name, "VERL_HAL_SIM_LATENCY": "0.0002"}
+    trainer, engine = run_group(offloaded_sync_worker, 2, timeout=120, collective_timeout=60, env=env)
+    n_params = len(list(_model().parameters()))
+    for step, (sent, got) in enumerate(zip(trainer, engine)):
+        report = sent["report"]
+        # parameters and their gradients came back for the sync and went away after it
+        assert report["onload_tensors"] == report["offload_tensors"] == 2 * n_params
+        assert report["onload_s"] is not None and report["offload_s"] is not None
+        assert report["offload_host_bytes_allocated"] == 0
+        expected = torch.load(io.BytesIO(sent["expected"]), weights_only=True)
+        state = torch.load(io.BytesIO(got), weights_only=True)
+        assert sent["bytes"] == sum(t.numel() * t.element_size() for t in expected.values())
+        for name, t in expected.items():
+            assert torch.equal(_bits(state[name]), _bits(t)), f"step {step}: {name}"
