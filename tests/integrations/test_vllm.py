@@ -75,6 +75,15 @@ def assert_engine_matches(llm, model, prompts=PROMPTS) -> list[list[int]]:
     return got
 
 
+def current_version(llm, sync, model) -> int:
+    """The engine's weight version as an int (syncing once first when run alone)."""
+    version = llm.get_weight_version()
+    if not version.isdigit():
+        sync.sync(model, version=1)
+        version = llm.get_weight_version()
+    return int(version)
+
+
 def test_plugin_registers_backend_in_both_factories():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
     from vllm.plugins import load_general_plugins
@@ -121,14 +130,14 @@ def test_prefix_cache_is_reset_after_update(engine):
     long_prompt = [[1] + [3 + (i * 7) % 60 for i in range(300)]]  # several KV blocks
     engine_greedy(llm, long_prompt, MAX_TOKENS)  # fills the prefix cache with current weights
     perturb(model, seed=40, scale=0.2)
-    version = int(llm.get_weight_version()) + 1
+    version = current_version(llm, sync, model) + 1
     sync.sync(model, version=version)
     assert_engine_matches(llm, model, long_prompt)
 
 
 def test_older_version_is_refused_and_engine_unchanged(engine):
     llm, sync, model, _ = engine
-    current = int(llm.get_weight_version())
+    current = current_version(llm, sync, model)
     serving = assert_engine_matches(llm, model)
     stale = {k: v.clone() for k, v in model.state_dict().items()}
     gen = torch.Generator().manual_seed(50)
@@ -146,7 +155,7 @@ def test_older_version_is_refused_and_engine_unchanged(engine):
 
 def test_shape_mismatch_fails_clearly_and_engine_keeps_old_weights(engine):
     llm, sync, model, _ = engine
-    current = int(llm.get_weight_version())
+    current = current_version(llm, sync, model)
     serving = assert_engine_matches(llm, model)
     pairs = [(n, p.detach().clone() + 1.0) for n, p in model.named_parameters()]
     bad = "model.layers.1.mlp.up_proj.weight"
@@ -160,14 +169,15 @@ def test_shape_mismatch_fails_clearly_and_engine_keeps_old_weights(engine):
 
 def test_worker_extension_path_uses_the_same_transport(engine):
     """`worker_extension_cls` + collective_rpc: the fallback where the native API is missing."""
-    llm, _, model, _ = engine
+    llm, sync, model, _ = engine
     from hal.integrations.vllm_client import ExtensionEngine, WeightSync
+
+    version = current_version(llm, sync, model) + 1
 
     ext_sync = WeightSync([ExtensionEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60)
     try:
         ext_sync.init()
         perturb(model, seed=60, scale=0.2)
-        version = int(llm.get_weight_version()) + 1
         result = ext_sync.sync(model, version=version)
         assert result.engine_versions == {"llm-ext": str(version)}
         assert_engine_matches(llm, model)
