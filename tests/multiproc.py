@@ -66,7 +66,7 @@ def run_group(
 ) -> list[Any]:
     """Run `fn` on `world_size` spawned ranks; returns each rank's result in rank order.
 
-    With `allow_failure`, a rank that raised yields `RankError(traceback)` instead of
+    With `allow_failure`, a rank that raised or died yields `RankError(text)` instead of
     failing the call (for tests of fault handling).
     """
     ctx = mp.get_context("spawn")
@@ -97,8 +97,10 @@ def run_group(
                 rank, status, value = out.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive() and p.exitcode not in (0, None)]
-                if dead:
+                if dead and not allow_failure:
                     raise RuntimeError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+                for r in dead:
+                    results[r] = RankError(f"rank {r} died with exit code {procs[r].exitcode}")
                 continue
             if status == "error":
                 if not allow_failure:

@@ -89,8 +89,9 @@ class Bucket:
     nbytes: int  # bytes that travel: data plus checksums
 
     def checksum_ranges(self) -> list[tuple[int, int]]:
-        """The byte range each checksum covers (the piece, rounded up to whole 8-byte words)."""
-        return [(p.offset, min(align_up(p.nbytes, 8), self.checksum_offset - p.offset)) for p in self.pieces]
+        """The byte range each checksum covers: exactly the piece, never padding, so the
+        checksum depends only on the tensor's bytes."""
+        return [(p.offset, p.nbytes) for p in self.pieces]
 
 
 @dataclass(frozen=True, slots=True)
