@@ -7,6 +7,7 @@ the `sim` backend (sim.py) subclasses this one to make them asynchronous.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import tempfile
@@ -88,6 +89,23 @@ class SharedMemoryHandle:
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+# Shared-memory files this process created and has not released. Files in /dev/shm outlive
+# their creator, so whatever is left at exit is removed then: no process can be served by
+# an exporter that is gone. (Keyed by path; the pid guards against a forked child's exit.)
+_UNRELEASED: dict[str, int] = {}
+_UNRELEASED_LOCK = threading.Lock()
+
+
+@atexit.register
+def _remove_unreleased() -> None:
+    with _UNRELEASED_LOCK:
+        mine = [path for path, pid in _UNRELEASED.items() if pid == os.getpid()]
+        _UNRELEASED.clear()
+    for path in mine:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 class CpuBackend(Backend):
@@ -173,6 +191,8 @@ class CpuBackend(Backend):
         tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
         with self._shared_lock:
             self._shared_paths[storage.data_ptr()] = path
+        with _UNRELEASED_LOCK:
+            _UNRELEASED[path] = os.getpid()
         return tensor
 
     def _export_ipc(self, tensor: torch.Tensor) -> SharedMemoryHandle:
@@ -208,5 +228,7 @@ class CpuBackend(Backend):
         with self._shared_lock:
             path = self._shared_paths.pop(tensor.untyped_storage().data_ptr(), None)
         if path is not None:
+            with _UNRELEASED_LOCK:
+                _UNRELEASED.pop(path, None)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

@@ -18,7 +18,10 @@ from tests.multiproc import run_group
 
 
 @pytest.fixture(params=BACKEND_PARAMS)
-def backend(request):
+def backend(request, monkeypatch):
+    # A little latency on sim, so that an ordering the contract promises but a backend
+    # failed to keep has a chance to show here too (test_sim_async.py shows it for sure).
+    monkeypatch.setenv("VERL_HAL_SIM_LATENCY", "0.005")
     instance = hal.get_backend(request.param)
     yield instance
     instance.synchronize()  # surfaces errors left on a stream by the test
