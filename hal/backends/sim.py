@@ -71,8 +71,12 @@ _RETAINED: "set[SimStream]" = set()
 class SimStream:
     """A FIFO of device work run by one daemon thread."""
 
-    def __init__(self, latency: float = 0.0, name: str = "sim-stream") -> None:
+    def __init__(
+        self, latency: float = 0.0, name: str = "sim-stream", current_stream: Callable[[], "SimStream"] | None = None
+    ) -> None:
         self.latency = latency
+        # The backend's current-stream lookup, so events from record_event() can wait() on it.
+        self._current_stream = current_stream
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition()
@@ -110,7 +114,7 @@ class SimStream:
         self.wait_event(stream.record_event())
 
     def record_event(self, event: SimEvent | None = None) -> SimEvent:
-        event = event or SimEvent()
+        event = event or SimEvent(current_stream=self._current_stream)
         event.record(self)
         return event
 
@@ -171,7 +175,7 @@ class SimBackend(CpuBackend):
         return self._new_stream()
 
     def _new_stream(self) -> SimStream:
-        stream = SimStream(self.latency)
+        stream = SimStream(self.latency, current_stream=self._current_stream)
         self._streams.add(stream)
         return stream
 

@@ -146,6 +146,19 @@ def test_wait_event_orders_streams(backend):
     assert y.cpu().eq(5.0).all()
 
 
+def test_event_from_record_event_waits_on_current_stream(backend):
+    producer, consumer = backend.new_stream(), backend.new_stream()
+    x = backend.empty(256, torch.float32)
+    y = backend.empty(256, torch.float32)
+    backend.launch(producer, fill, x, 8.0)
+    ready = producer.record_event()
+    with backend.stream(consumer):
+        ready.wait()  # no stream given: the current one, the consumer
+        backend.copy_(y, x)
+    consumer.synchronize()
+    assert y.cpu().eq(8.0).all()
+
+
 def test_wait_stream_orders_streams(backend):
     producer, consumer = backend.new_stream(), backend.new_stream()
     x = backend.empty(1024, torch.float32)
