@@ -43,8 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=ALL_METHODS,
         help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all)",
     )
+    parser.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads per benchmark process (default: 1; the two processes share the cores)")
     parser.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds before every benchmark process is killed (default: 300)")
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip the (untimed) byte check at the receiver")
+    parser.add_argument("--trace", action="store_true", help="record per-bucket transport/apply timings of the hal methods' last repetition in the JSON")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results")
     try:
@@ -79,6 +81,8 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
         bucket_bytes=int(args.bucket_mb * 1024 * 1024),
         timeout_s=args.timeout,
         verify=args.verify,
+        threads=args.threads,
+        trace=args.trace,
     )
     return run_transfer(config)
 
