@@ -351,7 +351,7 @@ def test_dist_backend_string(backend):
 
 
 def test_dist_backend_string_initialises_a_group(backend):
-    assert not dist.is_initialized()
+    assert not dist.is_initialized(), "a default process group is already initialised (an earlier test left it)"
     dist.init_process_group(backend.dist_backend_string(), store=dist.HashStore(), rank=0, world_size=1)
     try:
         tensor = torch.ones(4, device=backend.device())
