@@ -6,7 +6,9 @@
 (gloo, a free loopback port, the given timeout on every collective); its return value
 comes back in `results[rank]`. A child that raises fails the call with its traceback; a
 child still running at the deadline is killed, and so are all the others: no process
-is ever left behind. `worker_fn` must be importable (a module-level function).
+is ever left behind. `worker_fn` must be importable (a module-level function). Return plain data: a tensor
+returned through the result queue lives in the child's shared memory and is gone once
+the child exits (send `torch.save` bytes or lists instead).
 """
 
 from __future__ import annotations

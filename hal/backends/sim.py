@@ -154,7 +154,9 @@ def _run_stream(stream_ref: "weakref.ref[SimStream]", work: queue.SimpleQueue) -
             stream._error = exc
         finally:
             stream._task_done()
-            del stream
+            # drop the finished work's arguments now: waiting for the next item must not
+            # keep its tensors alive
+            del stream, item, fn, args
 
 
 class SimBackend(CpuBackend):
