@@ -6,7 +6,7 @@
 
 `--engine transfer` (the default) runs hal.bench.transfer: a sender and a receiver process
 joined by gloo, measuring `floor`, `per_tensor`, `hal_bucketed`, `hal_shm` (and the
-zero-copy-apply variants) on synthetic weights from hal.bench.presets. The JSON holds
+read-in-place variants) on synthetic weights from hal.bench.presets. The JSON holds
 {"preset", "results": [{"method", "seconds", "gib_per_s", "ratio_to_floor",
 "peak_extra_bytes", ...}, ...]} plus the configuration and per-sync metrics.
 
