@@ -42,11 +42,12 @@ from vllm.distributed.weight_transfer.base import (
 
 import hal
 from hal.sync import Receiver, SyncConfig, SyncMetrics
-from hal.sync.transport import BroadcastTransport
+from hal.sync.transport import BroadcastTransport, IpcTransport
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "hal"
+TRANSPORTS = {"broadcast": BroadcastTransport, "ipc": IpcTransport}
 
 
 def dtype_from_name(name: str | None) -> torch.dtype | None:
@@ -82,8 +83,14 @@ class HalInitInfo(WeightTransferInitInfo):
     wire_dtype: str | None = None
     verify: bool = False
     timeout_s: float = 60.0
+    transport: str = "broadcast"
+    """"broadcast": each bucket is broadcast over the group (any topology). "ipc": buckets
+    live in memory the trainer shares with the workers (same node only, and the backend
+    must support IPC); the group only carries control messages."""
 
     def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"HalInitInfo.transport must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
         if not 1 <= self.rank_offset < self.world_size:
             raise ValueError(f"HalInitInfo.rank_offset {self.rank_offset} outside 1..{self.world_size - 1} (world_size)")
         dtype_from_name(self.wire_dtype)
@@ -150,7 +157,8 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             backend=backend.dist_backend,
             timeout=timedelta(seconds=init_info.timeout_s),
         )
-        self._receiver = Receiver(BroadcastTransport(self._group, src=0), specs, init_info.sync_config())
+        transport = TRANSPORTS[init_info.transport](self._group, src=0)
+        self._receiver = Receiver(transport, specs, init_info.sync_config())
         self._layer_of = layer_groups([s.name for s in specs])
 
     # ---- one update ---------------------------------------------------------------
@@ -215,7 +223,10 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         return None if self._receiver is None else self._receiver.version
 
     def shutdown(self) -> None:
-        group, self._group, self._receiver = self._group, None, None
+        group, receiver = self._group, self._receiver
+        self._group, self._receiver = None, None
+        if receiver is not None:
+            receiver.transport.close()
         if group is not None:
             try:
                 import torch.distributed as dist

@@ -25,12 +25,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 import hal
-from hal.integrations.vllm import BACKEND_NAME, HalInitInfo, dtype_name
+from hal.integrations.vllm import BACKEND_NAME, TRANSPORTS, HalInitInfo, dtype_name
 from hal.sync import Sender, SyncConfig, SyncError, SyncMetrics
 from hal.sync.config import default_bucket_bytes
 from hal.sync.errors import PeerError
 from hal.sync.source import as_source
-from hal.sync.transport import BroadcastTransport
 
 
 class Engine(Protocol):
@@ -50,6 +49,8 @@ class Engine(Protocol):
 
 class OfflineEngine:
     """An offline `vllm.LLM` in this process (its workers may run in child processes)."""
+
+    same_node = True  # its workers run on this machine, so buckets can be shared in memory
 
     def __init__(self, llm: Any, *, name: str = "llm", num_workers: int | None = None) -> None:
         self.llm = llm
@@ -88,6 +89,8 @@ class ExtensionEngine:
     reached through `collective_rpc`. The version is tracked by the hal receiver on each
     worker (and mirrored into vLLM's weight version where that API exists).
     """
+
+    same_node = True
 
     def __init__(self, llm: Any, *, name: str = "llm-ext", num_workers: int | None = None) -> None:
         self.llm = llm
@@ -130,7 +133,11 @@ class HttpEngine:
     /reset_prefix_cache; GET /weight_info.
     """
 
-    def __init__(self, base_url: str, *, num_workers: int = 1, timeout_s: float = 300.0, name: str | None = None) -> None:
+    def __init__(
+        self, base_url: str, *, num_workers: int = 1, timeout_s: float = 300.0, name: str | None = None, same_node: bool = False
+    ) -> None:
+        self.same_node = same_node
+        """Set True when the server's workers run on the trainer's machine (enables the ipc transport)."""
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url
         self.num_workers = num_workers
@@ -242,7 +249,10 @@ class WeightSync:
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         timeout_s: float = 120.0,
+        transport: str = "auto",
     ) -> None:
+        if transport != "auto" and transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {transport!r}")
         if not engines:
             raise ValueError("WeightSync needs at least one engine")
         names = [e.name for e in engines]
@@ -253,6 +263,9 @@ class WeightSync:
         self.master_address = master_address
         self.master_port = master_port
         self.timeout_s = timeout_s
+        self.transport = transport
+        """"auto": "ipc" when every engine is on this node and the backend shares memory
+        between processes (`supports_ipc`), else "broadcast"."""
         self._group: Any = None
         self._sender: Sender | None = None
         self.version: int | None = None
@@ -278,6 +291,9 @@ class WeightSync:
             verify=self.config.verify,
             timeout_s=self.config.timeout_s,
         )
+        if self.transport == "auto":
+            local = all(getattr(e, "same_node", False) for e in self.engines)
+            self.transport = "ipc" if local and backend.supports_ipc else "broadcast"
         port = self.master_port or free_port(self.master_address)
         calls = []
         offset = 1
@@ -291,6 +307,7 @@ class WeightSync:
                 wire_dtype=dtype_name(self.config.wire_dtype),
                 verify=self.config.verify,
                 timeout_s=self.config.timeout_s,
+                transport=self.transport,
             )
             offset += engine.num_workers
             payload = asdict(info)
@@ -307,7 +324,7 @@ class WeightSync:
             raise PeerError(f"trainer could not join the weight-sync group at {self.master_address}:{port}: {exc}") from exc
         for call in calls:
             call.result(self.timeout_s)
-        self._sender = Sender(BroadcastTransport(self._group, src=0), self.config)
+        self._sender = Sender(TRANSPORTS[self.transport](self._group, src=0), self.config)
 
     def sync(self, source: Any, version: int) -> SyncResult:
         """Send `source` (a module, a hal source, a dict or list of pairs) as `version`.
@@ -352,12 +369,15 @@ class WeightSync:
 
     def close(self) -> None:
         """Release the group on both sides; the engines keep serving."""
-        group, self._group, self._sender = self._group, None, None
+        group, sender = self._group, self._sender
+        self._group, self._sender = None, None
         for engine in self.engines:
             try:
                 engine.shutdown_weight_transfer_engine()
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
+        if sender is not None:
+            sender.transport.close()
         if group is not None:
             try:
                 from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group

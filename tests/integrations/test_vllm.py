@@ -106,6 +106,7 @@ def test_sync_then_engine_greedy_equals_transformers(engine):
     before = engine_greedy(llm, PROMPTS, MAX_TOKENS)
     perturb(model, seed=10, scale=0.2)
     result = sync.sync(model, version=1)
+    assert sync.transport == "ipc"  # auto: the engine's worker is on this node and the cpu backend shares memory
     assert result.engine_versions == {"llm": "1"}
     assert llm.get_weight_version() == "1"
     after = assert_engine_matches(llm, model)
@@ -168,18 +169,22 @@ def test_shape_mismatch_fails_clearly_and_engine_keeps_old_weights(engine):
 
 
 def test_worker_extension_path_uses_the_same_transport(engine):
-    """`worker_extension_cls` + collective_rpc: the fallback where the native API is missing."""
+    """`worker_extension_cls` + collective_rpc: the fallback where the native API is missing
+    (over the broadcast transport, while the module's native-API sync uses ipc)."""
     llm, sync, model, _ = engine
     from hal.integrations.vllm_client import ExtensionEngine, WeightSync
 
     version = current_version(llm, sync, model) + 1
 
-    ext_sync = WeightSync([ExtensionEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60)
+    ext_sync = WeightSync(
+        [ExtensionEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60, transport="broadcast"
+    )
     try:
         ext_sync.init()
         perturb(model, seed=60, scale=0.2)
         result = ext_sync.sync(model, version=version)
         assert result.engine_versions == {"llm-ext": str(version)}
+        assert ext_sync.transport == "broadcast"
         assert_engine_matches(llm, model)
     finally:
         ext_sync.close()
