@@ -183,6 +183,8 @@ class Receiver:
                 continue
             if piece.is_first:
                 partial[spec.name] = self.backend.empty(spec.nbytes)
+            if self.backend.collectives_follow_streams:  # the receive completed on the current stream
+                self._stream.wait_stream(self.backend.current_stream())
             whole = partial[spec.name]
             self.backend.copy_(whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes], data[piece.offset : piece.offset + piece.nbytes], stream=self._stream)
             if piece.is_last:

@@ -54,6 +54,9 @@ class Sender:
         self.version: int | None = None
         self._stream = self.backend.new_stream()
         self._staging: torch.Tensor | None = None
+        # On CUDA/NPU the source tensors are produced, and collectives issued, on the current
+        # stream while packs run on our own: the two must wait on each other on the device.
+        self._cross_stream_waits = self.backend.collectives_follow_streams
 
     def _wire_specs(self, metadata: list[TensorSpec]) -> list[TensorSpec]:
         wire = self.config.wire_dtype
@@ -120,6 +123,8 @@ class Sender:
             if k >= 2:
                 with timer("transfer"):
                     transport.wait_sent(k - 2)
+                if self._cross_stream_waits:  # the send of k-2 (on the current stream) read this slot
+                    self._stream.wait_stream(self.backend.current_stream())
                 alive.pop(k - 2, None)
             if failure is None:
                 try:
@@ -147,6 +152,8 @@ class Sender:
             if piece.is_first:
                 with timer("gather"):
                     current = self._next(it, spec, metadata)
+                if self._cross_stream_waits:  # a gather (e.g. full_tensor) may still be running
+                    stream.wait_stream(backend.current_stream())
                 if not piece.is_whole and current.dtype != spec.dtype:
                     wire = backend.empty(tuple(current.shape), spec.dtype)  # cast once, then chunk its bytes
                     backend.copy_(wire, current, stream=stream)
