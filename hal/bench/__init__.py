@@ -63,10 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        report = importlib.import_module(_VLLM_MODULE).run(args)
+        report = importlib.import_module(_VLLM_MODULE).run(args)  # prints its own summary
     else:
         report = _run_transfer(args)
-    _emit(report, args)
+        from hal.bench.transfer import format_table
+
+        print(format_table(report))
+    _write(report, args)
     return 0
 
 
@@ -87,14 +90,8 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
     return run_transfer(config)
 
 
-def _emit(report: dict[str, Any], args: argparse.Namespace) -> None:
-    from hal.bench.transfer import format_table
-
+def _write(report: dict[str, Any], args: argparse.Namespace) -> None:
     results = report.get("results") if isinstance(report, dict) else None
-    if results and all("best_seconds" in r for r in results):
-        print(format_table(report))
-    else:
-        print(json.dumps(report, indent=2, default=str))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
