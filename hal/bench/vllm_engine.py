@@ -24,7 +24,11 @@ Reference times for the same bytes:
     floor_seconds  one flat broadcast of all the bytes from the trainer into the worker
                    over the same group hal uses (the transport's floor).
 
-Reported `seconds` are medians over --repeats after --warmup discarded runs.
+The methods run in rounds (hal, disk_reload, rpc_bytes, apply, floor + memcpy, each once
+per round; --warmup rounds discarded, --repeats rounds measured), so that load from other
+processes on a shared machine hits every method alike; `seconds` are medians. Further
+hal configurations (--vllm-transports x --vllm-bucket-mb beyond the first) run afterwards
+and are reported under `hal_by_config`.
 """
 
 from __future__ import annotations
@@ -167,98 +171,112 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counter["version"] += 1
         return counter["version"]
 
-    timings: dict[str, list[float]] = {}
-    by_bucket: dict[str, dict[str, Any]] = {}
-    apply_s: list[float] = []
-    floor_s: list[float] = []
+    timings: dict[str, list[float]] = {m: [] for m in (*methods, "memcpy")}
+    by_config: dict[str, dict[str, Any]] = {}
     sync = None
+
+    def open_sync(transport: str, mb: float) -> Any:
+        s = WeightSync(
+            [engine], config=SyncConfig(bucket_bytes=int(mb * MIB), timeout_s=timeout_s), timeout_s=timeout_s,
+            transport=transport,
+        )
+        s.init()
+        return s
+
+    def hal_once(s: Any, metrics: list[dict[str, Any]]) -> None:
+        result = s.sync(TensorSource(next_weights().items()), version=next_version())
+        if result.engine_versions[engine.name] != str(result.version):
+            raise RuntimeError(f"engine reports version {result.engine_versions} after sync {result.version}")
+        worker = llm.collective_rpc("bench_last_metrics")[0]
+        metrics.append({"sender": result.metrics.as_dict(), "receiver": worker})
+
+    def disk_once() -> None:
+        weights, version = next_weights(), next_version()
+        save_file(weights, str(save_dir / "model.safetensors"))
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(save_dir)})
+        llm.reset_prefix_cache()
+        llm.update_weight_version(str(version))
+
+    def rpc_once() -> None:
+        weights, version = next_weights(), next_version()
+        llm.collective_rpc("bench_reload_bytes", args=(save(weights),))
+        llm.reset_prefix_cache()
+        llm.update_weight_version(str(version))
+
+    flat = torch.empty(total_bytes, dtype=torch.uint8)
+
+    def memcpy_once() -> None:
+        offset = 0
+        for t in weights_a.values():
+            n = t.numel() * t.element_size()
+            flat[offset : offset + n].copy_(t.reshape(-1).view(torch.uint8))
+            offset += n
+
+    def apply_once() -> float:
+        save_file(next_weights(), str(save_dir / "apply.safetensors"))  # untimed: the worker loads it first
+        (seconds,) = llm.collective_rpc("bench_time_apply", args=(str(save_dir / "apply.safetensors"),))
+        return seconds
+
+    def summarize(xs: list[float], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+        receiver = [m["receiver"] for m in metrics[warmup:] if m["receiver"]]
+        return {
+            "seconds": _median(xs),
+            "all_seconds": xs,
+            "receiver_apply_seconds": _median([r["apply_s"] or 0.0 for r in receiver]) if receiver else None,
+            "receiver_total_seconds": _median([r["total_s"] for r in receiver]) if receiver else None,
+            "sender_transfer_seconds": _median([m["sender"]["transfer_s"] or 0.0 for m in metrics[warmup:]]),
+            "buckets": metrics[-1]["sender"]["buckets"],
+        }
+
+    configs = [(t, mb) for t in transports for mb in bucket_mbs]
     try:
-        configs = [(t, mb) for t in transports for mb in bucket_mbs]
-        if "hal" not in methods:
-            configs = [("broadcast", bucket_mbs[0])] if "floor" in methods else []
-        for transport, mb in configs:
-            sync = WeightSync(
-                [engine], config=SyncConfig(bucket_bytes=int(mb * MIB), timeout_s=timeout_s), timeout_s=timeout_s,
-                transport=transport,
-            )
-            sync.init()
-            metrics: list[dict[str, Any]] = []
-
-            def hal_once() -> None:
-                result = sync.sync(TensorSource(next_weights().items()), version=next_version())
-                if result.engine_versions[engine.name] != str(result.version):
-                    raise RuntimeError(f"engine reports version {result.engine_versions} after sync {result.version}")
-                worker = llm.collective_rpc("bench_last_metrics")[0]
-                metrics.append({"sender": result.metrics.as_dict(), "receiver": worker, "seconds": result.seconds})
-
+        # Every method once per round, rounds repeated: load on a shared machine hits all alike.
+        sync = open_sync(*configs[0])
+        primary_metrics: list[dict[str, Any]] = []
+        print(f"[bench vllm] {warmup} + {repeats} rounds of {', '.join(methods)} "
+              f"(hal = {configs[0][0]}, {configs[0][1]:g} MiB buckets) ...", flush=True)
+        for i in range(warmup + repeats):
+            measured = {}
             if "hal" in methods:
+                measured["hal"] = _timed(lambda: hal_once(sync, primary_metrics), 1, 0)[0]
+            if "disk_reload" in methods:
+                measured["disk_reload"] = _timed(disk_once, 1, 0)[0]
+            if "rpc_bytes" in methods:
+                measured["rpc_bytes"] = _timed(rpc_once, 1, 0)[0]
+            if "apply" in methods:
+                measured["apply"] = apply_once()
+            if "floor" in methods:
+                measured["floor"] = _floor_once(sync, llm, total_bytes, timeout_s)
+                measured["memcpy"] = _timed(memcpy_once, 1, 0)[0]
+            if i >= warmup:
+                for name, seconds in measured.items():
+                    timings[name].append(seconds)
+        if "hal" in methods:
+            by_config[f"{configs[0][0]}@{configs[0][1]:g}MiB"] = summarize(timings["hal"], primary_metrics)
+        sync.close()
+        sync = None
+        if "hal" in methods:
+            for transport, mb in configs[1:]:
                 print(f"[bench vllm] hal ({transport}, {mb:g} MiB buckets) ...", flush=True)
-                xs = _timed(hal_once, repeats, warmup)
-                receiver = [m["receiver"] for m in metrics[warmup:] if m["receiver"]]
-                by_bucket[f"{transport}@{mb:g}MiB"] = {
-                    "seconds": _median(xs),
-                    "all_seconds": xs,
-                    "receiver_apply_seconds": _median([r["apply_s"] or 0.0 for r in receiver]) if receiver else None,
-                    "receiver_total_seconds": _median([r["total_s"] for r in receiver]) if receiver else None,
-                    "sender_transfer_seconds": _median([m["sender"]["transfer_s"] or 0.0 for m in metrics[warmup:]]),
-                    "buckets": metrics[-1]["sender"]["buckets"],
-                }
-                if "hal" not in timings:
-                    timings["hal"] = xs
-            if "floor" in methods and not floor_s:
-                print("[bench vllm] transport floor ...", flush=True)
-                floor_s = [_floor_once(sync, llm, total_bytes, timeout_s) for _ in range(warmup + repeats)][warmup:]
-            sync.close()
-            sync = None
-
-        def disk_once() -> None:
-            weights, version = next_weights(), next_version()
-            save_file(weights, str(save_dir / "model.safetensors"))
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(save_dir)})
-            llm.reset_prefix_cache()
-            llm.update_weight_version(str(version))
-
-        def rpc_once() -> None:
-            weights, version = next_weights(), next_version()
-            llm.collective_rpc("bench_reload_bytes", args=(save(weights),))
-            llm.reset_prefix_cache()
-            llm.update_weight_version(str(version))
-
-        if "rpc_bytes" in methods:
-            print("[bench vllm] rpc_bytes ...", flush=True)
-            timings["rpc_bytes"] = _timed(rpc_once, repeats, warmup)
-        if "disk_reload" in methods:
-            print("[bench vllm] disk_reload ...", flush=True)
-            timings["disk_reload"] = _timed(disk_once, repeats, warmup)
-        if "apply" in methods:
-            print("[bench vllm] engine apply ...", flush=True)
-            for i in range(warmup + repeats):
-                save_file(next_weights(), str(save_dir / "apply.safetensors"))
-                (seconds,) = llm.collective_rpc("bench_time_apply", args=(str(save_dir / "apply.safetensors"),))
-                if i >= warmup:
-                    apply_s.append(seconds)
+                sync = open_sync(transport, mb)
+                metrics: list[dict[str, Any]] = []
+                xs = _timed(lambda: hal_once(sync, metrics), repeats, warmup)
+                by_config[f"{transport}@{mb:g}MiB"] = summarize(xs, metrics)
+                sync.close()
+                sync = None
     finally:
         if sync is not None:
             sync.close()
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(save_dir, ignore_errors=True)
-
-    flat = torch.empty(total_bytes, dtype=torch.uint8)
-    memcpy_s = []
-    for _ in range(warmup + repeats):
-        start, offset = time.perf_counter(), 0
-        for t in weights_a.values():
-            n = t.numel() * t.element_size()
-            flat[offset : offset + n].copy_(t.reshape(-1).view(torch.uint8))
-            offset += n
-        memcpy_s.append(time.perf_counter() - start)
     del flat
+    apply_s, floor_s, memcpy_s = timings.get("apply", []), timings.get("floor", []), timings.get("memcpy", [])
     apply_seconds = _median(apply_s) if apply_s else None
     floor_seconds = _median(floor_s) if floor_s else None
     results = []
     for method in ("hal", "disk_reload", "rpc_bytes"):
-        if method in timings:
+        if timings.get(method):
             xs = timings[method]
             s = _median(xs)
             results.append({"method": method, "seconds": s, "min_seconds": min(xs), "gib_per_s": total_bytes / s / GIB, "all_seconds": xs})
@@ -282,10 +300,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": results,
         "apply_seconds": apply_seconds,
         "floor_seconds": floor_seconds,
-        "memcpy_seconds": _median(memcpy_s[warmup:]),
+        "memcpy_seconds": _median(memcpy_s) if memcpy_s else None,
         "ratios": ratios,
         "transport": transports[0],
-        "hal_by_config": by_bucket,
+        "hal_by_config": by_config,
         "multiprocess_engine": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
         "load_average": os.getloadavg(),
     }
@@ -336,6 +354,7 @@ def _print_summary(report: dict[str, Any]) -> None:
         print(f"  {'apply':<12} {report['apply_seconds']:>7.3f} s  (engine reload_weights from memory)")
     if report["floor_seconds"] is not None:
         print(f"  {'floor':<12} {report['floor_seconds']:>7.3f} s  (one flat broadcast trainer -> worker)")
-    print(f"  {'memcpy':<12} {report['memcpy_seconds']:>7.3f} s  (one copy of all bytes in the trainer: the ipc transport's floor)")
+    if report["memcpy_seconds"] is not None:
+        print(f"  {'memcpy':<12} {report['memcpy_seconds']:>7.3f} s  (one copy of all bytes in the trainer: the ipc transport's floor)")
     targets = {"disk_reload_over_hal": ">= 2.5", "rpc_bytes_over_hal": ">= 10", "hal_over_max_floor_apply": "<= 1.3"}
     print("  " + ", ".join(f"{k} {v:.2f} (target {targets[k]})" for k, v in report["ratios"].items()), flush=True)

