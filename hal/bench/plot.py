@@ -28,7 +28,8 @@ def plot_results(report: dict[str, Any], path: str) -> None:
                 label += f", {r['gib_per_s']:.2f} GiB/s"
             if r.get("ratio_to_floor"):
                 label += f", {r['ratio_to_floor']:.2f}x"
-            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8,
+                    bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
         if floor:
             ax.axvline(floor, color="#333333", linestyle="--", linewidth=1)
             ax.axvline(1.25 * floor, color="#c44e52", linestyle=":", linewidth=1, label="1.25x floor")
