@@ -13,6 +13,8 @@ import torch
 from hal import cli
 from hal.bench import presets, transfer
 
+pytestmark = pytest.mark.cpu
+
 
 def test_qwen_05b_preset_matches_the_model():
     params = presets.get_preset("qwen2.5-0.5b").params()

@@ -1,5 +1,9 @@
 """The transfer benchmark: one sender process, one receiver process, gloo between them.
 
+Weights live in host memory and hal's sync runs on the `cpu` backend whatever
+VERL_DEVICE says: this measures the same-node CPU path, where the floor is gloo over
+loopback. (Device-to-device NCCL/HCCL runs are not covered here.)
+
 Both processes are spawned fresh and joined by one gloo group that is created once and
 reused by every method (as a trainer-engine group would be). The parent process only
 waits, with a deadline: a rank that fails or outlives the deadline gets every rank
@@ -286,8 +290,11 @@ def _setup_per_tensor(ctx: RankContext) -> tuple[Callable[[], None], Callable[[]
 
 
 def _setup_hal(ctx: RankContext, transport_name: str, copy_into_destinations: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    from hal.device import get_backend
     from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec
     from hal.sync import transport as transports
+
+    backend = get_backend("cpu")  # host weights and gloo, whatever VERL_DEVICE says
 
     transport_cls = getattr(transports, transport_name)
     transport = transport_cls(group=None, src=SENDER)
@@ -297,7 +304,7 @@ def _setup_hal(ctx: RankContext, transport_name: str, copy_into_destinations: bo
     names = [p.name for p in ctx.params]
 
     if ctx.is_sender:
-        sender = Sender(transport, sync_config)
+        sender = Sender(transport, sync_config, backend=backend)
         pairs = list(zip(names, ctx.tensors))
         if ctx.config.trace:
             _trace_calls(sender, ctx.trace, ("_pack",))  # private: profiling only, tolerated to vanish
@@ -314,7 +321,7 @@ def _setup_hal(ctx: RankContext, transport_name: str, copy_into_destinations: bo
         return run, teardown
 
     specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in ctx.params]
-    receiver = Receiver(transport, specs, sync_config)
+    receiver = Receiver(transport, specs, sync_config, backend=backend)
     if ctx.config.trace:
         _trace_calls(receiver, ctx.trace, ("_views",))  # private: profiling only
     destination = dict(zip(names, ctx.tensors))
