@@ -76,3 +76,13 @@ def test_bench_rejects_an_unknown_method(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--preset", "tiny", "--methods", "floor,teleport"])
     assert "teleport" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_a_run_past_its_deadline_raises_and_leaves_no_process_behind():
+    import multiprocessing
+
+    config = transfer.TransferConfig(preset="tiny", methods=("floor",), repeats=1, timeout_s=0.05)
+    with pytest.raises(TimeoutError, match="did not finish"):
+        transfer.run_transfer(config)
+    assert multiprocessing.active_children() == []
