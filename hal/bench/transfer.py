@@ -74,7 +74,7 @@ READ_METHODS = ("hal_bucketed_read", "hal_shm_read")
 ALL_METHODS = CORE_METHODS + READ_METHODS
 
 SENDER, RECEIVER = 0, 1
-_PATTERN_PERIOD = 1_048_573  # a prime number of bytes: no two tensors share a checksum by accident
+_PATTERN_PERIOD = 1_048_573  # a prime number of bytes: a tensor at a wrong offset does not match by accident
 
 
 @dataclass(kw_only=True, slots=True)
