@@ -44,11 +44,19 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.timeout_s must be positive, got {self.timeout_s!r}")
 
 
-def default_bucket_bytes(backend: Backend) -> int:
-    """1/64 of free device memory, between 32 MiB and 256 MiB, rounded to whole MiB.
+def default_bucket_bytes(backend: Backend, largest_tensor_bytes: int = 0) -> int:
+    """1/64 of free device memory, between 32 MiB and 256 MiB, rounded to whole MiB;
+    raised to hold the largest tensor whole when two such buckets take at most 1/8 of
+    free memory.
 
     Two buckets per side must fit beside the model and the engine's KV cache; past a few
-    hundred MiB a larger bucket only delays the first transfer.
+    hundred MiB a larger bucket only delays the first transfer. A tensor larger than the
+    bucket is split and reassembled, which costs the receiver an extra buffer and copy
+    (measured in docs/benchmarks.md), so a little more memory is worth avoiding it.
     """
     free = backend.memory_info().free
-    return max(32 * MIB, min(256 * MIB, free // 64 // MIB * MIB))
+    size = max(32 * MIB, min(256 * MIB, free // 64 // MIB * MIB))
+    whole = -(-(largest_tensor_bytes + 64 * 1024) // MIB) * MIB  # room for alignment and checksums
+    if whole > size and 2 * whole <= free // 8:
+        size = whole
+    return size

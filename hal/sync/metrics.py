@@ -54,5 +54,8 @@ class PhaseTimer:
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
     def get(self, phase: str) -> float | None:
         return self.seconds.get(phase)

@@ -68,6 +68,10 @@ class Receiver:
         self.version = version
         self.plans = PlanCache()
         self._stream = self.backend.new_stream()
+        # Buffers for tensors that arrive in chunks, kept across syncs (their size is part of
+        # the layout): a fresh one per sync is page-faulted in each time, which cost more
+        # than its transfer (docs/benchmarks.md).
+        self._reassembly: dict[str, torch.Tensor] = {}
 
     def _check_header(self, header: dict[str, Any]) -> tuple[BucketPlan | None, str | None]:
         version = header["version"]
@@ -113,6 +117,9 @@ class Receiver:
         errors.raise_if_any(self.transport.agree(error, "header check"), rank, where)
         assert plan is not None  # every rank agreed there was no error
         self.transport.setup(self.backend, plan.max_bucket_nbytes)
+        chunked = {p.spec.name for b in plan.buckets for p in b.pieces if not p.is_whole}
+        for name in set(self._reassembly) - chunked:  # the layout changed: drop what it no longer needs
+            del self._reassembly[name]
 
         local_error = self._receive_buckets(plan, apply, timer)
         errors.raise_if_any(self.transport.agree(local_error, "apply status"), rank, where)
@@ -182,7 +189,10 @@ class Receiver:
                 pairs.append((spec.name, kernels.typed_view(data, piece.offset, spec.shape, spec.dtype)))
                 continue
             if piece.is_first:
-                partial[spec.name] = self.backend.empty(spec.nbytes)
+                buffer = self._reassembly.get(spec.name)
+                if buffer is None or buffer.numel() != spec.nbytes:
+                    buffer = self._reassembly[spec.name] = self.backend.empty(spec.nbytes)
+                partial[spec.name] = buffer
             if self.backend.collectives_follow_streams:  # the receive completed on the current stream
                 self._stream.wait_stream(self.backend.current_stream())
             whole = partial[spec.name]

@@ -49,11 +49,13 @@ class Sender:
         self.config = config or SyncConfig()
         self.backend = backend or hal.current()
         self.transport.timeout_s = self.config.timeout_s
-        self.bucket_bytes = self.config.bucket_bytes or default_bucket_bytes(self.backend)
+        # None until the first sync when derived from free memory (it depends on the largest tensor)
+        self.bucket_bytes: int | None = self.config.bucket_bytes
         self.plans = PlanCache()
         self.version: int | None = None
         self._stream = self.backend.new_stream()
         self._staging: torch.Tensor | None = None
+        self._sized_for = 0
         # On CUDA/NPU the source tensors are produced, and collectives issued, on the current
         # stream while packs run on our own: the two must wait on each other on the device.
         self._cross_stream_waits = self.backend.collectives_follow_streams
@@ -77,7 +79,9 @@ class Sender:
         source = as_source(source)
         metadata = list(source.metadata())
         builds = self.plans.builds
-        plan = self.plans.get(self._wire_specs(metadata), self.bucket_bytes, self.config.verify)
+        wire_specs = self._wire_specs(metadata)
+        self._size_buckets(wire_specs)
+        plan = self.plans.get(wire_specs, self.bucket_bytes, self.config.verify)
         where = f"sync of version {version}"
 
         self.transport.broadcast_object(header_of(plan, version))
@@ -108,6 +112,16 @@ class Sender:
             plan_reused=self.plans.builds == builds,
         )
 
+    def _size_buckets(self, specs: list[TensorSpec]) -> None:
+        """Derive the bucket size once, and again only if a larger tensor appears, so that
+        free-memory noise between syncs does not change the layout."""
+        if self.config.bucket_bytes is not None:
+            return
+        largest = max((s.nbytes for s in specs), default=0)
+        if self.bucket_bytes is None or largest > self._sized_for:
+            self.bucket_bytes = default_bucket_bytes(self.backend, largest)
+            self._sized_for = largest
+
     def _ensure_staging(self, nbytes: int) -> None:
         if self._staging is None or self._staging.numel() < nbytes:
             self._staging = None  # free the old one before allocating the larger
@@ -128,7 +142,11 @@ class Sender:
                 alive.pop(k - 2, None)
             if failure is None:
                 try:
+                    gathered = timer.get("gather") or 0.0
+                    began = time.perf_counter()
                     alive[k], current = self._pack(bucket, slot, it, metadata, current, timer)
+                    # on synchronous backends the copies happen here, not in _wait_packed
+                    timer.add("pack", time.perf_counter() - began - ((timer.get("gather") or 0.0) - gathered))
                 except Exception as exc:
                     failure = exc  # keep sending so every rank reaches the final agreement
             event = self._stream.record_event()

@@ -109,7 +109,9 @@ class Transport:
         length = torch.tensor([len(encoded)], dtype=torch.int64, device=self.control_device)
         lengths = [torch.zeros(1, dtype=torch.int64, device=self.control_device) for _ in range(self.world_size)]
         self._allgather(lengths, length, f"{what} lengths")
-        width = max(1, max(int(t.item()) for t in lengths))
+        width = max(int(t.item()) for t in lengths)
+        if width == 0:  # the common case: nobody failed, no second round trip
+            return [None] * self.world_size
         mine = torch.zeros(width, dtype=torch.uint8)
         if encoded:
             mine[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)

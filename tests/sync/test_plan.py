@@ -93,3 +93,28 @@ def test_sync_config_validation_names_the_field():
         SyncConfig(wire_dtype=torch.int8)
     with pytest.raises(ValueError, match="timeout_s"):
         SyncConfig(timeout_s=0)
+
+
+class _FreeMemory:
+    def __init__(self, free):
+        self.free = free
+
+    def memory_info(self):
+        from hal.backend import MemoryInfo
+
+        return MemoryInfo(free=self.free, total=self.free)
+
+
+def test_default_bucket_follows_free_memory_and_holds_the_largest_tensor_when_it_can():
+    from hal.sync import default_bucket_bytes
+
+    mib, gib = 1 << 20, 1 << 30
+    assert default_bucket_bytes(_FreeMemory(1 * gib)) == 32 * mib  # floor
+    assert default_bucket_bytes(_FreeMemory(8 * gib)) == 128 * mib  # 1/64 of free
+    assert default_bucket_bytes(_FreeMemory(64 * gib)) == 256 * mib  # cap
+    # a 272 MB embedding: held whole when two such buckets fit in 1/8 of free memory ...
+    whole = default_bucket_bytes(_FreeMemory(23 * gib), 272 * 10**6)
+    assert 272 * 10**6 < whole <= 272 * 10**6 + 2 * mib
+    assert build_plan([TensorSpec("embed", (68_000_000,), torch.float32)], whole).buckets[0].pieces[0].is_whole
+    # ... and chunked rather than exhausting a small device
+    assert default_bucket_bytes(_FreeMemory(2 * gib), 272 * 10**6) == 32 * mib
