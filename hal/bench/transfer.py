@@ -20,6 +20,11 @@ receiver-owned memory (a preallocated destination tensor per parameter).
     hal_bucketed   hal.sync's Sender/Receiver over BroadcastTransport; the receiver's
                    apply callable copies the zero-copy views into the destinations.
     hal_shm        the same over IpcTransport (same-node shared memory).
+    floor_with_copy
+                   the flat broadcast, started asynchronously, while each process copies
+                   as many bytes as the model holds (through a 64 MiB scratch pair): where
+                   a bucketed sync (one pack copy at the sender, one apply copy at the
+                   receiver) would land if its copies overlapped the transfer perfectly.
     *_read         the hal methods again with an apply callable that reads every byte of
                    the views (a sum of their 8-byte words) and copies nothing: what a
                    consumer that uses the bucket in place would pay. NOT comparable to
@@ -27,8 +32,12 @@ receiver-owned memory (a preallocated destination tensor per parameter).
 
 Timing: each repetition starts after a barrier; its time is the latest end minus the
 earliest start over both processes (`time.perf_counter`, CLOCK_MONOTONIC, shared by the
-processes of a node). Warm-up repetitions are run and discarded; `seconds` is the median
-of the measured repetitions (the best is reported too). After every repetition the
+processes of a node). First every method, one after the other, creates its objects and
+runs its warm-up repetitions (at least one; memory is measured here, see below). Then
+the measured repetitions run in interleaved rounds: round r runs every method once,
+starting at method r, so a burst of load from other work on the machine hits all methods
+alike. `seconds` is the median over rounds (the best is reported too); `ratio_to_floor`
+is the median over rounds of the method's time over the floor's time in the same round. After every repetition the
 receiver checks every byte of the destinations against the sender's (deterministic)
 pattern and clears them, both outside the timed region.
 
@@ -39,10 +48,11 @@ by the cores bounds the time from below.
 
 Memory: per process, the Linux resident-set high-water mark (VmHWM) is reset through
 /proc/self/clear_refs just before a method's objects (transports, senders, receivers) are
-created (the baseline), and again after each repetition's verification; the largest
-`VmHWM - baseline` read right after a repetition is that process's peak extra memory:
-everything the method allocated and touched beyond the weights and destinations, which
-are allocated and touched before any method runs. `peak_extra_bytes` is the larger of the
+created (the baseline), and again after each warm-up repetition's verification; the
+largest `VmHWM - baseline` read right after a warm-up repetition is that process's peak
+extra memory: everything the method allocated and touched beyond the weights, the
+destinations (allocated and touched before any method runs) and the objects of the
+methods set up before it (alive from their setup to the end of the run). `peak_extra_bytes` is the larger of the
 two processes; both are reported. Pages of a shared-memory file count in the RSS of every
 process that touches them.
 """
@@ -71,7 +81,10 @@ MIB = 1024**2
 # Methods every run reports (the issue's four), then the read-in-place variants.
 CORE_METHODS = ("floor", "per_tensor", "hal_bucketed", "hal_shm")
 READ_METHODS = ("hal_bucketed_read", "hal_shm_read")
-ALL_METHODS = CORE_METHODS + READ_METHODS
+# The flat broadcast while each process copies a model-sized buffer: the best a bucketed
+# sync (one pack copy, one apply copy) could do if its copies overlapped perfectly.
+BOUND_METHODS = ("floor_with_copy",)
+ALL_METHODS = CORE_METHODS + READ_METHODS + BOUND_METHODS
 
 SENDER, RECEIVER = 0, 1
 _PATTERN_PERIOD = 1_048_573  # a prime number of bytes: a tensor at a wrong offset does not match by accident
@@ -289,6 +302,30 @@ def _setup_per_tensor(ctx: RankContext) -> tuple[Callable[[], None], Callable[[]
     return run, lambda: None
 
 
+def _setup_floor_with_copy(ctx: RankContext) -> tuple[Callable[[], None], Callable[[], None]]:
+    import torch.distributed as dist
+
+    # While the flat broadcast runs, each process copies as many bytes as the model holds,
+    # as a perfectly pipelined pack (sender) or apply (receiver) would. Through a 64 MiB
+    # scratch pair (twice the L3 here, so the copies still go to memory), to keep its
+    # memory small.
+    chunk = min(64 * MIB, ctx.flat.numel())
+    scratch_src = torch.ones(chunk, dtype=torch.uint8)
+    scratch_dst = torch.zeros(chunk, dtype=torch.uint8)
+    total = ctx.flat.numel()
+
+    def run() -> None:
+        work = dist.broadcast(ctx.flat, src=SENDER, async_op=True)
+        done = 0
+        while done < total:
+            n = min(chunk, total - done)
+            scratch_dst[:n].copy_(scratch_src[:n])
+            done += n
+        work.wait()
+
+    return run, lambda: None
+
+
 def _setup_hal(ctx: RankContext, transport_name: str, copy_into_destinations: bool) -> tuple[Callable[[], None], Callable[[], None]]:
     from hal.device import get_backend
     from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec
@@ -402,6 +439,7 @@ def _metrics_dict(metrics: Any) -> dict[str, Any]:
 
 
 SETUPS: dict[str, Callable[[RankContext], tuple[Callable[[], None], Callable[[], None]]]] = {
+    "floor_with_copy": _setup_floor_with_copy,
     "floor": _setup_floor,
     "per_tensor": _setup_per_tensor,
     "hal_bucketed": lambda ctx: _setup_hal(ctx, "BroadcastTransport", True),
@@ -411,7 +449,7 @@ SETUPS: dict[str, Callable[[RankContext], tuple[Callable[[], None], Callable[[],
 }
 
 # Methods whose run leaves the receiver's destinations filled (and so can be verified).
-_FILLS_DESTINATIONS = {"floor", "per_tensor", "hal_bucketed", "hal_shm"}
+_FILLS_DESTINATIONS = {"floor", "floor_with_copy", "per_tensor", "hal_bucketed", "hal_shm"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -441,7 +479,20 @@ def _rank_main(rank: int, port: int, config: TransferConfig, out: Any) -> None:
             pass
 
 
+@dataclass(slots=True)
+class _MethodState:
+    ctx: RankContext
+    run: Callable[[], None]
+    teardown: Callable[[], None]
+    peak_extra: int | None = None
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+
 def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
+    import dataclasses
+
     import torch.distributed as dist
 
     began = time.perf_counter()
@@ -453,57 +504,67 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
     else:
         flat.zero_()  # touch every page now, so it is part of the baseline
     tensors = _views(flat, params, offsets)
-    ctx = RankContext(rank=rank, config=config, params=params, flat=flat, tensors=tensors)
+    base = RankContext(rank=rank, config=config, params=params, flat=flat, tensors=tensors)
     memory = PeakMemory()
-
     report: dict[str, Any] = {"rank": rank, "total_bytes": total, "tensors": len(params), "methods": {}}
     report["setup_wall_s"] = time.perf_counter() - began
-    for method in config.methods:
-        method_began = time.perf_counter()
-        ctx.metrics = []
-        ctx.trace = []
+
+    def one(method: str, state: _MethodState, label: str) -> tuple[float, float, float]:
         dist.barrier()
-        memory.reset()  # baseline: weights and destinations only
-        run, teardown = SETUPS[method](ctx)
-        starts, ends, peaks, cpu = [], [], [], []
-        try:
-            for i in range(config.warmup + config.repeats):
-                dist.barrier()
-                ctx.trace.clear()
-                c0 = time.process_time()
-                t0 = time.perf_counter()
-                run()
-                t1 = time.perf_counter()
-                c1 = time.process_time()
+        state.ctx.trace.clear()
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        state.run()
+        t1 = time.perf_counter()
+        c1 = time.process_time()
+        if rank == RECEIVER:
+            if config.verify and method in _FILLS_DESTINATIONS and not _matches_pattern(flat):
+                raise RuntimeError(f"{method}: {label}: parameter {_first_mismatch(flat, params, offsets)!r} arrived with wrong bytes")
+            flat.zero_()  # the next repetition must write every byte again
+        return t0, t1, c1 - c0
+
+    states: dict[str, _MethodState] = {}
+    try:
+        # Phase 1, one method at a time: create its objects and run its warm-up syncs, with
+        # the RSS peak measured from just before the objects existed. Earlier methods'
+        # objects stay alive; they are part of the baseline, not of this method's peak.
+        for method in config.methods:
+            dist.barrier()
+            memory.reset()
+            ctx = dataclasses.replace(base, metrics=[], trace=[])
+            run, teardown = SETUPS[method](ctx)
+            state = states[method] = _MethodState(ctx, run, teardown)
+            peaks = []
+            for i in range(max(1, config.warmup)):
+                one(method, state, f"warm-up {i}")
                 peaks.append(memory.extra())
-                if i >= config.warmup:
-                    starts.append(t0)
-                    ends.append(t1)
-                    cpu.append(c1 - c0)
-                if rank == RECEIVER:
-                    if config.verify and method in _FILLS_DESTINATIONS and not _matches_pattern(flat):
-                        raise RuntimeError(
-                            f"{method}: repetition {i}: parameter {_first_mismatch(flat, params, offsets)!r} "
-                            "arrived with wrong bytes"
-                        )
-                    flat.zero_()  # the next repetition must write every byte again
-                # Verification is not part of the sync: forget its temporaries' pages, keep
-                # the baseline (so buffers the method keeps across repetitions still count).
-                memory.restart_peak()
-        finally:
-            teardown()
-            del run, teardown
+                memory.restart_peak()  # the byte check's temporaries are not the sync's
+            state.peak_extra = None if None in peaks else max(peaks)
+            state.ctx.metrics.clear()
+        # Phase 2, interleaved: round r runs every method once, starting at method r, so
+        # the load of this shared machine falls on all methods alike.
+        n = len(config.methods)
+        for r in range(config.repeats):
+            for method in config.methods[r % n :] + config.methods[: r % n]:
+                state = states[method]
+                t0, t1, cpu = one(method, state, f"round {r}")
+                state.starts.append(t0)
+                state.ends.append(t1)
+                state.cpu.append(cpu)
+    finally:
+        for state in states.values():
+            state.teardown()
+    for method, state in states.items():
         report["methods"][method] = {
-            "starts": starts,
-            "ends": ends,
-            "peak_extra_bytes": None if None in peaks else max(peaks),
-            "cpu_s": cpu,
-            "metrics": ctx.metrics[config.warmup :],
-            "wall_s": time.perf_counter() - method_began,
+            "starts": state.starts,
+            "ends": state.ends,
+            "peak_extra_bytes": state.peak_extra,
+            "cpu_s": state.cpu,
+            "metrics": state.ctx.metrics,
         }
-        if config.trace and ctx.trace:
-            origin = starts[-1] if starts else 0.0
-            report["methods"][method]["trace"] = [(n, a, t0 - origin, t1 - origin) for n, a, t0, t1 in ctx.trace]
+        if config.trace and state.ctx.trace:
+            origin = state.starts[-1]
+            report["methods"][method]["trace"] = [(nm, a, t0 - origin, t1 - origin) for nm, a, t0, t1 in state.ctx.trace]
     dist.barrier()
     return report
 
@@ -573,6 +634,7 @@ def run_transfer(config: TransferConfig) -> dict[str, Any]:
     wall = time.perf_counter() - began
     total = reports[SENDER]["total_bytes"]
     results = []
+    per_round: dict[str, list[float]] = {}
     for method in config.methods:
         per_rank = [r["methods"][method] for r in reports]
         times = [
@@ -581,6 +643,7 @@ def run_transfer(config: TransferConfig) -> dict[str, Any]:
         ]
         extras = [m["peak_extra_bytes"] for m in per_rank]
         seconds = statistics.median(times)
+        per_round[method] = times
         results.append(
             {
                 "method": method,
@@ -593,7 +656,6 @@ def run_transfer(config: TransferConfig) -> dict[str, Any]:
                 "sender_peak_extra_bytes": extras[SENDER],
                 "receiver_peak_extra_bytes": extras[RECEIVER],
                 "leaves_receiver_owned_copy": method in _FILLS_DESTINATIONS,
-                "wall_s": max(m["wall_s"] for m in per_rank),
                 "sender_cpu_s": statistics.median(per_rank[SENDER]["cpu_s"]),
                 "receiver_cpu_s": statistics.median(per_rank[RECEIVER]["cpu_s"]),
                 **({"trace": {"sender": per_rank[SENDER]["trace"], "receiver": per_rank[RECEIVER]["trace"]}} if "trace" in per_rank[SENDER] else {}),
@@ -601,16 +663,17 @@ def run_transfer(config: TransferConfig) -> dict[str, Any]:
                 "receiver_metrics": _median_metrics(per_rank[RECEIVER]["metrics"]),
             }
         )
-    floor = next((r["seconds"] for r in results if r["method"] == "floor"), None)
+    floor = per_round.get("floor")
     for r in results:
-        r["ratio_to_floor"] = r["seconds"] / floor if floor else None
+        # The median of the per-round ratios: both times of a ratio come from the same round.
+        r["ratio_to_floor"] = statistics.median(t / f for t, f in zip(per_round[r["method"]], floor)) if floor else None
     preset = get_preset(config.preset)
     return {
         "preset": config.preset,
         "bytes": total,
         "tensors": len(preset.params()),
         "config": {**{k: v for k, v in asdict(config).items() if k != "methods"}, "methods": list(config.methods)},
-        "timing": f"median of {config.repeats} after {config.warmup} warm-up",
+        "timing": f"median of {config.repeats} interleaved rounds after {max(1, config.warmup)} warm-up",
         "torch_threads_per_process": config.threads,
         "setup_wall_s": max(r["setup_wall_s"] for r in reports),
         "wall_s": wall,
