@@ -27,14 +27,8 @@ from typing import Any
 
 PROMPT_LEN = 6
 
-# vLLM prefixes this process's stdout writes with "(MainProcess pid=...)" once its engine
-# core runs in-process; the demo's own lines keep the original writer.
-_write = sys.stdout.write
-
-
 def say(line: str) -> None:
-    _write(line + "\n")
-    sys.stdout.flush()
+    print(line, flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -214,9 +214,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             flat[offset : offset + n].copy_(t.reshape(-1).view(torch.uint8))
             offset += n
 
+    apply_file = Path(tempfile.mkdtemp(prefix="hal-bench-apply-")) / "apply.safetensors"  # not in save_dir: reload reads every file there
+
     def apply_once() -> float:
-        save_file(next_weights(), str(save_dir / "apply.safetensors"))  # untimed: the worker loads it first
-        (seconds,) = llm.collective_rpc("bench_time_apply", args=(str(save_dir / "apply.safetensors"),))
+        save_file(next_weights(), str(apply_file))  # untimed: the worker loads it before its clock starts
+        (seconds,) = llm.collective_rpc("bench_time_apply", args=(str(apply_file),))
         return seconds
 
     def summarize(xs: list[float], metrics: list[dict[str, Any]]) -> dict[str, Any]:
@@ -272,6 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(save_dir, ignore_errors=True)
+        shutil.rmtree(apply_file.parent, ignore_errors=True)
     del flat
     apply_s, floor_s, memcpy_s = timings.get("apply", []), timings.get("floor", []), timings.get("memcpy", [])
     apply_seconds = _median(apply_s) if apply_s else None

@@ -18,11 +18,13 @@ The weight version is the trainer's step: the engine reports it afterwards
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence
 
 import hal
 from hal.integrations.vllm import BACKEND_NAME, TRANSPORTS, HalInitInfo, dtype_name
@@ -206,6 +208,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _keep_stdout() -> Iterator[None]:
+    """Restore file descriptor 1 if a gloo group set-up left it on /dev/null.
+
+    vLLM's `init_gloo_process_group` silences fd 1 with a dup2 around the group's
+    creation. When the engine's worker runs in this process (single-process mode), its
+    set-up and ours run at the same time in two threads, and the second dup2 can save
+    /dev/null as "the original": stdout would stay silenced for the rest of the process.
+    """
+    saved = os.dup(1)
+    try:
+        yield
+    finally:
+        try:
+            devnull = os.stat(os.devnull)
+            if os.path.samestat(os.fstat(1), devnull) and not os.path.samestat(os.fstat(saved), devnull):
+                os.dup2(saved, 1)
+        finally:
+            os.close(saved)
+
+
 class _Call:
     """Run one engine call in a daemon thread; `result(timeout)` re-raises its error."""
 
@@ -276,6 +299,10 @@ class WeightSync:
 
     def init(self) -> None:
         """Join every engine's workers into one group with this process (once)."""
+        with _keep_stdout():
+            self._init()
+
+    def _init(self) -> None:
         from datetime import timedelta
 
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
