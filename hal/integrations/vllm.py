@@ -123,6 +123,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         self._receiver: Receiver | None = None
         self._layer_of: dict[str, frozenset[str]] = {}
         self._seen: set[str] = set()
+        self._carry: _CarryArena | None = None
         self._reloading = False
         self.last_metrics: SyncMetrics | None = None
 
@@ -160,6 +161,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         transport = TRANSPORTS[init_info.transport](self._group, src=0)
         self._receiver = Receiver(transport, specs, init_info.sync_config())
         self._layer_of = layer_groups([s.name for s in specs])
+        self._carry = _CarryArena(cap_bytes=max(64 << 20, sum(s.nbytes for s in specs) // 4))
 
     # ---- one update ---------------------------------------------------------------
     def start_weight_update(self) -> None:
@@ -201,10 +203,12 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             initialize_layerwise_reload(self.model)
             self._reloading = True
             self._seen = set()
+            self._carry.reset()
         self._seen.update(name for name, _ in pairs)
         # The views are valid during this call only. A layer whose tensors are not all
         # here yet keeps the ones it got until its last one arrives: those are copied.
-        batch = [(n, t if self._layer_of.get(n, frozenset((n,))) <= self._seen else t.clone()) for n, t in pairs]
+        keep = self._carry.keep
+        batch = [(n, t if self._layer_of.get(n, frozenset((n,))) <= self._seen else keep(t)) for n, t in pairs]
         self.model.load_weights(batch)
 
     def _finish_reload(self) -> None:
@@ -236,6 +240,43 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
                 shutdown = getattr(group, "shutdown", None)
                 if callable(shutdown):
                     shutdown()
+
+
+class _CarryArena:
+    """Reused memory for received tensors that a layerwise reload keeps past their bucket.
+
+    A layer split across buckets is only processed when its last tensor arrives; its
+    earlier tensors must outlive their bucket. Copying them here instead of cloning
+    avoids allocating (and page-faulting) fresh memory every sync. Reset at the start of
+    each sync only, so tensors that vLLM keeps until the end of the reload stay valid.
+    Grows to the most a sync needed, up to `cap_bytes`; beyond that, tensors are cloned.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.buf: torch.Tensor | None = None
+        self.used = 0
+        self.wanted = 0
+
+    def reset(self) -> None:
+        if self.wanted > (0 if self.buf is None else self.buf.numel()):
+            self.buf = None  # free before allocating the larger one
+            self.buf = hal.current().empty(min(self.wanted, self.cap_bytes))
+        self.used = 0
+        self.wanted = 0
+
+    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        end = self.used + -(-nbytes // self.ALIGN) * self.ALIGN
+        self.wanted = max(self.wanted, end)
+        if self.buf is None or end > self.buf.numel() or not tensor.is_contiguous():
+            return tensor.clone()
+        out = self.buf[self.used : self.used + nbytes].view(tensor.dtype).view(tensor.shape)
+        hal.current().copy_(out, tensor)  # on the current stream, which the loader's copies follow
+        self.used = end
+        return out
 
 
 class _no_mtp_check:
