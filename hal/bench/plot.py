@@ -19,7 +19,7 @@ def plot_results(report: dict[str, Any], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 0.55 * len(results) + 1.6))
     try:
-        colors = ["#777777" if m == "floor" else "#4c72b0" if m.startswith("hal_") else "#dd8452" for m in methods]
+        colors = ["#777777" if m.startswith("floor") else "#4c72b0" if m.startswith("hal_") else "#dd8452" for m in methods]
         bars = ax.barh(methods, seconds, color=colors)
         ax.invert_yaxis()
         for bar, r in zip(bars, results):
