@@ -50,9 +50,9 @@ MIB = 1024**2
 
 def add_arguments(parser: Any) -> None:
     parser.add_argument(
-        "--vllm-bucket-mb", type=_mb_list, default=(128.0,),
+        "--vllm-bucket-mb", type=_mb_list, default=(256.0,),
         help="--engine vllm: bucket size(s) in MiB for hal's sync, comma-separated; the first is reported as 'hal', "
-        "all under 'hal_by_config' (default 128)",
+        "all under 'hal_by_config' (default 256, what WeightSync picks by default on a host with over 16 GiB free)",
     )
     parser.add_argument(
         "--vllm-transports", type=_transport_list, default=("ipc", "broadcast"),
