@@ -248,6 +248,9 @@ class _Call:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def wait(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
     def result(self, timeout: float) -> Any:
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -339,11 +342,25 @@ class WeightSync:
             offset += engine.num_workers
             payload = asdict(info)
             calls.append(_Call(f"{engine.name}: init_weight_transfer_engine", lambda e=engine, p=payload: e.init_weight_transfer_engine(p)))
-        try:
-            self._group = stateless_init_torch_distributed_process_group(
+        group_call = _Call(
+            "trainer: join the weight-sync group",
+            lambda: stateless_init_torch_distributed_process_group(
                 self.master_address, port, 0, self.world_size, backend=backend.dist_backend,
                 timeout=timedelta(seconds=self.timeout_s),
-            )
+            ),
+        )
+        # An engine that refuses (bad init info, already connected) fails fast instead of
+        # leaving the trainer in the rendezvous until the timeout.
+        deadline = time.monotonic() + self.timeout_s
+        while not group_call.done():
+            for call in calls:
+                if call.done():
+                    call.result(0)
+            if time.monotonic() > deadline:
+                break
+            group_call.wait(0.05)
+        try:
+            self._group = group_call.result(max(0.0, deadline - time.monotonic()))
         except Exception as exc:
             for call in calls:
                 if call.done():

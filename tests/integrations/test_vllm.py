@@ -188,3 +188,40 @@ def test_worker_extension_path_uses_the_same_transport(engine):
         assert_engine_matches(llm, model)
     finally:
         ext_sync.close()
+
+
+def test_vllm_trainer_factory_drives_the_hal_engine(engine):
+    """vLLM's own trainer-side entry point: WeightTransferTrainerFactory.trainer_init(...)."""
+    llm, sync, model, _ = engine
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from hal.integrations.vllm import register
+    from hal.integrations.vllm_client import HalTrainerInitInfo, HalTrainerWeightTransferEngine, OfflineEngine
+
+    register()
+    version = current_version(llm, sync, model) + 1
+    sync.close()  # one hal connection per worker at a time: release the module's, reopen below
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        HalTrainerInitInfo(rank=0, num_workers=1, bucket_bytes=256 << 10, timeout_s=60),
+        client=OfflineEngine(llm),
+        source=model,
+    )
+    try:
+        assert isinstance(trainer, HalTrainerWeightTransferEngine)
+        perturb(model, seed=70, scale=0.2)
+        result = trainer.send_weights(version=version)
+        assert llm.get_weight_version() == str(version)
+        assert result.version == version
+        assert_engine_matches(llm, model)
+    finally:
+        trainer.shutdown()
+        sync.init()
+
+
+def test_second_connection_fails_fast_naming_the_cause(engine):
+    llm, sync, model, _ = engine
+    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+
+    other = WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60)
+    with pytest.raises(RuntimeError, match="already initialised"):
+        other.init()
