@@ -232,14 +232,12 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         if receiver is not None:
             receiver.transport.close()
         if group is not None:
-            try:
-                import torch.distributed as dist
+            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
 
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 - a group vLLM made statelessly may not be registered
-                shutdown = getattr(group, "shutdown", None)
-                if callable(shutdown):
-                    shutdown()
+            try:
+                stateless_destroy_torch_distributed_process_group(group)
+            except Exception as exc:  # noqa: BLE001 - teardown must not fail the worker
+                logger.warning("hal weight transfer: releasing the group failed: %s", exc)
 
 
 class _CarryArena:
