@@ -42,6 +42,7 @@ from vllm.distributed.weight_transfer.base import (
 
 import hal
 from hal.sync import Receiver, SyncConfig, SyncMetrics
+from hal.sync import errors as sync_errors
 from hal.sync.transport import BroadcastTransport, IpcTransport
 
 logger = logging.getLogger(__name__)
@@ -159,8 +160,10 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             timeout=timedelta(seconds=init_info.timeout_s),
         )
         transport = TRANSPORTS[init_info.transport](self._group, src=0)
-        self._receiver = Receiver(transport, specs, init_info.sync_config())
         self._layer_of = layer_groups([s.name for s in specs])
+        receiver = _WholeLayerReceiver(transport, specs, init_info.sync_config())
+        receiver.layer_of = self._layer_of
+        self._receiver = receiver
         self._carry = _CarryArena(cap_bytes=max(64 << 20, sum(s.nbytes for s in specs) // 4))
 
     # ---- one update ---------------------------------------------------------------
@@ -238,6 +241,32 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
                 stateless_destroy_torch_distributed_process_group(group)
             except Exception as exc:  # noqa: BLE001 - teardown must not fail the worker
                 logger.warning("hal weight transfer: releasing the group failed: %s", exc)
+
+
+class _WholeLayerReceiver(Receiver):
+    """Refuses, before anything is applied, a sync that carries part of a layer.
+
+    vLLM's layerwise reload processes a fused layer from all of its checkpoint tensors;
+    one that got only some of them would be processed with the rest uninitialised.
+    """
+
+    layer_of: dict[str, frozenset[str]] = {}
+
+    def _check_header(self, header: dict[str, Any]) -> tuple[Any, str | None]:
+        plan, error = super()._check_header(header)
+        if error is not None:
+            return plan, error
+        sent = {name for name, _shape, _dtype in header["specs"]}
+        for name in sorted(sent):
+            missing = self.layer_of.get(name, frozenset()) - sent
+            if missing:
+                more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+                return None, sync_errors.encode(
+                    "spec",
+                    f"parameter {name!r} is sent without {sorted(missing)[:3]}{more} of the same layer; "
+                    "vLLM's layerwise reload needs every tensor of each layer it reloads",
+                )
+        return plan, None
 
 
 class _CarryArena:

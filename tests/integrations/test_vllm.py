@@ -225,3 +225,17 @@ def test_second_connection_fails_fast_naming_the_cause(engine):
     other = WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60)
     with pytest.raises(RuntimeError, match="already initialised"):
         other.init()
+
+
+def test_partial_layer_is_refused_before_anything_is_applied(engine):
+    llm, sync, model, _ = engine
+    current = current_version(llm, sync, model)
+    serving = assert_engine_matches(llm, model)
+    partial = [(n, p.detach() + 1.0) for n, p in model.named_parameters() if n == "model.layers.0.self_attn.q_proj.weight"]
+    with pytest.raises(SpecMismatchError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*same layer"):
+        sync.sync(TensorSource(partial), version=current + 1)
+    assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
+    # whole layers may travel alone
+    layer0 = [(n, p.detach()) for n, p in model.named_parameters() if n.startswith("model.layers.0.")]
+    sync.sync(TensorSource(layer0), version=current + 1)
+    assert_engine_matches(llm, model)
