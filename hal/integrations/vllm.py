@@ -41,8 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 import hal
-from hal.sync import Receiver, SyncConfig, SyncMetrics
-from hal.sync import errors as sync_errors
+from hal.sync import Receiver, SpecMismatchError, SyncConfig, SyncMetrics, TensorSpec
 from hal.sync.transport import BroadcastTransport, IpcTransport
 
 logger = logging.getLogger(__name__)
@@ -252,21 +251,16 @@ class _WholeLayerReceiver(Receiver):
 
     layer_of: dict[str, frozenset[str]] = {}
 
-    def _check_header(self, header: dict[str, Any]) -> tuple[Any, str | None]:
-        plan, error = super()._check_header(header)
-        if error is not None:
-            return plan, error
-        sent = {name for name, _shape, _dtype in header["specs"]}
+    def validate(self, specs: list[TensorSpec]) -> None:
+        sent = {spec.name for spec in specs}
         for name in sorted(sent):
             missing = self.layer_of.get(name, frozenset()) - sent
             if missing:
                 more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-                return None, sync_errors.encode(
-                    "spec",
+                raise SpecMismatchError(
                     f"parameter {name!r} is sent without {sorted(missing)[:3]}{more} of the same layer; "
-                    "vLLM's layerwise reload needs every tensor of each layer it reloads",
+                    "vLLM's layerwise reload needs every tensor of each layer it reloads"
                 )
-        return plan, None
 
 
 class _CarryArena:

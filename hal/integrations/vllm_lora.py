@@ -74,8 +74,7 @@ from hal.integrations.vllm import (
     HalWeightTransferEngine,
     dtype_from_name,
 )
-from hal.sync import Receiver, SyncConfig, TensorSource, TensorSpec
-from hal.sync import errors as sync_errors
+from hal.sync import Receiver, SpecMismatchError, SyncConfig, TensorSource, TensorSpec
 from hal.sync.lora import (
     BaseWeightTracker,
     LoraSyncDecision,
@@ -151,18 +150,15 @@ class _AdapterCompleteReceiver(Receiver):
 
     adapter_names: frozenset[str] = frozenset()
 
-    def _check_header(self, header: dict[str, Any]) -> tuple[Any, str | None]:
-        plan, error = super()._check_header(header)
-        if error is not None:
-            return plan, error
-        sent = {name for name, _shape, _dtype in header["specs"]} & self.adapter_names
+    def validate(self, specs: list[TensorSpec]) -> None:
+        super().validate(specs)
+        sent = {spec.name for spec in specs} & self.adapter_names
         if sent and sent != self.adapter_names:
             missing = sorted(self.adapter_names - sent)
             more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-            return None, sync_errors.encode(
-                "spec", f"the sync carries {len(sent)} of the adapter's {len(self.adapter_names)} tensors; missing {missing[:3]}{more}"
+            raise SpecMismatchError(
+                f"the sync carries {len(sent)} of the adapter's {len(self.adapter_names)} tensors; missing {missing[:3]}{more}"
             )
-        return plan, None
 
 
 class HalLoraWeightTransferEngine(HalWeightTransferEngine):

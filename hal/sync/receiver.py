@@ -97,10 +97,19 @@ class Receiver:
         if problems:
             more = f" (+{len(problems) - _MAX_REPORTED} more)" if len(problems) > _MAX_REPORTED else ""
             return None, errors.encode("spec", "; ".join(problems[:_MAX_REPORTED]) + more)
+        try:
+            self.validate(specs)
+        except errors.SpecMismatchError as exc:
+            return None, errors.encode("spec", str(exc))
         plan = self.plans.get(specs, header["bucket_bytes"], header["verify"])
         if plan.digest != header["digest"]:
             return None, errors.encode("spec", f"bucket layout differs from the sender's ({plan.digest} vs {header['digest']}): mismatched verl-hal versions?")
         return plan, None
+
+    def validate(self, specs: list[TensorSpec]) -> None:
+        """Hook for rules beyond name/shape/dtype, on the whole list a sync carries (e.g.
+        "whole layers only"). Raise SpecMismatchError to refuse the sync on every rank
+        before anything is applied. The default accepts any subset of `self.specs`."""
 
     def receive(self, apply: Apply) -> SyncMetrics:
         """Take one sync; `apply(pairs)` is called once per bucket with zero-copy views
