@@ -368,20 +368,21 @@ def register() -> None:
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    _register(WeightTransferEngineFactory, "hal.integrations.vllm", "HalWeightTransferEngine")
+    register_engine(WeightTransferEngineFactory, BACKEND_NAME, "hal.integrations.vllm", "HalWeightTransferEngine")
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     except ImportError:  # vLLM without trainer-side engines
         return
-    _register(WeightTransferTrainerFactory, "hal.integrations.vllm_client", "HalTrainerWeightTransferEngine")
+    register_engine(WeightTransferTrainerFactory, BACKEND_NAME, "hal.integrations.vllm_client", "HalTrainerWeightTransferEngine")
 
 
-def _register(factory: Any, module: str, cls_name: str) -> None:
+def register_engine(factory: Any, name: str, module: str, cls_name: str) -> None:
+    """`factory.register_engine(name, ...)` unless `name` is already registered."""
     registry = getattr(factory, "_registry", None)
-    if isinstance(registry, dict) and BACKEND_NAME in registry:
+    if isinstance(registry, dict) and name in registry:
         return
     try:
-        factory.register_engine(BACKEND_NAME, module, cls_name)
+        factory.register_engine(name, module, cls_name)
     except ValueError as exc:
         if "already registered" not in str(exc):
             raise

@@ -73,6 +73,7 @@ from hal.integrations.vllm import (
     HalUpdateInfo,
     HalWeightTransferEngine,
     dtype_from_name,
+    register_engine,
 )
 from hal.sync import Receiver, SpecMismatchError, SyncConfig, TensorSource, TensorSpec
 from hal.sync.lora import (
@@ -516,18 +517,7 @@ def register() -> None:
     """Make `backend="hal-lora"` known to vLLM's engine factory (idempotent; any process)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    _register_as(WeightTransferEngineFactory, BACKEND_NAME, "hal.integrations.vllm_lora", "HalLoraWeightTransferEngine")
-
-
-def _register_as(factory: Any, name: str, module: str, cls_name: str) -> None:
-    registry = getattr(factory, "_registry", None)
-    if isinstance(registry, dict) and name in registry:
-        return
-    try:
-        factory.register_engine(name, module, cls_name)
-    except ValueError as exc:
-        if "already registered" not in str(exc):
-            raise
+    register_engine(WeightTransferEngineFactory, BACKEND_NAME, "hal.integrations.vllm_lora", "HalLoraWeightTransferEngine")
 
 
 # Importing this module is how a worker learns the backend when the engine names
