@@ -106,6 +106,11 @@ class Receiver:
             return None, errors.encode("spec", f"bucket layout differs from the sender's ({plan.digest} vs {header['digest']}): mismatched verl-hal versions?")
         return plan, None
 
+    @property
+    def reassembly_bytes(self) -> int:
+        """Memory held across syncs for tensors that arrive in chunks (0 when none do)."""
+        return sum(t.numel() for t in self._reassembly.values())
+
     def validate(self, specs: list[TensorSpec]) -> None:
         """Hook for rules beyond name/shape/dtype, on the whole list a sync carries (e.g.
         "whole layers only"). Raise SpecMismatchError to refuse the sync on every rank

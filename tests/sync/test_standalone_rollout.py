@@ -116,6 +116,7 @@ def rollout_worker(rank: int, world_size: int, ckpt: str, steps: int):
             metrics = receiver.receive(copy_into(weights))
             received.append(metrics.bytes)
         slots = 2 * transport.capacity  # the two reused bucket slots
+        reassembly = receiver.reassembly_bytes  # kept for tensors larger than a bucket
         live = _live_tensor_bytes() - baseline
         buf = io.BytesIO()
         torch.save(weights, buf)
@@ -126,6 +127,7 @@ def rollout_worker(rank: int, world_size: int, ckpt: str, steps: int):
             spec_bytes=total_bytes(specs),
             largest_spec_bytes=max(s.nbytes for s in specs),
             slot_bytes=slots,
+            reassembly_bytes=reassembly,
             live_bytes=live,
             received=received,
             version=receiver.version,
@@ -157,10 +159,11 @@ def test_rollout_worker_builds_no_trainer_model(checkpoint, backend_name):
     assert rollout["modules_constructed"] == []
     # parameter memory there is the engine's own weights, exactly what its specs describe
     assert rollout["engine_bytes"] == rollout["spec_bytes"]
-    # Beyond the engine weights and the two bucket slots, at most one tensor may still be
-    # alive (a sim stream's worker holds the arguments of its last operation); a trainer
-    # model would add its whole size (= spec_bytes) here.
-    overhead = rollout["live_bytes"] - rollout["engine_bytes"] - rollout["slot_bytes"]
+    # Beyond the engine weights, the two bucket slots and the reassembly buffers of chunked
+    # tensors, at most one tensor may still be alive; a trainer model would add its whole
+    # size (= spec_bytes) here.
+    assert rollout["reassembly_bytes"] <= 2 * rollout["largest_spec_bytes"]
+    overhead = rollout["live_bytes"] - rollout["engine_bytes"] - rollout["slot_bytes"] - rollout["reassembly_bytes"]
     assert overhead <= rollout["largest_spec_bytes"] < rollout["spec_bytes"] // 2, (
         f"{overhead} bytes of tensors beyond the engine weights and the two slots"
     )
