@@ -46,6 +46,25 @@ from hal.sync.transport import BroadcastTransport, IpcTransport
 
 logger = logging.getLogger(__name__)
 
+
+class _ComputedBufferWarningFilter(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for rotary embeddings.
+
+    Their cos/sin cache is computed at start-up, never part of a checkpoint, so vLLM's
+    layerwise reload restores it and warns on every single update; the warning says
+    nothing about the weights that were sent.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith("RotaryEmbedding"))
+
+
+def _quiet_computed_buffer_warnings() -> None:
+    target = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _ComputedBufferWarningFilter) for f in target.filters):
+        target.addFilter(_ComputedBufferWarningFilter())
+
 BACKEND_NAME = "hal"
 TRANSPORTS = {"broadcast": BroadcastTransport, "ipc": IpcTransport}
 
@@ -119,6 +138,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
 
     def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
+        _quiet_computed_buffer_warnings()
         self._group: Any = None
         self._receiver: Receiver | None = None
         self._layer_of: dict[str, frozenset[str]] = {}
