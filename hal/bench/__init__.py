@@ -36,7 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="synthetic weight set (default: qwen2.5-0.5b)")
     parser.add_argument("--repeats", type=_positive_int, default=5, help="measured repetitions per method; the median is reported (default: 5)")
     parser.add_argument("--warmup", type=_non_negative_int, default=1, help="discarded repetitions per method first (default: 1)")
-    parser.add_argument("--bucket-mb", type=_positive_float, default=256.0, help="bucket size in MiB for the hal methods (default: 256)")
+    parser.add_argument(
+        "--bucket-mb",
+        type=_positive_float,
+        default=None,
+        help="bucket size in MiB for the hal methods (default: what hal.sync picks by itself: default_bucket_bytes "
+        "from free memory and the preset's largest tensor)",
+    )
     parser.add_argument(
         "--methods",
         type=_method_list,
@@ -81,13 +87,27 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
         methods=tuple(args.methods),
         repeats=args.repeats,
         warmup=args.warmup,
-        bucket_bytes=int(args.bucket_mb * 1024 * 1024),
+        bucket_bytes=_bucket_bytes(args),
         timeout_s=args.timeout,
         verify=args.verify,
         threads=args.threads,
         trace=args.trace,
     )
     return run_transfer(config)
+
+
+def _bucket_bytes(args: argparse.Namespace) -> int:
+    """The --bucket-mb given, else the size a Sender with SyncConfig(bucket_bytes=None)
+    would choose for this preset on the cpu backend (the benchmark's weights live in host
+    memory), so that the default run measures hal's default."""
+    if args.bucket_mb is not None:
+        return int(args.bucket_mb * 1024 * 1024)
+    import hal
+    from hal.bench.presets import get_preset
+    from hal.sync import default_bucket_bytes
+
+    largest = max(p.nbytes for p in get_preset(args.preset).params())
+    return default_bucket_bytes(hal.get_backend("cpu"), largest)
 
 
 def _write(report: dict[str, Any], args: argparse.Namespace) -> None:
