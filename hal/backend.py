@@ -4,7 +4,7 @@ A backend is a class whose identity is its class attributes (vLLM's platform
 classes are the model) plus a small set of operations. The public methods live
 here and own validation and error messages; backends implement the underscore
 hooks (tinygrad's `_alloc` / `_copyin` pattern). Code outside `hal/backends/`
-asks a backend, never `torch.cuda` or `torch.npu` directly.
+asks a backend, never a device module directly.
 
 Streams and events follow the method names of `torch.Stream` / `torch.Event`
 (`wait_stream`, `wait_event`, `record_event`, `synchronize`, `query`;

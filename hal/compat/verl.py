@@ -7,9 +7,9 @@ A trainer written against verl changes its device layer by changing one import:
 
 Matched against verl-project/verl commit addf8056956991e76db9367706108e426be7bc2f
 (docs/verl-compat.md has the table). verl decides with module-level probes of
-`torch.cuda` / `torch.npu` at import time; here every answer comes from the backend
+the device modules at import time; here every answer comes from the backend
 VERL_DEVICE resolved, so `VERL_DEVICE=cpu` on a GPU host makes every answer "cpu".
-Where verl's answer for the CPU is a GPU/NPU name that would fail later (`"nccl"`),
+Where verl's answer for the CPU is a GPU/NPU name that would fail later (NCCL's),
 the CPU's real answer (`"gloo"`) is given instead; the doc lists each such case.
 
 verl's names are device-specific by nature (compute capability is a CUDA notion), so
