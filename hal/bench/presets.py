@@ -18,25 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hal.sync.plan import TensorSpec
 
-@dataclass(frozen=True, slots=True)
-class Param:
-    """One parameter as the transfer sees it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+# One parameter as the transfer sees it: described exactly like any sync's tensors.
+Param = TensorSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
