@@ -14,20 +14,16 @@ the child exits (send `torch.save` bytes or lists instead).
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
+from hal.procs import RankFailed, free_port, spawn_ranks
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["RankError", "free_port", "run_group"]
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, timeout: float, init: bool, args: tuple, env: dict, out) -> None:
+def _child(rank: int, out, fn: Callable, world_size: int, port: int, timeout: float, init: bool, args: tuple, env: dict) -> None:
     os.environ.update(env)
     try:
         if init:
@@ -71,52 +67,17 @@ def run_group(
     With `allow_failure`, a rank that raised or died yields `RankError(text)` instead of
     failing the call (for tests of fault handling).
     """
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(fn, rank, world_size, port, collective_timeout, init_process_group, args, dict(env or {}), out),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
     try:
-        import queue
-        import time
-
-        deadline = time.monotonic() + timeout
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(results))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout} s")
-            try:
-                rank, status, value = out.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive() and p.exitcode not in (0, None)]
-                if dead and not allow_failure:
-                    raise RuntimeError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
-                for r in dead:
-                    results[r] = RankError(f"rank {r} died with exit code {procs[r].exitcode}")
-                continue
-            if status == "error":
-                if not allow_failure:
-                    raise RuntimeError(f"rank {rank} failed:\n{value}")
-                value = RankError(value)
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return [results[r] for r in range(world_size)]
+        return spawn_ranks(
+            _child,
+            world_size,
+            args=(fn, world_size, port, collective_timeout, init_process_group, args, dict(env or {})),
+            timeout_s=timeout,
+            on_failure=(lambda rank, text: RankError(text)) if allow_failure else None,
+        )
+    except RankFailed as exc:
+        raise RuntimeError(f"rank {exc.rank} failed:\n{exc}") from None
 
 
 class RankError(str):

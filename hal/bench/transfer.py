@@ -61,10 +61,7 @@ from __future__ import annotations
 
 import datetime
 import gc
-import multiprocessing as mp
 import os
-import queue
-import socket
 import statistics
 import time
 import traceback
@@ -74,6 +71,7 @@ from typing import Any, Callable
 import torch
 
 from hal.bench.presets import Param, get_preset
+from hal.procs import free_port, spawn_ranks
 
 GIB = 1024**3
 MIB = 1024**2
@@ -456,7 +454,7 @@ _FILLS_DESTINATIONS = {"floor", "floor_with_copy", "per_tensor", "hal_bucketed",
 # one rank
 
 
-def _rank_main(rank: int, port: int, config: TransferConfig, out: Any) -> None:
+def _rank_main(rank: int, out: Any, port: int, config: TransferConfig) -> None:
     import torch.distributed as dist
 
     try:
@@ -573,53 +571,17 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
 # the parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_and_wait(config: TransferConfig) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, config, out), daemon=True, name=f"hal-bench-rank{rank}") for rank in (SENDER, RECEIVER)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
+    def role_failed(rank: int, text: str) -> None:
+        role = "sender" if rank == SENDER else "receiver"
+        raise RuntimeError(f"hal bench: the {role} (rank {rank}) failed:\n{text}")
+
     try:
-        deadline = time.monotonic() + config.timeout_s
-        while len(results) < len(procs):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = [r for r in range(len(procs)) if r not in results]
-                raise TimeoutError(f"hal bench: rank(s) {missing} did not finish within {config.timeout_s:.0f} s")
-            try:
-                rank, status, value = out.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
-                if dead:
-                    # A rank may have put its result just before exiting; look once more.
-                    try:
-                        rank, status, value = out.get(timeout=1.0)
-                    except queue.Empty:
-                        codes = [procs[r].exitcode for r in dead]
-                        raise RuntimeError(f"hal bench: rank(s) {dead} died with exit code(s) {codes}") from None
-                else:
-                    continue
-            if status == "error":
-                role = "sender" if rank == SENDER else "receiver"
-                raise RuntimeError(f"hal bench: the {role} (rank {rank}) failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        out.close()
-    return [results[r] for r in range(len(procs))]
+        return spawn_ranks(
+            _rank_main, 2, args=(free_port(), config), timeout_s=config.timeout_s, label="hal-bench-rank", on_failure=role_failed
+        )
+    except TimeoutError as exc:
+        raise TimeoutError(f"hal bench: {exc}") from None
 
 
 def _median_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence
 
 import hal
+from hal.procs import free_port
 from hal.integrations.vllm import BACKEND_NAME, TRANSPORTS, HalInitInfo, dtype_name
 from hal.sync import Sender, SyncConfig, SyncError, SyncMetrics
 from hal.sync.config import default_bucket_bytes
@@ -200,12 +200,6 @@ class SyncResult:
     @property
     def gib_per_s(self) -> float:
         return self.metrics.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,90 @@
+"""Spawn a few rank processes, collect what each reports, and leave none behind.
+
+Used by `hal bench` and by the test suite's multi-process runner. Each child runs
+`target(rank, out, *args)` and must put exactly one `(rank, "ok" | "error", value)` on
+`out`. A child still running at the deadline is killed, and so are the others.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+from typing import Any, Callable
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; `rank` says which, the message carries its traceback."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def spawn_ranks(
+    target: Callable[..., None],
+    world_size: int,
+    *,
+    args: tuple = (),
+    timeout_s: float,
+    label: str = "rank",
+    on_failure: Callable[[int, str], Any] | None = None,
+) -> list[Any]:
+    """Run `target` in `world_size` spawned processes; each rank's value, in rank order.
+
+    A rank that reports an error, or dies without reporting, raises `RankFailed` unless
+    `on_failure(rank, text)` is given, whose return value then stands for that rank.
+    Past `timeout_s` raises TimeoutError. Every child is joined or killed before return.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, out, *args), daemon=True, name=f"{label}{rank}") for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+
+    def failed(rank: int, text: str) -> None:
+        if on_failure is None:
+            raise RankFailed(rank, text)
+        results[rank] = on_failure(rank, text)
+
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [r for r in range(world_size) if r not in results]
+                raise TimeoutError(f"{label}s {missing} did not finish within {timeout_s:g} s")
+            try:
+                rank, status, value = out.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+                if not dead:
+                    continue
+                try:  # a rank may have reported just before exiting: look once more
+                    rank, status, value = out.get(timeout=1.0)
+                except queue.Empty:
+                    for r in dead:
+                        failed(r, f"{label} {r} died with exit code {procs[r].exitcode}")
+                    continue
+            if status == "error":
+                failed(rank, value)
+            else:
+                results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        out.close()
+    return [results[r] for r in range(world_size)]
