@@ -59,11 +59,32 @@ def pack_into(
     backend.copy_(dst, tensor, stream=stream)
 
 
-def pack_bytes_into(
-    backend: Backend, bucket: torch.Tensor, offset: int, data: torch.Tensor, *, stream: Stream | None = None
+def pack_range_into(
+    backend: Backend,
+    bucket: torch.Tensor,
+    offset: int,
+    tensor: torch.Tensor,
+    wire_dtype: torch.dtype,
+    tensor_offset: int,
+    nbytes: int,
+    *,
+    stream: Stream | None = None,
 ) -> None:
-    """Copy a flat uint8 `data` (a chunk of a larger tensor's bytes) into `bucket` at `offset`."""
-    backend.copy_(bucket[offset : offset + data.numel()], data, stream=stream)
+    """Copy the wire bytes `[tensor_offset, tensor_offset + nbytes)` of a contiguous `tensor`,
+    cast to `wire_dtype` on the way, into `bucket` at `offset`.
+
+    Offsets count bytes of the tensor as it is on the wire (in `wire_dtype`), so a range
+    of an fp32 tensor sent as bf16 reads half as many bytes of the source. Both ends must
+    fall on whole wire elements.
+    """
+    size = wire_dtype.itemsize
+    if tensor_offset % size or nbytes % size:
+        raise ValueError(f"pack_range_into: range [{tensor_offset}, {tensor_offset + nbytes}) splits a {wire_dtype} element")
+    first, count = tensor_offset // size, nbytes // size
+    if first + count > tensor.numel():
+        raise ValueError(f"pack_range_into: range of {count} elements at {first} overruns a tensor of {tensor.numel()}")
+    dst = typed_view(bucket, offset, (count,), wire_dtype)
+    backend.copy_(dst, tensor.reshape(-1)[first : first + count], stream=stream)
 
 
 def checksum(data: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,13 @@ class SyncConfig:
     """Size of one bucket in bytes. None: derived from the device's free memory
     (see `default_bucket_bytes`). Two buckets are in use at a time on each side."""
 
+    segment_bytes: int | None = 32 * MIB
+    """Largest single transfer: a bucket travels as segments of about this size, each sent
+    as soon as it is packed and applied (its whole tensors) as soon as it arrives, so the
+    pipeline fills and drains in one segment instead of one bucket. None: one transfer per
+    bucket. Taken from the sender by every receiver; ignored by transports that move no
+    bytes (shared memory)."""
+
     bypass_cpu: bool = True
     """True: pack device tensors straight into the device bucket. False: stage them
     through a reused pinned host buffer first (what parameter snapshots need)."""
@@ -38,6 +45,8 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if self.bucket_bytes is not None and (not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 4096):
             raise ValueError(f"SyncConfig.bucket_bytes must be an int of at least 4096 bytes, got {self.bucket_bytes!r}")
+        if self.segment_bytes is not None and (not isinstance(self.segment_bytes, int) or self.segment_bytes < 4096):
+            raise ValueError(f"SyncConfig.segment_bytes must be None or an int of at least 4096 bytes, got {self.segment_bytes!r}")
         if self.wire_dtype is not None and not (isinstance(self.wire_dtype, torch.dtype) and self.wire_dtype.is_floating_point):
             raise ValueError(f"SyncConfig.wire_dtype must be a floating-point torch.dtype or None, got {self.wire_dtype!r}")
         if not self.timeout_s > 0:

@@ -8,6 +8,12 @@ tensors, iterators and conversion objects are created fresh by each sync (SkyRL 
 
 A tensor larger than a bucket is split into byte chunks across consecutive buckets
 and reassembled by the receiver.
+
+A bucket travels as one or more segments (consecutive byte ranges of at most
+`segment_bytes`): the sender sends each as soon as it is packed and the receiver applies
+the tensors a segment completes as soon as it arrives, so the pipeline fills and
+drains in one segment rather than one bucket. A bucket can thus stay large enough to
+hold the largest tensor whole (no reassembly) without delaying the first byte on the wire.
 """
 
 from __future__ import annotations
@@ -82,11 +88,26 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
+class Segment:
+    """Bytes `[start, stop)` of a bucket, sent as one transfer (none when empty).
+
+    `parts` are the ranges of pieces it carries, as (piece index, first byte, end byte)
+    relative to the piece; a part with `end == piece.nbytes` completes its piece (an
+    empty piece has one part (i, 0, 0)). A segment of checksums has no parts.
+    """
+
+    start: int
+    stop: int
+    parts: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Bucket:
     index: int
     pieces: tuple[Piece, ...]
     checksum_offset: int  # where the int64 checksums start (== data end when verify is off)
     nbytes: int  # bytes that travel: data plus checksums
+    segments: tuple[Segment, ...] = ()
 
     def checksum_ranges(self) -> list[tuple[int, int]]:
         """The byte range each checksum covers: exactly the piece, never padding, so the
@@ -101,6 +122,7 @@ class BucketPlan:
     verify: bool
     buckets: tuple[Bucket, ...]
     digest: str
+    segment_bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -111,16 +133,21 @@ class BucketPlan:
         return max((b.nbytes for b in self.buckets), default=0)
 
 
-def plan_key(specs: Sequence[TensorSpec], bucket_bytes: int, verify: bool) -> str:
-    h = hashlib.sha256(f"{bucket_bytes}|{verify}|{ALIGNMENT}".encode())
+def plan_key(specs: Sequence[TensorSpec], bucket_bytes: int, verify: bool, segment_bytes: int | None = None) -> str:
+    h = hashlib.sha256(f"{bucket_bytes}|{verify}|{ALIGNMENT}|{segment_bytes}".encode())
     for s in specs:
         h.update(f"\n{s.name}|{s.shape}|{s.dtype}".encode())
     return h.hexdigest()[:24]
 
 
-def build_plan(specs: Iterable[TensorSpec], bucket_bytes: int, *, verify: bool = False) -> BucketPlan:
-    """Lay `specs` out in buckets of at most `bucket_bytes`, in order, splitting what does not fit."""
+def build_plan(
+    specs: Iterable[TensorSpec], bucket_bytes: int, *, verify: bool = False, segment_bytes: int | None = None
+) -> BucketPlan:
+    """Lay `specs` out in buckets of at most `bucket_bytes`, in order, splitting what does
+    not fit; each bucket travels in segments of at most `segment_bytes` (None: whole)."""
     specs = tuple(specs)
+    if segment_bytes is not None and segment_bytes < ALIGNMENT:
+        raise ValueError(f"segment_bytes must be at least {ALIGNMENT} or None, got {segment_bytes}")
     slot_bytes = CHECKSUM_BYTES if verify else 0
     min_bucket = 2 * ALIGNMENT + slot_bytes
     if bucket_bytes < min_bucket:
@@ -141,8 +168,12 @@ def build_plan(specs: Iterable[TensorSpec], bucket_bytes: int, *, verify: bool =
 
     def close() -> None:
         nonlocal pieces, used
-        checksum_offset = align_up(used, 8)
-        buckets.append(Bucket(len(buckets), tuple(pieces), checksum_offset, checksum_offset + len(pieces) * slot_bytes))
+        # checksums follow the last piece's bytes, not the alignment padding after them
+        data_end = pieces[-1].offset + pieces[-1].nbytes if pieces else 0
+        checksum_offset = align_up(data_end, 8)
+        nbytes = checksum_offset + len(pieces) * slot_bytes
+        segments = segment_bucket(pieces, checksum_offset, nbytes, segment_bytes)
+        buckets.append(Bucket(len(buckets), tuple(pieces), checksum_offset, nbytes, segments))
         pieces, used = [], 0
 
     for spec in specs:
@@ -169,8 +200,50 @@ def build_plan(specs: Iterable[TensorSpec], bucket_bytes: int, *, verify: bool =
             remaining -= take
     if pieces:
         close()
-    plan_specs = specs
-    return BucketPlan(plan_specs, bucket_bytes, verify, tuple(buckets), plan_key(specs, bucket_bytes, verify))
+    key = plan_key(specs, bucket_bytes, verify, segment_bytes)
+    return BucketPlan(specs, bucket_bytes, verify, tuple(buckets), key, segment_bytes)
+
+
+def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, segment_bytes: int | None) -> tuple[Segment, ...]:
+    """Cut a bucket into the transfers it travels in (see `Segment`).
+
+    None: one transfer of the whole bucket. Otherwise pieces are grouped, whole and in
+    order, into segments of at most `segment_bytes`, except that a piece of at least a
+    quarter of that gets segments of its own (split at ALIGNMENT multiples when larger):
+    the sender can then send it from the tensor's own memory without packing it.
+    Padding between segments does not travel; checksums, when verifying, travel last in
+    a segment of their own.
+    """
+    if segment_bytes is None:
+        return (Segment(0, nbytes, tuple((i, 0, p.nbytes) for i, p in enumerate(pieces))),)
+    limit = max(ALIGNMENT, segment_bytes // ALIGNMENT * ALIGNMENT)
+    segments: list[Segment] = []
+    parts: list[tuple[int, int, int]] = []
+    start = end = 0
+
+    def close() -> None:
+        nonlocal parts
+        if parts:
+            segments.append(Segment(start, end, tuple(parts)))
+            parts = []
+
+    for i, piece in enumerate(pieces):
+        if piece.nbytes >= limit // 4:  # its own segments
+            close()
+            for lo in range(0, piece.nbytes, limit):
+                hi = min(piece.nbytes, lo + limit)
+                segments.append(Segment(piece.offset + lo, piece.offset + hi, ((i, lo, hi),)))
+            continue
+        if parts and piece.offset + piece.nbytes - start > limit:
+            close()
+        if not parts:
+            start = piece.offset
+        parts.append((i, 0, piece.nbytes))
+        end = piece.offset + piece.nbytes
+    close()
+    if nbytes > checksum_offset:
+        segments.append(Segment(checksum_offset, nbytes, ()))
+    return tuple(segments)
 
 
 class PlanCache:
@@ -181,11 +254,11 @@ class PlanCache:
         self._plans: dict[str, BucketPlan] = {}
         self.builds = 0  # how many plans were built (tests check reuse)
 
-    def get(self, specs: Sequence[TensorSpec], bucket_bytes: int, verify: bool) -> BucketPlan:
-        key = plan_key(specs, bucket_bytes, verify)
+    def get(self, specs: Sequence[TensorSpec], bucket_bytes: int, verify: bool, segment_bytes: int | None = None) -> BucketPlan:
+        key = plan_key(specs, bucket_bytes, verify, segment_bytes)
         plan = self._plans.pop(key, None)
         if plan is None:
-            plan = build_plan(specs, bucket_bytes, verify=verify)
+            plan = build_plan(specs, bucket_bytes, verify=verify, segment_bytes=segment_bytes)
             self.builds += 1
         self._plans[key] = plan  # most recent last
         while len(self._plans) > self._size:

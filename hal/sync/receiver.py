@@ -10,7 +10,7 @@ next bucket is already on its way where the transport allows.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 
@@ -20,7 +20,7 @@ from hal.backend import Backend
 from hal.sync import errors
 from hal.sync.config import SyncConfig
 from hal.sync.metrics import PhaseTimer, SyncMetrics
-from hal.sync.plan import Bucket, BucketPlan, PlanCache, TensorSpec
+from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec
 from hal.sync.transport import Transport
 
 Apply = Callable[[list[tuple[str, torch.Tensor]]], Any]
@@ -39,9 +39,16 @@ class Receiver:
     """Receives syncs into `apply`, accepting only tensors described by `specs`.
 
     A sync may carry any subset of `specs` (a LoRA sync sends only adapters).
+    `apply` is called as tensors complete: once per segment that completes any (see
+    `SyncConfig.segment_bytes`), or once per bucket with `apply_whole_buckets` or
+    verification (whose checksums travel at the end of a bucket).
     `version` is the weight version this side holds: set after a sync that every rank
     completed, never after a failed one.
     """
+
+    # True: call apply once per bucket, after its last segment, for targets that pay for
+    # tensors of one group (a layer) arriving in different calls.
+    apply_whole_buckets: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -101,7 +108,7 @@ class Receiver:
             self.validate(specs)
         except errors.SpecMismatchError as exc:
             return None, errors.encode("spec", str(exc))
-        plan = self.plans.get(specs, header["bucket_bytes"], header["verify"])
+        plan = self.plans.get(specs, header["bucket_bytes"], header["verify"], header["segment_bytes"])
         if plan.digest != header["digest"]:
             return None, errors.encode("spec", f"bucket layout differs from the sender's ({plan.digest} vs {header['digest']}): mismatched verl-hal versions?")
         return plan, None
@@ -117,8 +124,9 @@ class Receiver:
         before anything is applied. The default accepts any subset of `self.specs`."""
 
     def receive(self, apply: Apply) -> SyncMetrics:
-        """Take one sync; `apply(pairs)` is called once per bucket with zero-copy views
-        that are valid only during the call (copy what you keep, as `load_weights` does).
+        """Take one sync; `apply(pairs)` is called as tensors complete (see the class doc)
+        with zero-copy views that are valid only during the call (copy what you keep, as
+        `load_weights` does).
         """
         start = time.perf_counter()
         timer = PhaseTimer()
@@ -154,36 +162,133 @@ class Receiver:
         ranks stay in step; returns this rank's error, if any."""
         transport, buckets = self.transport, plan.buckets
         local_error: str | None = None
-        partial: dict[str, torch.Tensor] = {}  # chunked tensors being reassembled
-        if buckets:
-            transport.recv(0, 0, buckets[0].nbytes)
+        destinations = self._destinations(plan, apply)
+        # With prefetch, both slots' receives are posted before anything is applied:
+        # bucket k+2 is posted as soon as bucket k's slot is released.
+        ahead = 2 if transport.prefetch else 1
+        with timer("transfer"):
+            for bucket in buckets[:ahead]:
+                self._post(bucket, destinations)
         for bucket in buckets:
-            k, slot = bucket.index, bucket.index % 2
-            nxt = buckets[k + 1] if k + 1 < len(buckets) else None
-            with timer("transfer"):
-                data = transport.wait_received(k, slot, bucket.nbytes)
-            if nxt is not None and transport.prefetch:
-                transport.recv(k + 1, (k + 1) % 2, nxt.nbytes)
-            if local_error is None:
+            k = bucket.index
+            data = transport.slot(k % 2)
+            whole_bucket = self.apply_whole_buckets or self._verifying(bucket)  # checksums come last
+            pairs: list[tuple[str, torch.Tensor]] = []
+            for segment in bucket.segments:
+                with timer("transfer"):
+                    transport.wait_received(k)
+                if local_error is not None:
+                    continue
                 try:
-                    self._verify(bucket, data)
-                    pairs = self._views(bucket, data, partial)
+                    pairs += self._arrived(bucket, segment, data, destinations)
+                    if whole_bucket and segment.stop != bucket.nbytes:
+                        continue
+                    if whole_bucket:
+                        self._verify(bucket, data)
                     if pairs:
                         with timer("apply"):
                             apply(pairs)
+                    pairs = []
                 except errors.PeerError:
                     raise
                 except Exception as exc:
                     local_error = errors.encode_exception(exc)
             transport.release(k)
-            if nxt is not None and not transport.prefetch:
+            if k + ahead < len(buckets):
                 with timer("transfer"):
-                    transport.recv(k + 1, (k + 1) % 2, nxt.nbytes)
+                    self._post(buckets[k + ahead], destinations)
         transport.finish(len(buckets))
         return local_error
 
+    def _destinations(self, plan: BucketPlan, apply: Apply) -> dict[str, torch.Tensor]:
+        """The tensors this sync may write in place: those `apply.destination(name)` names
+        that match the wire spec exactly (shape, dtype, contiguous, on the slots' device).
+
+        Looked up afresh every sync. None when verifying: bytes must be checked before
+        they land anywhere the engine reads.
+        """
+        lookup = getattr(apply, "destination", None)
+        if lookup is None or plan.verify or not self.transport.segmented:
+            return {}
+        device = self.transport.slot(0).device
+        found: dict[str, torch.Tensor] = {}
+        for spec in plan.specs:
+            tensor = lookup(spec.name)
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tuple(tensor.shape) == spec.shape
+                and tensor.dtype == spec.dtype
+                and tensor.is_contiguous()
+                and tensor.device == device
+            ):
+                found[spec.name] = tensor
+        return found
+
+    @staticmethod
+    def _in_place(bucket: Bucket, segment: Segment, destinations: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Where a segment that is exactly one range of a destination's bytes lands, else None."""
+        if len(segment.parts) != 1:
+            return None
+        index, lo, hi = segment.parts[0]
+        piece = bucket.pieces[index]
+        dest = destinations.get(piece.spec.name)
+        if dest is None or hi == lo or segment.stop - segment.start != hi - lo:
+            return None
+        return kernels.as_bytes(dest)[piece.tensor_offset + lo : piece.tensor_offset + hi]
+
+    def _post(self, bucket: Bucket, destinations: dict[str, torch.Tensor]) -> None:
+        slot = self.transport.slot(bucket.index % 2)
+        for segment in bucket.segments:
+            into = self._in_place(bucket, segment, destinations)
+            self.transport.recv(bucket.index, slot[segment.start : segment.stop] if into is None else into)
+
+    def _arrived(
+        self, bucket: Bucket, segment: Segment, data: torch.Tensor, destinations: dict[str, torch.Tensor]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Move a segment's bytes where they belong and return the tensors it completed.
+
+        Ranges of a tensor with a destination go into the destination (unless received
+        there in place), ranges of a tensor larger than a bucket into its reassembly
+        buffer; a whole tensor without either is handed out as a view of the slot.
+        """
+        copied = False
+        if self._in_place(bucket, segment, destinations) is None:
+            for index, lo, hi in segment.parts:
+                piece = bucket.pieces[index]
+                spec = piece.spec
+                into = destinations.get(spec.name)
+                if into is None and piece.is_whole:
+                    continue  # viewed in the slot
+                if into is None:
+                    into = self._reassembly.get(spec.name)
+                    if into is None or into.numel() != spec.nbytes:
+                        into = self._reassembly[spec.name] = self.backend.empty(spec.nbytes)
+                if hi == lo:
+                    continue
+                if not copied and self.backend.collectives_follow_streams:  # the receive completed on the current stream
+                    self._stream.wait_stream(self.backend.current_stream())
+                start = piece.tensor_offset + lo
+                self.backend.copy_(kernels.as_bytes(into)[start : start + hi - lo], data[piece.offset + lo : piece.offset + hi], stream=self._stream)
+                copied = True
+        if copied:
+            # apply reads the copies on the host, and the slot is reused after this bucket
+            self._stream.synchronize()
+        pairs: list[tuple[str, torch.Tensor]] = []
+        for index, _, hi in segment.parts:
+            piece = bucket.pieces[index]
+            spec = piece.spec
+            if hi != piece.nbytes or not piece.is_last:
+                continue  # this tensor has more bytes to come
+            if spec.name in destinations:
+                pairs.append((spec.name, destinations[spec.name]))
+            elif piece.is_whole:
+                pairs.append((spec.name, kernels.typed_view(data, piece.offset, spec.shape, spec.dtype)))
+            else:
+                pairs.append((spec.name, kernels.typed_view(self._reassembly[spec.name], 0, spec.shape, spec.dtype)))
+        return pairs
+
     def _verify(self, bucket: Bucket, data: torch.Tensor) -> None:
-        if not bucket.pieces or not self._verifying(bucket):
+        if not self._verifying(bucket):
             return
         sent = kernels.typed_view(data, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
         got = torch.stack([kernels.checksum(data[o : o + n]) for o, n in bucket.checksum_ranges()])
@@ -194,26 +299,3 @@ class Receiver:
 
     def _verifying(self, bucket: Bucket) -> bool:
         return bucket.nbytes > bucket.checksum_offset
-
-    def _views(self, bucket: Bucket, data: torch.Tensor, partial: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        pairs: list[tuple[str, torch.Tensor]] = []
-        for piece in bucket.pieces:
-            spec = piece.spec
-            if piece.is_whole:
-                pairs.append((spec.name, kernels.typed_view(data, piece.offset, spec.shape, spec.dtype)))
-                continue
-            if piece.is_first:
-                buffer = self._reassembly.get(spec.name)
-                if buffer is None or buffer.numel() != spec.nbytes:
-                    buffer = self._reassembly[spec.name] = self.backend.empty(spec.nbytes)
-                partial[spec.name] = buffer
-            if self.backend.collectives_follow_streams:  # the receive completed on the current stream
-                self._stream.wait_stream(self.backend.current_stream())
-            whole = partial[spec.name]
-            self.backend.copy_(whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes], data[piece.offset : piece.offset + piece.nbytes], stream=self._stream)
-            if piece.is_last:
-                self._stream.synchronize()  # the reassembled tensor is read by apply on the host
-                pairs.append((spec.name, kernels.typed_view(partial.pop(spec.name), 0, spec.shape, spec.dtype)))
-        # the slot is reused after this bucket: copies out of it must be complete
-        self._stream.synchronize()
-        return pairs

@@ -197,9 +197,12 @@ def _current() -> Backend:
 class CopyInto:
     """A `Receiver.receive` apply callable: copies each received view into `tensors[name]`.
 
-    The copies run on a backend stream and complete before the call returns (the views are
-    valid only during it). `received` lists the names applied, in order, across calls;
-    clear it between syncs to see what one sync delivered.
+    It also names each tensor as the receiver's `destination`: where a tensor travels in
+    transfers of its own and `tensors[name]` has its exact wire shape and dtype, the bytes
+    are received straight into it and no copy is made (the call then gets that tensor
+    itself). The copies run on a backend stream and complete before the call returns (the
+    views are valid only during it). `received` lists the names applied, in order, across
+    calls; clear it between syncs to see what one sync delivered.
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], *, backend: Backend | None = None) -> None:
@@ -208,6 +211,9 @@ class CopyInto:
         self.received: list[str] = []
         self._stream = self.backend.new_stream()
 
+    def destination(self, name: str) -> torch.Tensor | None:
+        return self.tensors.get(name)
+
     def __call__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         for name, src in pairs:
             dst = self.tensors.get(name)
@@ -215,10 +221,12 @@ class CopyInto:
                 raise KeyError(f"parameter {name!r}: the engine holds no tensor of that name")
             if tuple(dst.shape) != tuple(src.shape):
                 raise ValueError(f"parameter {name!r}: engine tensor has shape {tuple(dst.shape)}, received {tuple(src.shape)}")
-        self._stream.wait_stream(self.backend.current_stream())
-        for name, src in pairs:
-            self.backend.copy_(self.tensors[name], src, stream=self._stream)
-        self._stream.record_event().synchronize()
+        copies = [(self.tensors[name], src) for name, src in pairs if src is not self.tensors[name]]  # not those received in place
+        if copies:
+            self._stream.wait_stream(self.backend.current_stream())
+            for dst, src in copies:
+                self.backend.copy_(dst, src, stream=self._stream)
+            self._stream.record_event().synchronize()
         self.received.extend(name for name, _ in pairs)
 
 

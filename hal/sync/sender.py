@@ -20,7 +20,7 @@ from hal.backend import Backend, Event
 from hal.sync import errors
 from hal.sync.config import SyncConfig, default_bucket_bytes
 from hal.sync.metrics import PhaseTimer, SyncMetrics
-from hal.sync.plan import Bucket, BucketPlan, PlanCache, TensorSpec
+from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec
 from hal.sync.source import as_source
 from hal.sync.transport import Transport
 
@@ -31,6 +31,7 @@ def header_of(plan: BucketPlan, version: int) -> dict[str, Any]:
         "specs": [(s.name, s.shape, str(s.dtype).removeprefix("torch.")) for s in plan.specs],
         "bucket_bytes": plan.bucket_bytes,
         "verify": plan.verify,
+        "segment_bytes": plan.segment_bytes,
         "digest": plan.digest,
     }
 
@@ -81,7 +82,8 @@ class Sender:
         builds = self.plans.builds
         wire_specs = self._wire_specs(metadata)
         self._size_buckets(wire_specs)
-        plan = self.plans.get(wire_specs, self.bucket_bytes, self.config.verify)
+        segment_bytes = self.config.segment_bytes if self.transport.segmented else None
+        plan = self.plans.get(wire_specs, self.bucket_bytes, self.config.verify, segment_bytes)
         where = f"sync of version {version}"
 
         self.transport.broadcast_object(header_of(plan, version))
@@ -140,19 +142,24 @@ class Sender:
                 if self._cross_stream_waits:  # the send of k-2 (on the current stream) read this slot
                     self._stream.wait_stream(self.backend.current_stream())
                 alive.pop(k - 2, None)
-            if failure is None:
-                try:
-                    gathered = timer.get("gather") or 0.0
-                    began = time.perf_counter()
-                    alive[k], current = self._pack(bucket, slot, it, metadata, current, timer)
-                    # on synchronous backends the copies happen here, not in _wait_packed
-                    timer.add("pack", time.perf_counter() - began - ((timer.get("gather") or 0.0) - gathered))
-                except Exception as exc:
-                    failure = exc  # keep sending so every rank reaches the final agreement
-            event = self._stream.record_event()
-            with timer("pack"):
-                self._wait_packed(event)
-            transport.send(k, slot, bucket.nbytes)
+            keep = alive.setdefault(k, [])
+            for segment in bucket.segments:
+                data = None
+                if failure is None:
+                    try:
+                        gathered = timer.get("gather") or 0.0
+                        began = time.perf_counter()
+                        current, data = self._pack(bucket, segment, slot, it, metadata, current, keep, timer)
+                        # on synchronous backends the copies happen here, not in _wait_packed
+                        timer.add("pack", time.perf_counter() - began - ((timer.get("gather") or 0.0) - gathered))
+                    except Exception as exc:
+                        failure = exc  # keep sending so every rank reaches the final agreement
+                if data is None:
+                    data = transport.slot(slot)[segment.start : segment.stop]
+                event = self._stream.record_event()
+                with timer("pack"):
+                    self._wait_packed(event)
+                transport.send(k, data)
         with timer("transfer"):
             transport.finish(len(plan.buckets))
         alive.clear()
@@ -160,14 +167,24 @@ class Sender:
             raise failure
 
     def _pack(
-        self, bucket: Bucket, slot: int, it: Any, metadata: list[TensorSpec], current: torch.Tensor | None, timer: PhaseTimer
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        self,
+        bucket: Bucket,
+        segment: Segment,
+        slot: int,
+        it: Any,
+        metadata: list[TensorSpec],
+        current: torch.Tensor | None,
+        keep: list[torch.Tensor],
+        timer: PhaseTimer,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Pack one segment; returns the tensor whose piece is being packed and the bytes
+        to send: the segment's range of the slot, or the tensor's own bytes."""
         backend, stream = self.backend, self._stream
         target = self.transport.slot(slot) if self.config.bypass_cpu else self._staging
-        keep: list[torch.Tensor] = []
-        for piece in bucket.pieces:
+        for index, lo, hi in segment.parts:
+            piece = bucket.pieces[index]
             spec = piece.spec
-            if piece.is_first:
+            if piece.is_first and lo == 0:
                 with timer("gather"):
                     current = self._next(it, spec, metadata)
                 if self._cross_stream_waits:  # a gather (e.g. full_tensor) may still be running
@@ -176,20 +193,42 @@ class Sender:
                     wire = backend.empty(tuple(current.shape), spec.dtype)  # cast once, then chunk its bytes
                     backend.copy_(wire, current, stream=stream)
                     current = wire
+                if not (lo == 0 and hi == spec.nbytes) and not current.is_contiguous():
+                    current = current.contiguous()  # sent in ranges: one flat copy, not one per range
                 keep.append(current)
-            if piece.nbytes == 0:
+            if self._sends_in_place(segment, current, spec, hi - lo):
+                keep.append(current)  # also when its first range went in an earlier bucket
+                return current, kernels.as_bytes(current)[piece.tensor_offset + lo : piece.tensor_offset + hi]
+            if hi == lo:
                 continue
-            if piece.is_whole:
+            if piece.is_whole and lo == 0 and hi == piece.nbytes:
                 kernels.pack_into(backend, target, piece.offset, current, spec.dtype, stream=stream)
             else:
-                chunk = kernels.as_bytes(current.contiguous())[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
-                kernels.pack_bytes_into(backend, target, piece.offset, chunk, stream=stream)
-        if bucket.pieces and self.config.verify:
+                # a range of the piece, in wire bytes (ALIGNMENT-aligned: whole elements)
+                kernels.pack_range_into(backend, target, piece.offset + lo, current, spec.dtype, piece.tensor_offset + lo, hi - lo, stream=stream)
+        if segment.stop == bucket.nbytes and bucket.nbytes > bucket.checksum_offset:  # checksums travel last
             sums = kernels.typed_view(target, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
             backend.launch(stream, kernels.checksums_into, sums, target, bucket.checksum_ranges())
         if not self.config.bypass_cpu:
-            backend.copy_(self.transport.slot(slot)[: bucket.nbytes], target[: bucket.nbytes], stream=stream)
-        return keep, current
+            backend.copy_(self.transport.slot(slot)[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
+        return current, self.transport.slot(slot)[segment.start : segment.stop]
+
+    def _sends_in_place(self, segment: Segment, tensor: torch.Tensor, spec: TensorSpec, nbytes: int) -> bool:
+        """Whether a segment can go straight from the tensor's memory, skipping the pack:
+        it holds exactly one range of one tensor that is already contiguous, in its wire
+        dtype and where the slots are. Never with verification (checksums are computed
+        over the bucket) or through shared memory (the bytes must be in the slot)."""
+        return (
+            nbytes > 0
+            and segment.stop - segment.start == nbytes
+            and len(segment.parts) == 1
+            and self.config.bypass_cpu
+            and not self.config.verify
+            and self.transport.segmented
+            and tensor.dtype == spec.dtype
+            and tensor.is_contiguous()
+            and tensor.device == self.transport.slot(0).device
+        )
 
     def _next(self, it: Any, spec: TensorSpec, metadata: list[TensorSpec]) -> torch.Tensor:
         try:

@@ -12,6 +12,7 @@ The sender and receivers drive a transport in a fixed order (see `Sender` and
 
 from __future__ import annotations
 
+import collections
 import datetime
 import pickle
 from typing import Any, ClassVar
@@ -38,6 +39,9 @@ class Transport:
     # Data moves by host-side signalling, so the sender's packs must be complete on the
     # host before `send` even when collectives follow device streams.
     host_ordered: ClassVar[bool] = False
+    # Bytes travel, so a bucket is sent in segments (SyncConfig.segment_bytes) to start
+    # the wire early; a transport that moves no bytes takes each bucket whole.
+    segmented: ClassVar[bool] = False
     name: ClassVar[str] = "transport"
 
     def __init__(self, group: Any = None, *, src: int = 0, control_device: str | torch.device = "cpu") -> None:
@@ -151,17 +155,23 @@ class Transport:
         self._slots = [backend.empty(nbytes) for _ in range(2)]
 
     # ---- data plane: overridden per transport ---------------------------------------
-    def send(self, k: int, slot: int, nbytes: int) -> None:
+    # Bucket k travels in one or more transfers (its `Bucket.segments`), sent and
+    # received in order; `data` is a flat uint8 tensor: a range of a slot, or, on the
+    # sender, a tensor's own bytes sent without packing.
+    def send(self, k: int, data: torch.Tensor) -> None:
+        """Start sending `data` as the next transfer of bucket k."""
         raise NotImplementedError
 
     def wait_sent(self, k: int) -> None:
-        """Block until bucket k's slot may be overwritten."""
+        """Block until every transfer of bucket k is done with its memory."""
         raise NotImplementedError
 
-    def recv(self, k: int, slot: int, nbytes: int) -> None:
+    def recv(self, k: int, data: torch.Tensor) -> None:
+        """Post the receive of the next transfer of bucket k into `data`."""
         raise NotImplementedError
 
-    def wait_received(self, k: int, slot: int, nbytes: int) -> torch.Tensor:
+    def wait_received(self, k: int) -> None:
+        """Block until the oldest posted transfer (one of bucket k) has arrived."""
         raise NotImplementedError
 
     def release(self, k: int) -> None:
@@ -185,21 +195,27 @@ class BroadcastTransport(Transport):
 
     name = "broadcast"
     prefetch = True
+    segmented = True
 
-    def send(self, k: int, slot: int, nbytes: int) -> None:
-        self._pending[k] = self._broadcast(self._slots[slot][:nbytes], f"bucket {k}")
+    def __init__(self, group: Any = None, *, src: int = 0, control_device: str | torch.device = "cpu") -> None:
+        super().__init__(group, src=src, control_device=control_device)
+        self._posted: collections.deque[tuple[int, Any]] = collections.deque()  # receives, oldest first
+
+    def send(self, k: int, data: torch.Tensor) -> None:
+        self._pending.setdefault(k, []).append(self._broadcast(data, f"bucket {k}"))
 
     def wait_sent(self, k: int) -> None:
-        work = self._pending.pop(k, None)
-        if work is not None:
+        for work in self._pending.pop(k, ()):
             self._wait(work, f"bucket {k}")
 
-    def recv(self, k: int, slot: int, nbytes: int) -> None:
-        self._pending[k] = self._broadcast(self._slots[slot][:nbytes], f"bucket {k}")
+    def recv(self, k: int, data: torch.Tensor) -> None:
+        self._posted.append((k, self._broadcast(data, f"bucket {k}")))
 
-    def wait_received(self, k: int, slot: int, nbytes: int) -> torch.Tensor:
-        self._wait(self._pending.pop(k), f"bucket {k}")
-        return self._slots[slot][:nbytes]
+    def wait_received(self, k: int) -> None:
+        posted, work = self._posted.popleft()
+        if posted != k:
+            raise PeerError(f"{self.name}: waited for bucket {k}, but the oldest receive posted is for bucket {posted}")
+        self._wait(work, f"bucket {k}")
 
     def finish(self, nbuckets: int) -> None:
         for k in sorted(self._pending):
@@ -247,22 +263,22 @@ class IpcTransport(Transport):
         self._wait(self._broadcast(t, what), what)
         return int(t.item())
 
-    def send(self, k: int, slot: int, nbytes: int) -> None:
-        self._signal(k, f"bucket {k} ready")
+    def send(self, k: int, data: torch.Tensor) -> None:
+        self._signal(k, f"bucket {k} ready")  # `data` is in the shared slot
         self._pending[k] = True
 
     def wait_sent(self, k: int) -> None:
         if self._pending.pop(k, None):
             self._allreduce(torch.zeros(1, device=self.control_device), f"bucket {k} released")
 
-    def recv(self, k: int, slot: int, nbytes: int) -> None:
+    def recv(self, k: int, data: torch.Tensor) -> None:
         got = self._signal(0, f"bucket {k} ready")
         if got != k:
             raise PeerError(f"ipc transport: expected bucket {k}, sender announced {got}")
         self._announce_release()
 
-    def wait_received(self, k: int, slot: int, nbytes: int) -> torch.Tensor:
-        return self._slots[slot][:nbytes]
+    def wait_received(self, k: int) -> None:
+        pass  # `recv` returned once the sender announced the bucket: it is in shared memory
 
     def release(self, k: int) -> None:
         self._released = k

@@ -77,6 +77,70 @@ def test_duplicate_names_and_tiny_buckets_are_rejected():
         build_plan(specs((1,)), 100)
 
 
+def check_segments(plan, segment_bytes):
+    """Segments cover every byte of every piece exactly once, in order, and never overlap;
+    padding does not travel; checksums travel last."""
+    limit = segment_bytes // ALIGNMENT * ALIGNMENT
+    for bucket in plan.buckets:
+        carried = {i: 0 for i in range(len(bucket.pieces))}
+        previous_stop = 0
+        for seg in bucket.segments:
+            assert previous_stop <= seg.start <= seg.stop and seg.start % (ALIGNMENT if seg.parts else 8) == 0
+            previous_stop = seg.stop
+            for i, lo, hi in seg.parts:
+                piece = bucket.pieces[i]
+                assert lo == carried[i], "parts of a piece out of order"
+                assert seg.start <= piece.offset + lo <= piece.offset + hi <= seg.stop
+                carried[i] = hi
+            if len(seg.parts) == 1 and seg.parts[0][2] > seg.parts[0][1]:
+                i, lo, hi = seg.parts[0]
+                assert seg.stop - seg.start == hi - lo  # a single range travels without padding
+            elif seg.parts:
+                first, last = seg.parts[0], seg.parts[-1]
+                assert seg.start == bucket.pieces[first[0]].offset + first[1]
+                assert seg.stop == bucket.pieces[last[0]].offset + last[2]
+                assert seg.stop - seg.start <= limit
+        assert carried == {i: p.nbytes for i, p in enumerate(bucket.pieces)}
+        if plan.verify:
+            assert (bucket.segments[-1].start, bucket.segments[-1].stop) == (bucket.checksum_offset, bucket.nbytes)
+            assert bucket.segments[-1].parts == ()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_segments_group_small_tensors_and_give_large_ones_their_own(verify):
+    seg = 8192
+    s = specs((100,), (3000,), (10, 10), (0,), (300,), (5000,), (7,), dtype=torch.float32)  # 0 B .. 20 KB
+    plan = build_plan(s, 64 * 1024, verify=verify, segment_bytes=seg)
+    check_segments(plan, seg)
+    (bucket,) = plan.buckets
+    names = [[bucket.pieces[i].spec.name for i, _, _ in segment.parts] for segment in bucket.segments if segment.parts]
+    # p1 (12 KB) and p5 (20 KB) are at least a quarter segment: their own transfers, split at
+    # the segment size; the small ones (the empty p3 included) travel together
+    assert names == [["p0"], ["p1"], ["p1"], ["p2", "p3", "p4"], ["p5"], ["p5"], ["p5"], ["p6"]]
+    assert len(plan.buckets[0].segments) == 8 + verify
+
+
+def test_segments_hold_for_random_layouts():
+    import random
+
+    rng = random.Random(0)
+    for trial in range(200):
+        shapes = [(rng.choice([0, 1, 3, 17, 64, 255, 1000, 4096, 20000]),) for _ in range(rng.randint(1, 12))]
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.int8])
+        seg = rng.choice([256, 1024, 4096, 10000])
+        verify = rng.random() < 0.5
+        plan = build_plan(specs(*shapes, dtype=dtype), rng.choice([4096, 16384, 65536]), verify=verify, segment_bytes=seg)
+        covered(plan)
+        check_segments(plan, seg)
+
+
+def test_without_a_segment_size_a_bucket_travels_whole():
+    plan = build_plan(specs((100,), (5000,)), 64 * 1024, verify=True)
+    assert [(s.start, s.stop) for s in plan.buckets[0].segments] == [(0, plan.buckets[0].nbytes)]
+    # the segment size is part of the layout's key: sender and receivers must agree on it
+    assert plan.digest != build_plan(specs((100,), (5000,)), 64 * 1024, verify=True, segment_bytes=4096).digest
+
+
 def test_tensor_spec_validation_names_the_field():
     with pytest.raises(ValueError, match="negative dimension"):
         TensorSpec("w", (-1, 2), torch.float32)
@@ -91,6 +155,8 @@ def test_sync_config_validation_names_the_field():
         SyncConfig(bucket_bytes=10)
     with pytest.raises(ValueError, match="wire_dtype"):
         SyncConfig(wire_dtype=torch.int8)
+    with pytest.raises(ValueError, match="segment_bytes"):
+        SyncConfig(segment_bytes=100)
     with pytest.raises(ValueError, match="timeout_s"):
         SyncConfig(timeout_s=0)
 

@@ -23,6 +23,7 @@ from hal.sync import (
     TensorSource,
     TensorSpec,
 )
+from hal.sync.rollout import allocate, copy_into
 from tests.multiproc import RankError, run_group
 
 pytestmark = pytest.mark.multiprocess
@@ -67,10 +68,10 @@ def _transport(kind: str):
 
 
 # ---- round trips ---------------------------------------------------------------------
-def roundtrip_worker(rank, world, backend, kind, verify):
+def roundtrip_worker(rank, world, backend, kind, verify, segment_bytes=None):
     with hal.use(backend):
         transport = _transport(kind)
-        cfg = SyncConfig(bucket_bytes=BUCKET, verify=verify)
+        cfg = SyncConfig(bucket_bytes=BUCKET, verify=verify, segment_bytes=segment_bytes)
         if rank == 0:
             sender = Sender(transport, cfg)
             return [sender.send(TensorSource(weights(v)), version=v) for v in (1, 2, 3)]
@@ -84,17 +85,19 @@ def roundtrip_worker(rank, world, backend, kind, verify):
 
 
 @pytest.mark.parametrize(
-    "backend,kind,world",
+    "backend,kind,world,verify,segment_bytes",
     [
-        ("cpu", "broadcast", 2),
-        ("cpu", "broadcast", 3),
-        ("cpu", "ipc", 3),
-        ("sim", "broadcast", 2),
-        ("sim", "ipc", 2),
+        ("cpu", "broadcast", 2, True, None),
+        ("cpu", "broadcast", 3, True, None),
+        ("cpu", "broadcast", 3, False, 4096),  # segments, applied as they arrive, to two receivers
+        ("cpu", "ipc", 3, True, None),
+        ("sim", "broadcast", 2, True, None),
+        ("sim", "broadcast", 2, False, 4096),
+        ("sim", "ipc", 2, True, None),
     ],
 )
-def test_weights_arrive_exactly_across_consecutive_syncs(backend, kind, world):
-    results = run_group(roundtrip_worker, world, args=(backend, kind, True), timeout=90)
+def test_weights_arrive_exactly_across_consecutive_syncs(backend, kind, world, verify, segment_bytes):
+    results = run_group(roundtrip_worker, world, args=(backend, kind, verify, segment_bytes), timeout=90)
     sender_metrics = results[0]
     for receiver in results[1:]:
         assert receiver == [(True, 1, True), (True, 2, True), (True, 3, True)]
@@ -107,53 +110,121 @@ def test_weights_arrive_exactly_across_consecutive_syncs(backend, kind, world):
 
 # ---- bypass_cpu and staged give identical bytes; wire dtype cast ---------------------
 class RecordingTransport(BroadcastTransport):
+    """Keeps a copy of the slot each bucket arrived in (padding included)."""
+
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.buckets: list[bytes] = []
 
-    def wait_received(self, k, slot, nbytes):
-        data = super().wait_received(k, slot, nbytes)
-        self.buckets.append(bytes(data.numpy()))
-        return data
+    def release(self, k):
+        self.buckets.append(bytes(self.slot(k % 2).numpy()))
+
+
+SEGMENT = 4096  # the smallest allowed: the 16 KiB pieces travel in segments of their own
 
 
 def modes_worker(rank, world, backend):
+    """The same weights sent bypass_cpu and staged, with and without verification (which
+    also decides whether big segments go straight from the tensors) and segments."""
+    modes = [(bypass, verify, segment) for verify in (True, False) for segment in (SEGMENT, None) for bypass in (True, False)]
     with hal.use(backend):
         transport = RecordingTransport(None, src=0)
         if rank == 0:
             src = TensorSource(weights(7))
-            for bypass in (True, False):
-                Sender(transport, SyncConfig(bucket_bytes=BUCKET, bypass_cpu=bypass, verify=True)).send(src, version=1)
+            for version, (bypass, verify, segment) in enumerate(modes, 1):
+                cfg = SyncConfig(bucket_bytes=BUCKET, bypass_cpu=bypass, verify=verify, segment_bytes=segment)
+                Sender(transport, cfg).send(src, version=version)
             # fp32 trainer weights travel as bf16
-            Sender(transport, SyncConfig(bucket_bytes=BUCKET, wire_dtype=torch.bfloat16)).send(src, version=2)
+            Sender(transport, SyncConfig(bucket_bytes=BUCKET, wire_dtype=torch.bfloat16, segment_bytes=SEGMENT)).send(src, version=99)
             return None
-        cfg = SyncConfig(bucket_bytes=BUCKET)
-        receiver = Receiver(transport, specs(), cfg)
-        receiver.receive(Collect())
-        bypass_bytes, transport.buckets = transport.buckets, []
-        receiver.receive(Collect())
-        staged_bytes = transport.buckets
-        plan = receiver.plans.get(specs(), BUCKET, True)
-
-        def meaningful(buckets):  # tensor bytes and checksums; alignment padding is left undefined
-            return [
-                [raw[o : o + n] for o, n in b.checksum_ranges()] + [raw[b.checksum_offset : b.nbytes]]
-                for b, raw in zip(plan.buckets, buckets)
-            ]
-
-        bypass_bytes, staged_bytes = meaningful(bypass_bytes), meaningful(staged_bytes)
-        bf16 = Receiver(transport, specs(torch.bfloat16), cfg, version=1)
+        receiver = Receiver(transport, specs(), SyncConfig(bucket_bytes=BUCKET))
+        received = []
+        for bypass, verify, segment in modes:
+            transport.buckets = []
+            target = Collect()
+            receiver.receive(target)
+            plan = receiver.plans.get(specs(), BUCKET, verify, segment)
+            data = [[raw[o : o + n] for o, n in b.checksum_ranges()] for b, raw in zip(plan.buckets, transport.buckets)]
+            sums = [raw[b.checksum_offset : b.nbytes] for b, raw in zip(plan.buckets, transport.buckets)]
+            received.append((data, sums, target.matches(weights(7))))
+        same_data = all(r[0] == received[0][0] for r in received) and len(received[0][0]) > 1
+        same_sums = received[0][1] == received[1][1] == received[2][1] == received[3][1] and received[0][1][0]
+        all_match = all(r[2] for r in received)
+        bf16 = Receiver(transport, specs(torch.bfloat16), SyncConfig(bucket_bytes=BUCKET), version=1)
         target = Collect()
         bf16.receive(target)
         expected = [(n, t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in weights(7)]
-        return bypass_bytes == staged_bytes and len(bypass_bytes) > 1, target.matches(expected)
+        return same_data and bool(same_sums), all_match, target.matches(expected)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "sim"])
 def test_bypass_cpu_and_staged_send_identical_bytes_and_wire_dtype_casts(backend):
-    _, (identical, cast_ok) = run_group(modes_worker, 2, args=(backend,), timeout=90)
+    _, (identical, all_match, cast_ok) = run_group(modes_worker, 2, args=(backend,), timeout=90)
     assert identical
+    assert all_match
     assert cast_ok
+
+
+# ---- large tensors skip the buckets: sent from their memory, received into their destination
+class TransferLog(BroadcastTransport):
+    """Notes the address of every transfer sent or received."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.addresses: list[int] = []
+
+    def send(self, k, data):
+        self.addresses.append(data.data_ptr())
+        super().send(k, data)
+
+    def recv(self, k, data):
+        self.addresses.append(data.data_ptr())
+        super().recv(k, data)
+
+
+def _holding(tensors, addresses):
+    """The names of the tensors some transfer went straight from or into."""
+    return {n for n, t in tensors for a in addresses if t.data_ptr() <= a < t.data_ptr() + t.numel() * t.element_size()}
+
+
+def in_place_worker(rank, world, backend):
+    with hal.use(backend):
+        transport = TransferLog(None, src=0)
+        cfg = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT)
+        if rank == 0:
+            source = weights(4)
+            Sender(transport, cfg).send(TensorSource(source), version=1)
+            Sender(transport, cfg).send(TensorSource(source), version=2)
+            packed = len(_holding(source, transport.addresses)) < len(transport.addresses)
+            return _holding(source, transport.addresses), packed
+        receiver = Receiver(transport, specs(), cfg)
+        destinations = allocate(specs(), fill=float("nan"))
+        target = copy_into(destinations)
+        receiver.receive(target)
+        first = (
+            _holding(destinations.items(), transport.addresses),
+            all(torch.equal(destinations[n], t) for n, t in weights(4)),
+            receiver.reassembly_bytes,
+        )
+        # a destination in another dtype than the wire is not written in place: copied (cast) instead
+        transport.addresses = []
+        mixed = dict(destinations, **{"layers.1.w": torch.zeros(64, 64, dtype=torch.float64)})
+        receiver.receive(copy_into(mixed))
+        exact = torch.equal(mixed["layers.1.w"], weights(4)[3][1].double())
+        return first, (_holding(mixed.items(), transport.addresses), exact)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+def test_large_tensors_go_from_the_sender_tensor_into_the_receiver_destination(backend):
+    (sent_direct, packed_too), (first, second) = run_group(in_place_worker, 2, args=(backend,), timeout=90)
+    # 76 KiB and 16 KiB: transfers of their own; "step" (8 bytes) is alone in its transfer too
+    assert sent_direct == {"embed.weight", "layers.1.w", "step"}
+    assert packed_too  # the other small tensors travelled packed in a slot
+    received_in_place, correct, reassembly = first
+    assert received_in_place == {"embed.weight", "layers.1.w", "step"} and correct
+    assert reassembly == 0  # the embedding spans buckets, but landed in its destination: no reassembly buffer
+    received_in_place, exact = second
+    assert received_in_place == {"embed.weight", "step"} and exact
 
 
 # ---- the sender's event wait is what makes the sim backend correct --------------------
@@ -254,11 +325,13 @@ def test_one_receiver_rejecting_stops_every_rank():
 
 # ---- verification and failures during the data phase ---------------------------------
 class CorruptingTransport(BroadcastTransport):
-    def wait_received(self, k, slot, nbytes):
-        data = super().wait_received(k, slot, nbytes)
-        if k == 2:
-            data[0] ^= 0xFF
-        return data
+    """Flips the first byte of bucket 2 once it has arrived (bucket 2 uses slot 0)."""
+
+    def wait_received(self, k):
+        super().wait_received(k)
+        if k == 2 and not getattr(self, "flipped", False):
+            self.slot(0)[0] ^= 0xFF
+            self.flipped = True
 
 
 def corruption_worker(rank, world, verify):
