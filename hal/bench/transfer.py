@@ -17,9 +17,16 @@ receiver-owned memory (a preallocated destination tensor per parameter).
                    is packed or copied: the transport's floor.
     per_tensor     one broadcast per parameter, straight into its destination (what most
                    trainers do today).
-    hal_bucketed   hal.sync's Sender/Receiver over BroadcastTransport; the receiver's
-                   apply callable copies the zero-copy views into the destinations.
-    hal_shm        the same over IpcTransport (same-node shared memory).
+    hal_bucketed   hal.sync's Sender/Receiver over BroadcastTransport into the receiver's
+                   destinations through `copy_into` (hal's apply for preallocated
+                   tensors): a tensor that travels in transfers of its own is sent
+                   from the sender's tensor and received straight into its
+                   destination; small tensors travel packed in buckets and are copied.
+    hal_shm        the same over IpcTransport (same-node shared memory; every tensor is
+                   copied out of the shared slot).
+    hal_bucketed_copy
+                   hal_bucketed with an apply callable that copies every view (a
+                   load_weights-style target that names no destinations).
     floor_with_copy
                    the flat broadcast, started asynchronously, while each process copies
                    as many bytes as the model holds (through a 64 MiB scratch pair): where
@@ -78,11 +85,13 @@ MIB = 1024**2
 
 # Methods every run reports (the four), then the read-in-place variants.
 CORE_METHODS = ("floor", "per_tensor", "hal_bucketed", "hal_shm")
+# hal_bucketed_copy: an apply that copies every view (a load_weights-style target).
+COPY_METHODS = ("hal_bucketed_copy",)
 READ_METHODS = ("hal_bucketed_read", "hal_shm_read")
 # The flat broadcast while each process copies a model-sized buffer: the best a bucketed
 # sync (one pack copy, one apply copy) could do if its copies overlapped perfectly.
 BOUND_METHODS = ("floor_with_copy",)
-ALL_METHODS = CORE_METHODS + READ_METHODS + BOUND_METHODS
+ALL_METHODS = CORE_METHODS + COPY_METHODS + READ_METHODS + BOUND_METHODS
 
 SENDER, RECEIVER = 0, 1
 _PATTERN_PERIOD = 1_048_573  # a prime number of bytes: a tensor at a wrong offset does not match by accident
@@ -324,9 +333,10 @@ def _setup_floor_with_copy(ctx: RankContext) -> tuple[Callable[[], None], Callab
     return run, lambda: None
 
 
-def _setup_hal(ctx: RankContext, transport_name: str, copy_into_destinations: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Callable[[], None], Callable[[], None]]:
     from hal.device import get_backend
     from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec
+    from hal.sync.rollout import copy_into
     from hal.sync import transport as transports
 
     backend = get_backend("cpu")  # host weights and gloo, whatever VERL_DEVICE says
@@ -360,7 +370,10 @@ def _setup_hal(ctx: RankContext, transport_name: str, copy_into_destinations: bo
     if ctx.config.trace:
         _trace_calls(receiver, ctx.trace, ("_views",))  # private: profiling only
     destination = dict(zip(names, ctx.tensors))
-    if copy_into_destinations:
+    apply: Callable[[list[tuple[str, torch.Tensor]]], None]
+    if target == "copy_into":
+        apply = copy_into(destination, backend=backend)
+    elif target == "copy":
 
         def apply(pairs: list[tuple[str, torch.Tensor]]) -> None:
             for name, view in pairs:
@@ -375,12 +388,17 @@ def _setup_hal(ctx: RankContext, transport_name: str, copy_into_destinations: bo
     if ctx.config.trace:
         untraced_apply = apply
 
-        def apply(pairs: list[tuple[str, torch.Tensor]]) -> None:
-            t0 = time.perf_counter()
-            try:
-                untraced_apply(pairs)
-            finally:
-                ctx.trace.append(("apply", len(pairs), t0, time.perf_counter()))
+        class Traced:  # keeps the target's `destination`, so tracing does not change the path
+            destination = getattr(untraced_apply, "destination", None)
+
+            def __call__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+                t0 = time.perf_counter()
+                try:
+                    untraced_apply(pairs)
+                finally:
+                    ctx.trace.append(("apply", len(pairs), t0, time.perf_counter()))
+
+        apply = Traced()
 
     def run() -> None:
         metrics = receiver.receive(apply)
@@ -414,7 +432,9 @@ def _trace_calls(obj: Any, log: list[tuple[str, Any, float, float]], names: tupl
                 return _method(*args, **kwargs)
             finally:
                 first = args[0] if args else None
-                first = first if isinstance(first, int) else getattr(first, "index", None)
+                if not isinstance(first, int):  # a Bucket's index; never a tensor (or its methods)
+                    first = getattr(first, "index", None)
+                    first = first if isinstance(first, int) else None
                 log.append((_name, first, t0, time.perf_counter()))
 
         setattr(obj, name, wrapper)
@@ -440,14 +460,15 @@ SETUPS: dict[str, Callable[[RankContext], tuple[Callable[[], None], Callable[[],
     "floor_with_copy": _setup_floor_with_copy,
     "floor": _setup_floor,
     "per_tensor": _setup_per_tensor,
-    "hal_bucketed": lambda ctx: _setup_hal(ctx, "BroadcastTransport", True),
-    "hal_shm": lambda ctx: _setup_hal(ctx, "IpcTransport", True),
-    "hal_bucketed_read": lambda ctx: _setup_hal(ctx, "BroadcastTransport", False),
-    "hal_shm_read": lambda ctx: _setup_hal(ctx, "IpcTransport", False),
+    "hal_bucketed": lambda ctx: _setup_hal(ctx, "BroadcastTransport", "copy_into"),
+    "hal_shm": lambda ctx: _setup_hal(ctx, "IpcTransport", "copy_into"),
+    "hal_bucketed_copy": lambda ctx: _setup_hal(ctx, "BroadcastTransport", "copy"),
+    "hal_bucketed_read": lambda ctx: _setup_hal(ctx, "BroadcastTransport", "read"),
+    "hal_shm_read": lambda ctx: _setup_hal(ctx, "IpcTransport", "read"),
 }
 
 # Methods whose run leaves the receiver's destinations filled (and so can be verified).
-_FILLS_DESTINATIONS = {"floor", "floor_with_copy", "per_tensor", "hal_bucketed", "hal_shm"}
+_FILLS_DESTINATIONS = {"floor", "floor_with_copy", "per_tensor", "hal_bucketed", "hal_shm", "hal_bucketed_copy"}
 
 
 # ---------------------------------------------------------------------------------------

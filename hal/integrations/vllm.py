@@ -270,6 +270,10 @@ class _WholeLayerReceiver(Receiver):
     """
 
     layer_of: dict[str, frozenset[str]] = {}
+    # A layer whose tensors arrive in different apply calls is carried (copied) until its
+    # last one: per-segment calls would split most layers (docs/benchmarks.md, vLLM: 64 MiB
+    # buckets already doubled the apply time on the CPU).
+    apply_whole_buckets = True
 
     def validate(self, specs: list[TensorSpec]) -> None:
         sent = {spec.name for spec in specs}
