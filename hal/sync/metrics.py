@@ -26,7 +26,8 @@ class SyncMetrics:
     transfer_s: float | None = None
     """Waiting for the transport."""
     apply_s: float | None = None
-    """Inside the receiver's apply callable, receiver only."""
+    """Placing received tensors, receiver only: copies into destinations and reassembly
+    buffers, and the time inside the apply callable."""
     total_s: float = 0.0
     plan_reused: bool = False
 

@@ -180,7 +180,8 @@ class Receiver:
                 if local_error is not None:
                     continue
                 try:
-                    pairs += self._arrived(bucket, segment, data, destinations)
+                    with timer("apply"):  # copies into destinations are the receiver's part of applying
+                        pairs += self._arrived(bucket, segment, data, destinations)
                     if whole_bucket and segment.stop != bucket.nbytes:
                         continue
                     if whole_bucket:
