@@ -23,6 +23,21 @@ def test_pack_then_view_round_trips_with_cast(backend):
     assert torch.equal(kernels.typed_view(bucket, 256, (7,), torch.int64), b)
 
 
+def test_pack_range_packs_wire_byte_ranges_with_cast(backend):
+    bucket = torch.zeros(4096, dtype=torch.uint8)
+    a = torch.randn(1000)  # fp32 source, bf16 wire: 2000 wire bytes
+    stream = backend.new_stream()
+    # the wire bytes [512, 1536) of `a` are elements 256..767, placed at bucket offset 1024
+    kernels.pack_range_into(backend, bucket, 1024, a, torch.bfloat16, 512, 1024, stream=stream)
+    stream.synchronize()
+    assert torch.equal(kernels.typed_view(bucket, 1024, (512,), torch.bfloat16), a[256:768].to(torch.bfloat16))
+    assert not bucket[:1024].any() and not bucket[2048:].any()  # nothing outside the range
+    with pytest.raises(ValueError, match="splits a torch.bfloat16 element"):
+        kernels.pack_range_into(backend, bucket, 0, a, torch.bfloat16, 1, 2)
+    with pytest.raises(ValueError, match="overruns a tensor of 1000"):
+        kernels.pack_range_into(backend, bucket, 0, a, torch.bfloat16, 1800, 400)
+
+
 def test_typed_view_is_zero_copy_and_checks_bounds():
     bucket = torch.zeros(1024, dtype=torch.uint8)
     view = kernels.typed_view(bucket, 256, (4,), torch.float32)
