@@ -205,8 +205,8 @@ class Receiver:
         """The tensors this sync may write in place: those `apply.destination(name)` names
         that match the wire spec exactly (shape, dtype, contiguous, on the slots' device).
 
-        Looked up afresh every sync. None when verifying: bytes must be checked before
-        they land anywhere the engine reads.
+        Looked up afresh every sync. None when verifying (bytes must be checked before
+        they land anywhere the engine reads) or over shared memory (no bytes travel).
         """
         lookup = getattr(apply, "destination", None)
         if lookup is None or plan.verify or not self.transport.segmented:
