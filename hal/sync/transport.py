@@ -25,6 +25,14 @@ from hal.backend import Backend
 from hal.sync.errors import PeerError
 
 
+def _backend_name(group: Any) -> str | None:
+    """"gloo", "nccl", "hccl", ... for a ProcessGroup; None when it does not say."""
+    try:
+        return str(group.name()).lower()
+    except Exception:  # noqa: BLE001 - a group object without a name: assume nothing
+        return None
+
+
 def _default_group() -> Any:
     if not dist.is_initialized():
         raise PeerError("no process group: pass group= or call torch.distributed.init_process_group first")
@@ -189,27 +197,43 @@ class BroadcastTransport(Transport):
     """Each bucket is broadcast from the sender into every receiver's own slot.
 
     On CUDA/NPU with an NCCL/HCCL group this is a device-to-device broadcast; here it
-    is gloo over loopback. The receive of bucket k+1 is posted before bucket k is
-    applied, so transfer and apply overlap.
+    is gloo over loopback. The receives of the next buckets are posted before the
+    current one is applied, so transfer and apply overlap. With a single receiver on a
+    gloo group the transfers are point-to-point send/recv instead: gloo pays about 1 ms
+    per broadcast here, which a sync of ~100 transfers feels, and a send/recv pair does
+    not (docs/benchmarks.md).
     """
 
     name = "broadcast"
     prefetch = True
     segmented = True
+    P2P_TAG = 0x4A1  # point-to-point transfers only; collectives use their own slots
 
     def __init__(self, group: Any = None, *, src: int = 0, control_device: str | torch.device = "cpu") -> None:
         super().__init__(group, src=src, control_device=control_device)
         self._posted: collections.deque[tuple[int, Any]] = collections.deque()  # receives, oldest first
+        self.point_to_point = self.world_size == 2 and _backend_name(self.group) == "gloo"
+        self._peer = 1 - src  # the other rank, when there are two
+
+    def _transfer(self, data: torch.Tensor, what: str) -> Any:
+        if not self.point_to_point:
+            return self._broadcast(data, what)
+        try:
+            if self.is_sender:
+                return self.group.send([data], self._peer, self.P2P_TAG)
+            return self.group.recv([data], self.src, self.P2P_TAG)
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
 
     def send(self, k: int, data: torch.Tensor) -> None:
-        self._pending.setdefault(k, []).append(self._broadcast(data, f"bucket {k}"))
+        self._pending.setdefault(k, []).append(self._transfer(data, f"bucket {k}"))
 
     def wait_sent(self, k: int) -> None:
         for work in self._pending.pop(k, ()):
             self._wait(work, f"bucket {k}")
 
     def recv(self, k: int, data: torch.Tensor) -> None:
-        self._posted.append((k, self._broadcast(data, f"bucket {k}")))
+        self._posted.append((k, self._transfer(data, f"bucket {k}")))
 
     def wait_received(self, k: int) -> None:
         posted, work = self._posted.popleft()

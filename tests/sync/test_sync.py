@@ -165,6 +165,25 @@ def test_bypass_cpu_and_staged_send_identical_bytes_and_wire_dtype_casts(backend
     assert cast_ok
 
 
+# ---- one receiver on gloo: point-to-point transfers; more receivers: broadcasts -------
+def transfer_kind_worker(rank, world):
+    transport = BroadcastTransport(None, src=0)
+    cfg = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT)
+    if rank == 0:
+        Sender(transport, cfg).send(TensorSource(weights(8)), version=1)
+        return transport.point_to_point
+    target = Collect()
+    Receiver(transport, specs(), cfg).receive(target)
+    return transport.point_to_point, target.matches(weights(8))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_single_receiver_on_gloo_gets_point_to_point_transfers(world):
+    sender, *receivers = run_group(transfer_kind_worker, world, timeout=90)
+    assert sender is (world == 2)
+    assert receivers == [(world == 2, True)] * (world - 1)
+
+
 # ---- large tensors skip the buckets: sent from their memory, received into their destination
 class TransferLog(BroadcastTransport):
     """Notes the address of every transfer sent or received."""
