@@ -73,6 +73,9 @@ class Backend:
     # A collective issued under a stream is ordered after that stream's earlier work
     # (NCCL/HCCL). When False (gloo) the host must wait for the work first.
     collectives_follow_streams: ClassVar[bool] = False
+    # With one receiver, many send/recv pairs move bytes faster than as many broadcasts
+    # (gloo runs each broadcast through its worker threads, ~1 ms each on a small host).
+    point_to_point_transfers: ClassVar[bool] = False
 
     # ---- availability ---------------------------------------------------------------
     @classmethod
@@ -238,6 +241,7 @@ class Backend:
             "supports_ipc": self.supports_ipc,
             "supports_async_streams": self.supports_async_streams,
             "collectives_follow_streams": self.collectives_follow_streams,
+            "point_to_point_transfers": self.point_to_point_transfers,
         }
 
     def _require(self, capability: str, operation: str) -> None:

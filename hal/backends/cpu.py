@@ -120,6 +120,7 @@ class CpuBackend(Backend):
     supports_ipc = True  # through files in /dev/shm
     supports_async_streams = False
     collectives_follow_streams = False
+    point_to_point_transfers = True  # gloo: docs/benchmarks.md, "What changed in session 2"
 
     def __init__(self) -> None:
         self._local = threading.local()

@@ -21,7 +21,7 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from hal.bench.presets import PRESETS
 
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--methods",
-        type=_method_list,
+        type=comma_list(ALL_METHODS, "method"),
         default=ALL_METHODS,
         help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all)",
     )
@@ -147,11 +147,14 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _method_list(text: str) -> tuple[str, ...]:
-    from hal.bench.transfer import ALL_METHODS
+def comma_list(valid: tuple[str, ...], what: str) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated, non-empty subset of `valid` (`what` names one)."""
 
-    methods = tuple(m.strip() for m in text.split(",") if m.strip())
-    unknown = [m for m in methods if m not in ALL_METHODS]
-    if unknown or not methods:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; valid: {','.join(ALL_METHODS)}")
-    return methods
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        unknown = [v for v in values if v not in valid]
+        if unknown or not values:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {unknown}; valid: {','.join(valid)}")
+        return values
+
+    return parse

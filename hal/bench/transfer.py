@@ -368,7 +368,7 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
     specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in ctx.params]
     receiver = Receiver(transport, specs, sync_config, backend=backend)
     if ctx.config.trace:
-        _trace_calls(receiver, ctx.trace, ("_views",))  # private: profiling only
+        _trace_calls(receiver, ctx.trace, ("_arrived",))  # private: profiling only
     destination = dict(zip(names, ctx.tensors))
     apply: Callable[[list[tuple[str, torch.Tensor]]], None]
     if target == "copy_into":

@@ -44,6 +44,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+from hal.bench import comma_list
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -55,11 +57,11 @@ def add_arguments(parser: Any) -> None:
         "all under 'hal_by_config' (default 256, what WeightSync picks by default on a host with over 16 GiB free)",
     )
     parser.add_argument(
-        "--vllm-transports", type=_transport_list, default=("ipc", "broadcast"),
+        "--vllm-transports", type=comma_list(TRANSPORTS, "transport"), default=TRANSPORTS,
         help="--engine vllm: hal transport(s), comma-separated; the first is reported as 'hal' (default ipc,broadcast)",
     )
     parser.add_argument(
-        "--vllm-methods", type=_method_list, default=VLLM_METHODS,
+        "--vllm-methods", type=comma_list(VLLM_METHODS, "method"), default=VLLM_METHODS,
         help=f"--engine vllm: comma-separated subset of {','.join(VLLM_METHODS)} (default: all)",
     )
     parser.add_argument(
@@ -73,28 +75,13 @@ def add_arguments(parser: Any) -> None:
 
 
 VLLM_METHODS = ("hal", "disk_reload", "rpc_bytes", "apply", "floor")
+TRANSPORTS = ("ipc", "broadcast")
 
 
 def _mb_list(text: str) -> tuple[float, ...]:
     values = tuple(float(x) for x in text.split(",") if x.strip())
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive MiB values, got {text!r}")
-    return values
-
-
-def _method_list(text: str) -> tuple[str, ...]:
-    methods = tuple(m.strip() for m in text.split(",") if m.strip())
-    unknown = [m for m in methods if m not in VLLM_METHODS]
-    if unknown or not methods:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; valid: {','.join(VLLM_METHODS)}")
-    return methods
-
-
-def _transport_list(text: str) -> tuple[str, ...]:
-    values = tuple(t.strip() for t in text.split(",") if t.strip())
-    unknown = [t for t in values if t not in ("ipc", "broadcast")]
-    if unknown or not values:
-        raise argparse.ArgumentTypeError(f"unknown transport(s) {unknown}; valid: ipc,broadcast")
     return values
 
 
@@ -114,14 +101,11 @@ def _timed(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    repeats = getattr(args, "repeats", 5)
-    warmup = getattr(args, "warmup", 1)
-    bucket_mbs = tuple(getattr(args, "vllm_bucket_mb", (32.0,)))
-    methods = tuple(getattr(args, "vllm_methods", VLLM_METHODS))
+    # `args` come from `hal bench`'s parser (add_arguments above), defaults included
+    repeats, warmup, timeout_s = args.repeats, args.warmup, float(args.timeout)
+    bucket_mbs, methods, transports = tuple(args.vllm_bucket_mb), tuple(args.vllm_methods), tuple(args.vllm_transports)
     bucket_bytes = int(bucket_mbs[0] * MIB)
-    transports = tuple(getattr(args, "vllm_transports", ("ipc", "broadcast")))
-    timeout_s = float(getattr(args, "timeout", 300.0))
-    if getattr(args, "vllm_in_process", False):
+    if args.vllm_in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -132,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from hal.integrations.vllm_client import OfflineEngine, WeightSync
     from hal.sync import SyncConfig, TensorSource
 
-    model_dir = Path(getattr(args, "vllm_model_dir", None) or Path(tempfile.gettempdir()) / "hal-bench-vllm-model")
+    model_dir = Path(args.vllm_model_dir or Path(tempfile.gettempdir()) / "hal-bench-vllm-model")
     print(f"[bench vllm] model {BENCH_SPEC.nbytes_fp32() / GIB:.2f} GiB fp32 in {model_dir}", flush=True)
     build_tiny_llama(model_dir, BENCH_SPEC)
     (checkpoint,) = sorted(model_dir.glob("*.safetensors"))

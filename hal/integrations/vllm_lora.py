@@ -72,10 +72,11 @@ from hal.integrations.vllm import (
     HalInitInfo,
     HalUpdateInfo,
     HalWeightTransferEngine,
+    _WholeLayerReceiver,
     dtype_from_name,
     register_engine,
 )
-from hal.sync import Receiver, SpecMismatchError, SyncConfig, TensorSource, TensorSpec
+from hal.sync import SpecMismatchError, SyncConfig, TensorSource, TensorSpec
 from hal.sync.lora import (
     BaseWeightTracker,
     LoraSyncDecision,
@@ -146,8 +147,9 @@ class HalLoraInitInfo(HalInitInfo):
             raise ValueError("HalLoraInitInfo.lora_name must not be empty")
 
 
-class _AdapterCompleteReceiver(Receiver):
-    """A receiver that refuses, before anything is applied, a sync carrying part of the adapter."""
+class _AdapterCompleteReceiver(_WholeLayerReceiver):
+    """A receiver that refuses, before anything is applied, a sync carrying part of the
+    adapter, or (as the base engine's) part of a base layer."""
 
     adapter_names: frozenset[str] = frozenset()
 
@@ -207,6 +209,7 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
             raise
         receiver = _AdapterCompleteReceiver(self._receiver.transport, base + lora, init_info.sync_config())
         receiver.adapter_names = frozenset(s.name for s in lora)
+        receiver.layer_of = self._layer_of
         self._receiver = receiver
         self._adapter_names = receiver.adapter_names
         self._lora_info = init_info

@@ -107,7 +107,7 @@ class Bucket:
     pieces: tuple[Piece, ...]
     checksum_offset: int  # where the int64 checksums start (== data end when verify is off)
     nbytes: int  # bytes that travel: data plus checksums
-    segments: tuple[Segment, ...] = ()
+    segments: tuple[Segment, ...]
 
     def checksum_ranges(self) -> list[tuple[int, int]]:
         """The byte range each checksum covers: exactly the piece, never padding, so the
@@ -122,7 +122,7 @@ class BucketPlan:
     verify: bool
     buckets: tuple[Bucket, ...]
     digest: str
-    segment_bytes: int | None = None
+    segment_bytes: int | None
 
     @property
     def total_bytes(self) -> int:

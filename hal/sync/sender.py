@@ -60,6 +60,10 @@ class Sender:
         # On CUDA/NPU the source tensors are produced, and collectives issued, on the current
         # stream while packs run on our own: the two must wait on each other on the device.
         self._cross_stream_waits = self.backend.collectives_follow_streams
+        # Segments may go straight from a tensor's memory: not when staging through the host
+        # (the point of staging), not when verifying (checksums are computed over the slot),
+        # not through shared memory (the bytes must be in the slot).
+        self._sends_from_tensors = self.config.bypass_cpu and not self.config.verify and transport.segmented
 
     def _wire_specs(self, metadata: list[TensorSpec]) -> list[TensorSpec]:
         wire = self.config.wire_dtype
@@ -216,15 +220,12 @@ class Sender:
     def _sends_in_place(self, segment: Segment, tensor: torch.Tensor, spec: TensorSpec, nbytes: int) -> bool:
         """Whether a segment can go straight from the tensor's memory, skipping the pack:
         it holds exactly one range of one tensor that is already contiguous, in its wire
-        dtype and where the slots are. Never with verification (checksums are computed
-        over the bucket) or through shared memory (the bytes must be in the slot)."""
+        dtype and where the slots are."""
         return (
-            nbytes > 0
+            self._sends_from_tensors
+            and nbytes > 0
             and segment.stop - segment.start == nbytes
             and len(segment.parts) == 1
-            and self.config.bypass_cpu
-            and not self.config.verify
-            and self.transport.segmented
             and tensor.dtype == spec.dtype
             and tensor.is_contiguous()
             and tensor.device == self.transport.slot(0).device

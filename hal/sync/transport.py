@@ -25,14 +25,6 @@ from hal.backend import Backend
 from hal.sync.errors import PeerError
 
 
-def _backend_name(group: Any) -> str | None:
-    """"gloo", "nccl", "hccl", ... for a ProcessGroup; None when it does not say."""
-    try:
-        return str(group.name()).lower()
-    except Exception:  # noqa: BLE001 - a group object without a name: assume nothing
-        return None
-
-
 def _default_group() -> Any:
     if not dist.is_initialized():
         raise PeerError("no process group: pass group= or call torch.distributed.init_process_group first")
@@ -199,9 +191,9 @@ class BroadcastTransport(Transport):
     On CUDA/NPU with an NCCL/HCCL group this is a device-to-device broadcast; here it
     is gloo over loopback. The receives of the next buckets are posted before the
     current one is applied, so transfer and apply overlap. With a single receiver on a
-    gloo group the transfers are point-to-point send/recv instead: gloo pays about 1 ms
-    per broadcast here, which a sync of ~100 transfers feels, and a send/recv pair does
-    not (docs/benchmarks.md).
+    backend that declares `point_to_point_transfers` (gloo) the transfers are send/recv
+    pairs instead: gloo pays about 1 ms per broadcast here, which a sync of ~100
+    transfers feels, and a send/recv pair does not (docs/benchmarks.md).
     """
 
     name = "broadcast"
@@ -212,8 +204,12 @@ class BroadcastTransport(Transport):
     def __init__(self, group: Any = None, *, src: int = 0, control_device: str | torch.device = "cpu") -> None:
         super().__init__(group, src=src, control_device=control_device)
         self._posted: collections.deque[tuple[int, Any]] = collections.deque()  # receives, oldest first
-        self.point_to_point = self.world_size == 2 and _backend_name(self.group) == "gloo"
+        self.point_to_point = False  # decided by the backend in setup(), the same on every rank
         self._peer = 1 - src  # the other rank, when there are two
+
+    def setup(self, backend: Backend, nbytes: int) -> None:
+        self.point_to_point = self.world_size == 2 and backend.point_to_point_transfers
+        super().setup(backend, nbytes)
 
     def _transfer(self, data: torch.Tensor, what: str) -> Any:
         if not self.point_to_point:

@@ -44,7 +44,8 @@ def test_declared_attributes(backend):
     accelerator = backend.device_type != "cpu"
     assert (backend.visible_devices_env is not None) == accelerator
     assert (backend.ray_resource is not None) == accelerator
-    for capability in ("supports_pinned_memory", "supports_ipc", "supports_async_streams", "collectives_follow_streams"):
+    capabilities = ("supports_pinned_memory", "supports_ipc", "supports_async_streams", "collectives_follow_streams", "point_to_point_transfers")
+    for capability in capabilities:
         assert isinstance(getattr(backend, capability), bool), capability
     described = backend.describe()
     assert described["name"] == backend.name

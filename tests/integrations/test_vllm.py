@@ -8,7 +8,6 @@ Outputs are compared in fp32, where vLLM's greedy output equals transformers'.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 
@@ -20,6 +19,7 @@ import torch  # noqa: E402
 from hal.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, StaleVersionError, SyncConfig, TensorSource  # noqa: E402
+from tests.integrations.llm import in_process_llm  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 
@@ -30,35 +30,17 @@ PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13], [1, 40, 41]]
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """(llm, WeightSync, trainer model, model dir) with the sync group initialised."""
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
-    from hal.integrations.vllm_client import ExtensionEngine, OfflineEngine, WeightSync
+    from hal.integrations.vllm_client import OfflineEngine, WeightSync
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny"), TinyModelSpec(seed=1))
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    mp.setenv("VERL_DEVICE", "cpu")
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        kv_cache_memory_bytes=64 * 2**20,
-        seed=0,
-        weight_transfer_config=WeightTransferConfig(backend="hal"),
-        worker_extension_cls="hal.integrations.vllm.HalWorkerExtension",
-    )
-    sync = WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60)
-    try:
-        sync.init()
-        yield llm, sync, load_trainer_model(model_dir), model_dir
-    finally:
-        with contextlib.suppress(Exception):
-            sync.close()
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        mp.undo()
+    with in_process_llm(model_dir, worker_extension_cls="hal.integrations.vllm.HalWorkerExtension") as llm:
+        sync = WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60)
+        try:
+            sync.init()
+            yield llm, sync, load_trainer_model(model_dir), model_dir
+        finally:
+            with contextlib.suppress(Exception):
+                sync.close()
 
 
 def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:

@@ -7,7 +7,6 @@ saved checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 
 import pytest
@@ -20,6 +19,7 @@ import torch  # noqa: E402
 from hal.demo import engine_greedy  # noqa: E402
 from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, SyncConfig  # noqa: E402
+from tests.integrations.llm import in_process_llm  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 
@@ -29,23 +29,9 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def bf16_engine(tmp_path_factory):
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-bf16"), TinyModelSpec(seed=4))
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    mp.setenv("VERL_DEVICE", "cpu")
-    llm = LLM(
-        model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256,
-        kv_cache_memory_bytes=64 * 2**20, seed=0, weight_transfer_config=WeightTransferConfig(backend="hal"),
-    )
-    try:
+    with in_process_llm(model_dir, dtype="bfloat16", max_model_len=256) as llm:
         yield llm, model_dir
-    finally:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        mp.undo()
 
 
 def test_fp32_without_wire_dtype_is_refused_naming_the_dtype(bf16_engine):

