@@ -70,12 +70,8 @@ class Backend:
     supports_ipc: ClassVar[bool] = False
     # Work launched on a stream runs asynchronously to the host; waits matter.
     supports_async_streams: ClassVar[bool] = False
-    # A collective issued under a stream is ordered after that stream's earlier work
-    # (NCCL/HCCL). When False (gloo) the host must wait for the work first.
-    collectives_follow_streams: ClassVar[bool] = False
-    # With one receiver, many send/recv pairs move bytes faster than as many broadcasts
-    # (gloo runs each broadcast through its worker threads, ~1 ms each on a small host).
-    point_to_point_transfers: ClassVar[bool] = False
+    # How collectives order and which transfers they prefer is a property of the collective
+    # library, not of the device: `hal.backends.collectives.collective_traits(dist_backend)`.
 
     # ---- availability ---------------------------------------------------------------
     @classmethod
@@ -145,14 +141,23 @@ class Backend:
         self._launch(stream, fn, args)
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor, /, *, stream: Stream | None = None) -> None:
-        """`dst.copy_(src)` as device work on `stream`, casting dtype if they differ."""
+        """`dst.copy_(src)` as device work on `stream`, casting dtype if they differ.
+
+        The shapes must be equal: a source of another shape is refused with `ValueError`
+        naming both, even when the element counts agree (a transposed (896, 4864) weight
+        copied into (4864, 896) would otherwise land scrambled, silently). Reshape
+        explicitly where a flat copy is meant.
+        """
         if dst.numel() != src.numel():
             raise ValueError(
                 f"copy_: destination has {dst.numel()} elements, source {src.numel()} "
                 f"(shapes {tuple(dst.shape)} and {tuple(src.shape)})"
             )
         if dst.shape != src.shape:
-            src = src.reshape(dst.shape)
+            raise ValueError(
+                f"copy_: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)} "
+                f"(same {dst.numel()} elements; reshape the source explicitly if a flat copy is meant)"
+            )
         self._launch(stream, _copy_non_blocking, (dst, src))
 
     def synchronize(self) -> None:
@@ -200,18 +205,102 @@ class Backend:
             raise ValueError(f"empty_shared: nbytes must be positive, got {nbytes}")
         return self._empty_shared(int(nbytes))
 
-    def export_ipc(self, tensor: torch.Tensor) -> Any:
-        """A picklable handle another process on this node passes to `import_ipc`."""
-        self._require("supports_ipc", "export_ipc")
-        return self._export_ipc(tensor)
+    def export_ipc(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """A JSON-safe handle to `tensor` that another process on this node passes to `import_ipc`.
 
-    def import_ipc(self, handle: Any) -> torch.Tensor:
+        The handle is a dict of str, int, bool, None and lists of those (bytes as hex
+        strings, the dtype as its torch attribute name), so it can travel as JSON and the
+        receiver never unpickles anything. Its `"kind"` names the format: `"shm"` for a
+        shared-memory file (cpu, sim), the device type for device memory (cuda, npu).
+        docs/device.md lists the fields. The tensor must come from `empty_shared` (or be a
+        view of it) on cpu/sim; on cuda/npu any tensor on the backend's device will do.
+        """
+        self._require("supports_ipc", "export_ipc")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"export_ipc on backend {self.name!r}: expected a tensor, got {type(tensor).__name__}")
+        handle = self._export_ipc(tensor)
+        _check_json_safe(handle, f"export_ipc on backend {self.name!r}: handle")
+        return handle
+
+    def import_ipc(self, handle: dict[str, Any]) -> torch.Tensor:
+        """The tensor an `export_ipc` handle names, sharing the exporter's memory.
+
+        The handle is untrusted input: every field is checked (type, range, that the view
+        lies inside the shared memory, the dtype against an allow-list, and on cpu/sim that
+        the file is a plain file of this backend's shared-memory directory) before any
+        memory is opened. A malformed or hostile handle raises `ValueError` naming the
+        field; a well-formed one whose file the exporter has released raises
+        `FileNotFoundError`.
+        """
         self._require("supports_ipc", "import_ipc")
         return self._import_ipc(handle)
 
     def release_shared(self, tensor: torch.Tensor) -> None:
         """Give back memory from `empty_shared` (the exporter calls this when done)."""
         self._release_shared(tensor)
+
+    # ---- runtime questions with device-specific answers -------------------------------
+    # Each has a generic "not applicable" answer in the base hook; only the backends whose
+    # device has the notion override it. hal.compat.verl translates these into verl's names.
+    def set_allocator_settings(self, *, expandable_segments: bool) -> str | None:
+        """Configure the device's caching allocator; returns None when applied, else why not.
+
+        `expandable_segments`: let the allocator grow a segment in place instead of
+        allocating new ones (less fragmentation for weights that are freed and reloaded).
+        Applied on CUDA, and on NPU where torch_npu offers the setting; elsewhere nothing
+        changes and the answer is the reason (the CPU has no caching allocator), like
+        `unavailable_reason()`. Invalid input raises `ValueError`.
+        """
+        if not isinstance(expandable_segments, bool):
+            raise ValueError(
+                f"set_allocator_settings: expandable_segments must be a bool, got "
+                f"{type(expandable_segments).__name__} {expandable_segments!r}"
+            )
+        return self._set_allocator_settings(expandable_segments)
+
+    def device_capability(self, index: int | None = None, /) -> tuple[int, int] | None:
+        """(major, minor) compute capability of device `index` (the current one when None).
+
+        CUDA answers with its compute capability (a ROCm build with what torch reports for
+        the GPU); devices without the notion (npu, cpu, sim) answer None. A bad index raises
+        `ValueError` as `device()` does.
+        """
+        if index is None:
+            index = self.current_device()
+        self._check_index(index)
+        answer = self._device_capability(index)
+        if answer is None:
+            return None
+        major, minor = answer
+        return int(major), int(minor)
+
+    def runtime_versions(self) -> dict[str, str]:
+        """Versions of the device runtime under torch, by component name; empty when none.
+
+        cuda: `"cuda"` (the CUDA runtime torch was built with) or `"hip"` on ROCm; the
+        driver is not included (torch has no public call for it and a subprocess is not
+        cheap). npu: `"driver"` (npu-smi's Software Version) and `"cann"` (the CANN toolkit's
+        install-info file), lower-cased; raises `RuntimeError` naming what is missing when
+        npu-smi or the file cannot be read. cpu, sim: `{}`.
+        """
+        versions = self._runtime_versions()
+        for key, value in versions.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"backend {self.name!r}: runtime_versions must map str to str, got {key!r}: {value!r}")
+        return dict(versions)
+
+    def supports_device_memory_ipc(self) -> bool:
+        """Whether device memory can be opened by another process through an IPC handle.
+
+        This is device memory only: cpu and sim answer False although their `supports_ipc`
+        is True (they share host memory files). cuda: True except on ROCm builds (rebuilding
+        HIP IPC handles fails in vLLM workers). npu: only with driver >= 25.3.rc1 and CANN
+        >= 8.3.rc1, read through `runtime_versions()` (so it raises `RuntimeError` when they
+        cannot be read).
+        """
+        if not self.supports_ipc:
+            return False
+        return bool(self._supports_device_memory_ipc())
 
     # ---- misc -----------------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:
@@ -230,7 +319,17 @@ class Backend:
         return self.dist_backend
 
     def describe(self) -> dict[str, Any]:
-        """The declared attributes, for `hal info` and logs."""
+        """The declared attributes, for `hal info` and logs (JSON-safe).
+
+        `collective_traits` holds the traits of `dist_backend` as
+        `hal.backends.collectives.collective_traits` gives them (`follows_streams`,
+        `point_to_point_for_one_receiver`).
+        """
+        from dataclasses import asdict
+
+        # Imported here: `import hal` imports no module of hal.backends.
+        from hal.backends.collectives import collective_traits
+
         return {
             "name": self.name,
             "device_type": self.device_type,
@@ -240,8 +339,7 @@ class Backend:
             "supports_pinned_memory": self.supports_pinned_memory,
             "supports_ipc": self.supports_ipc,
             "supports_async_streams": self.supports_async_streams,
-            "collectives_follow_streams": self.collectives_follow_streams,
-            "point_to_point_transfers": self.point_to_point_transfers,
+            "collective_traits": asdict(collective_traits(self.dist_backend)),
         }
 
     def _require(self, capability: str, operation: str) -> None:
@@ -291,7 +389,7 @@ class Backend:
     def _empty_shared(self, nbytes: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def _export_ipc(self, tensor: torch.Tensor) -> Any:
+    def _export_ipc(self, tensor: torch.Tensor) -> dict[str, Any]:
         raise NotImplementedError
 
     def _import_ipc(self, handle: Any) -> torch.Tensor:
@@ -302,6 +400,35 @@ class Backend:
 
     def _manual_seed(self, seed: int) -> None:
         pass
+
+    def _set_allocator_settings(self, expandable_segments: bool) -> str | None:
+        return f"backend {self.name!r} has no caching allocator with settings: nothing to configure"
+
+    def _device_capability(self, index: int) -> tuple[int, int] | None:
+        return None  # only CUDA devices have a compute capability
+
+    def _runtime_versions(self) -> dict[str, str]:
+        return {}
+
+    def _supports_device_memory_ipc(self) -> bool:
+        return False
+
+
+def _check_json_safe(value: Any, where: str) -> None:
+    """TypeError unless `value` is made of dicts (str keys), lists, str, int, bool and None only."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json_safe(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: key {key!r} is not a str")
+            _check_json_safe(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(f"{where}: a {type(value).__name__} is not JSON-safe (dict, list, str, int, bool or None only)")
 
 
 def _copy_non_blocking(dst: torch.Tensor, src: torch.Tensor) -> None:

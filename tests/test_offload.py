@@ -144,20 +144,41 @@ def test_explicit_backend_argument_without_hal_use():
 
 
 def test_sim_offload_is_wrong_without_the_event_wait(monkeypatch):
-    """The sim test bed catches a missing wait: with event waits disabled the host buffers are read too early."""
-    b = SimBackend(latency=0.002)
+    """The sim test bed catches a missing wait: with event waits disabled the host buffers are read too early.
+
+    Deterministic: the copy stream waits on the current stream, which a gate holds until the
+    test has read the host buffers, so the copies cannot have run yet (no race with a sleep).
+    Host buffers start as a sentinel, so the stale read cannot equal the parameters by chance.
+    """
+    import threading
+
+    b = SimBackend(latency=0.0)
     m = torch.nn.Linear(64, 64)
     for p in m.parameters():
         p.data.fill_(3.0)
     before = _snapshot(m)
-    monkeypatch.setattr(SimEvent, "synchronize", lambda self: None)
-    off.offload(m, backend=b)
-    seen = _snapshot(m)
-    monkeypatch.undo()
+    gate = threading.Event()
+
+    def hold() -> None:
+        # Device work that blocks the stream until the test opens the gate.
+        if not gate.wait(timeout=30):
+            raise TimeoutError("test gate never opened")
+
+    try:
+        b.launch(b.current_stream(), hold)  # offload's copy stream waits for this stream first
+        monkeypatch.setattr(b, "empty_pinned", lambda shape, dtype=torch.uint8: torch.full(shape, -7, dtype=dtype))
+        monkeypatch.setattr(SimEvent, "synchronize", lambda self: None)
+        off.offload(m, backend=b)
+        seen = _snapshot(m)
+        monkeypatch.undo()
+    finally:
+        gate.set()
+    sentinel = {name: _bits(torch.full(p.shape, -7, dtype=p.dtype)) for name, p in m.named_parameters()}
+    _assert_same(seen, sentinel)  # every host buffer was read before its copy ran
     b.synchronize()
-    assert any(not torch.equal(seen[k], before[k]) for k in before)
-    _assert_same(_snapshot(m), before)  # once the stream has drained the copy is there
+    _assert_same(_snapshot(m), before)  # once the gate opens and the stream drains, the copies are there
     off.onload(m, backend=b)
+    _assert_same(_snapshot(m), before)
 
 
 def test_onloaded_does_nothing_and_times_nothing_when_not_offloaded(backend, monkeypatch):
@@ -327,7 +348,7 @@ def offloaded_sync_worker(rank: int, world_size: int):
             off.onload(model, opt)
         return out
     weights = allocate(specs, fill=float("nan"))
-    receiver = Receiver(transport, specs, config)
+    receiver = Receiver(transport, specs, timeout_s=30.0)
     out = []
     for _ in range(2):
         receiver.receive(copy_into(weights))

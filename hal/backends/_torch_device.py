@@ -5,23 +5,55 @@ registers as `torch.npu`; both expose the same functions, so the CUDA and NPU ba
 differ only in their declared attributes and in how they find out if they are usable.
 Streams and events are the module's own `Stream` / `Event` (subclasses of
 `torch.Stream` / `torch.Event`), handed out unchanged.
+
+IPC goes through torch's own device-tensor reduction (`torch.multiprocessing.reductions.
+reduce_tensor`, which torch_npu replaces for NPU tensors when it is imported), but its
+result is written out as plain JSON fields instead of being pickled, and read back
+through the device's public rebuild function (`rebuild_cuda_tensor`, torch_npu's
+`rebuild_npu_tensor`) only after every field has been checked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any, Callable
 
 import torch
 
 from hal.backend import Backend
+from hal.backends._ipc import HandleReader, check_view, dtype_name, to_hex
+
+# The arguments of torch's device-tensor reduction, in its order: `reduce_tensor(t)` returns
+# `(rebuild, args)` with these, and `rebuild_cuda_tensor` / torch_npu's `rebuild_npu_tensor`
+# take them (torch/multiprocessing/reductions.py, torch_npu/multiprocessing/reductions.py).
+REDUCTION_ARGS = (
+    "tensor_cls",
+    "shape",
+    "stride",
+    "tensor_offset",
+    "storage_cls",
+    "dtype",
+    "device",
+    "storage_handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+# The name torch gives the shared-memory file of IPC reference counters
+# (at::NewProcessWideShmHandle: "/torch_<pid>_<random>_<counter>"; torch_npu uses the same).
+# The receiver decrements a counter in that file, so a handle may name no other file.
+_REF_COUNTER_NAME = re.compile(rb"/torch_[0-9]+_[0-9]+_[0-9]+")
 
 
 class TorchDeviceBackend(Backend):
     supports_pinned_memory = True
     supports_ipc = True
     supports_async_streams = True
-    collectives_follow_streams = True
 
     @property
     def module(self) -> Any:
@@ -71,17 +103,119 @@ class TorchDeviceBackend(Backend):
     def _empty_shared(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device())
 
-    def _export_ipc(self, tensor: torch.Tensor) -> Any:
-        # torch's own reduction: a device memory handle the receiving process rebuilds.
-        from torch.multiprocessing.reductions import reduce_tensor
+    # ---- IPC: torch's reduction as JSON fields -----------------------------------------
+    # The device handle (all fields JSON-safe; docs/device.md has the table):
+    #   kind                  the device type ("cuda", "npu")
+    #   device                index of the exporter's device
+    #   storage_handle        hex of the runtime's memory handle of the allocation (None: empty storage)
+    #   storage_size_bytes    bytes of the tensor's storage
+    #   storage_offset_bytes  where that storage starts in the allocation
+    #   ref_counter_handle    hex of the name of torch's reference-counter file ("/torch_<pid>_<n>_<n>")
+    #   ref_counter_offset    this tensor's counter in that file
+    #   event_handle          hex of the runtime's IPC event handle; the receiver waits on it
+    #   event_sync_required   whether the receiver must wait on that event
+    #   tensor_offset         the tensor's offset in its storage, in elements
+    #   shape, stride         lists of ints, in elements
+    #   dtype                 torch attribute name, from an allow-list
+    #   requires_grad         bool
+    def _ipc_rebuild_function(self) -> Callable[..., torch.Tensor]:
+        """The public function that rebuilds a device tensor from `REDUCTION_ARGS`."""
+        raise NotImplementedError(f"backend {self.name!r} names no IPC rebuild function")
 
+    def _reduce_tensor(self, tensor: torch.Tensor) -> tuple[Callable[..., Any], tuple]:
+        # Looked up on use: torch_npu replaces reduce_tensor when it is imported.
+        from torch.multiprocessing import reductions
+
+        return reductions.reduce_tensor(tensor)
+
+    def _export_ipc(self, tensor: torch.Tensor) -> dict[str, Any]:
+        where = f"export_ipc on backend {self.name!r}"
         if tensor.device.type != self.device_type:
-            raise ValueError(f"export_ipc on backend {self.name!r}: tensor is on {tensor.device}, expected {self.device_type}")
-        return reduce_tensor(tensor)
+            raise ValueError(f"{where}: tensor is on {tensor.device}, expected {self.device_type}")
+        dtype = dtype_name(tensor.dtype, operation=where)
+        rebuild, args = self._reduce_tensor(tensor)
+        expected = self._ipc_rebuild_function()
+        if rebuild is not expected or len(args) != len(REDUCTION_ARGS):
+            raise RuntimeError(
+                f"{where}: torch's reduce_tensor returned {getattr(rebuild, '__qualname__', rebuild)!r} with "
+                f"{len(args)} arguments, expected {expected.__qualname__!r} with {len(REDUCTION_ARGS)}; "
+                f"this torch's IPC layout is not supported (nested or sparse tensors never are)"
+            )
+        fields = dict(zip(REDUCTION_ARGS, args))
+        if fields["storage_cls"] is not torch.storage.TypedStorage:
+            raise RuntimeError(f"{where}: torch's reduce_tensor used storage class {fields['storage_cls']!r}, expected TypedStorage")
+        sync = fields["event_sync_required"]
+        return {
+            "kind": self.device_type,
+            "device": int(fields["device"]),
+            "storage_handle": to_hex(fields["storage_handle"]),
+            "storage_size_bytes": int(fields["storage_size_bytes"]),
+            "storage_offset_bytes": int(fields["storage_offset_bytes"]),
+            "ref_counter_handle": to_hex(fields["ref_counter_handle"]),
+            "ref_counter_offset": int(fields["ref_counter_offset"]),
+            "event_handle": to_hex(fields["event_handle"]),
+            "event_sync_required": None if sync is None else bool(sync),
+            "tensor_offset": int(fields["tensor_offset"]),
+            "shape": [int(d) for d in fields["shape"]],
+            "stride": [int(d) for d in fields["stride"]],
+            "dtype": dtype,
+            "requires_grad": bool(fields["requires_grad"]),
+        }
 
     def _import_ipc(self, handle: Any) -> torch.Tensor:
-        rebuild, args = handle
-        return rebuild(*args)
+        reader = HandleReader(handle, backend=self.name, kind=self.device_type)
+        count = self.device_count()
+        device = reader.integer("device", maximum=max(count - 1, 0))
+        storage_handle = reader.hex_bytes("storage_handle", nullable=True)
+        storage_size = reader.integer("storage_size_bytes")
+        storage_offset = reader.integer("storage_offset_bytes")
+        ref_counter_handle = reader.hex_bytes("ref_counter_handle", nullable=True)
+        ref_counter_offset = reader.integer("ref_counter_offset")
+        event_handle = reader.hex_bytes("event_handle", nullable=True)
+        event_sync_required = reader.flag("event_sync_required", nullable=True)
+        tensor_offset = reader.integer("tensor_offset")
+        shape = reader.integers("shape")
+        stride = reader.integers("stride")
+        dtype = reader.dtype("dtype")
+        requires_grad = reader.flag("requires_grad")
+        reader.done()
+        if device >= count:
+            reader.fail("device", f"is {device}, but {count} device(s) are visible here")
+        if storage_handle is None:
+            if storage_size:
+                reader.fail("storage_handle", f"is None for a storage of {storage_size} bytes")
+        else:
+            # torch's rebuild takes the sharing path: every piece it needs must be there.
+            if not storage_handle:
+                reader.fail("storage_handle", "is empty")
+            if ref_counter_handle is None or not _REF_COUNTER_NAME.fullmatch(ref_counter_handle):
+                reader.fail("ref_counter_handle", "does not name a torch IPC reference-counter file (/torch_<pid>_<n>_<n>)")
+            if event_handle is None:
+                reader.fail("event_handle", "is None for a shared storage")
+            if event_sync_required is None:
+                reader.fail("event_sync_required", "is None for a shared storage")
+        if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+            reader.fail("requires_grad", f"is true for dtype {dtype}, which cannot require gradients")
+        check_view(reader, shape, stride, dtype.itemsize, tensor_offset * dtype.itemsize, storage_size,
+                   offset_field="tensor_offset", size_field="storage_size_bytes")
+        rebuild = self._ipc_rebuild_function()
+        return rebuild(
+            torch.Tensor,  # a plain tensor; a Parameter is not rebuilt as one
+            torch.Size(shape),
+            stride,
+            tensor_offset,
+            torch.storage.TypedStorage,
+            dtype,
+            device,
+            storage_handle,
+            storage_size,
+            storage_offset,
+            requires_grad,
+            ref_counter_handle,
+            ref_counter_offset,
+            event_handle,
+            event_sync_required,
+        )
 
     def _manual_seed(self, seed: int) -> None:
         self.module.manual_seed_all(seed)

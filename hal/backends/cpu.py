@@ -10,16 +10,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
+import stat
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from hal.backend import Backend, Event, Stream
+from hal.backends._ipc import HandleReader, check_view, dtype_name
 
 
 class ImmediateEvent:
@@ -75,16 +77,17 @@ class ImmediateStream:
         return True
 
 
-@dataclass(frozen=True, slots=True)
-class SharedMemoryHandle:
-    """Enough to map a tensor living in a shared-memory file from another process."""
-
-    path: str
-    storage_nbytes: int
-    byte_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
+# The IPC handle of a tensor in a shared-memory file (JSON-safe; see `CpuBackend._export_ipc`):
+#   kind            "shm"
+#   file            the file's name inside the shm directory: SHM_PREFIX + pid + "-" + 12 hex digits
+#   storage_nbytes  bytes of the file the exporter mapped (the whole `empty_shared` buffer)
+#   byte_offset     where the tensor's first element lies in the file, in bytes
+#   shape, stride   lists of ints, in elements, as torch reports them
+#   dtype           torch attribute name of the dtype ("bfloat16"), from an allow-list
+SHM_HANDLE_KIND = "shm"
+# Every shared-memory file this backend creates is named with this prefix; import_ipc opens no other.
+SHM_PREFIX = "verl-hal-"
+_SHM_NAME = re.compile(re.escape(SHM_PREFIX) + r"[0-9]+-[0-9a-f]{12}")
 
 
 def _shm_dir() -> str:
@@ -119,8 +122,6 @@ class CpuBackend(Backend):
     supports_pinned_memory = False  # pinning needs an accelerator runtime
     supports_ipc = True  # through files in /dev/shm
     supports_async_streams = False
-    collectives_follow_streams = False
-    point_to_point_transfers = True  # gloo: docs/benchmarks.md, "What changed in session 2"
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -185,9 +186,9 @@ class CpuBackend(Backend):
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
-    # IPC through shared-memory files: any process on the node can map them by path.
+    # IPC through shared-memory files: any process on the node can map them by name.
     def _empty_shared(self, nbytes: int) -> torch.Tensor:
-        path = os.path.join(_shm_dir(), f"verl-hal-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        path = os.path.join(_shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
         tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
         with self._shared_lock:
@@ -196,34 +197,70 @@ class CpuBackend(Backend):
             _UNRELEASED[path] = os.getpid()
         return tensor
 
-    def _export_ipc(self, tensor: torch.Tensor) -> SharedMemoryHandle:
+    def _export_ipc(self, tensor: torch.Tensor) -> dict[str, Any]:
         storage = tensor.untyped_storage()
         with self._shared_lock:
             path = self._shared_paths.get(storage.data_ptr())
-        if path is None:
+        if path is None or tensor.device.type != "cpu":
             raise ValueError(
                 f"export_ipc: tensor of shape {tuple(tensor.shape)} is not in shared memory on "
                 f"backend {self.name!r}; allocate it with empty_shared()"
             )
-        return SharedMemoryHandle(
-            path=path,
-            storage_nbytes=storage.nbytes(),
-            byte_offset=tensor.storage_offset() * tensor.element_size(),
-            shape=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-            dtype=tensor.dtype,
-        )
+        return {
+            "kind": SHM_HANDLE_KIND,
+            "file": os.path.basename(path),
+            "storage_nbytes": storage.nbytes(),
+            "byte_offset": tensor.storage_offset() * tensor.element_size(),
+            "shape": list(tensor.shape),
+            "stride": list(tensor.stride()),
+            "dtype": dtype_name(tensor.dtype, operation=f"export_ipc on backend {self.name!r}"),
+        }
 
-    def _import_ipc(self, handle: SharedMemoryHandle) -> torch.Tensor:
-        if not isinstance(handle, SharedMemoryHandle):
-            raise TypeError(f"import_ipc on backend {self.name!r}: expected a SharedMemoryHandle, got {type(handle).__name__}")
-        if not os.path.exists(handle.path):
-            raise FileNotFoundError(f"import_ipc: shared-memory file {handle.path} is gone (exporter released it)")
-        storage = torch.UntypedStorage.from_file(handle.path, shared=True, nbytes=handle.storage_nbytes)
+    def _import_ipc(self, handle: Any) -> torch.Tensor:
+        reader = HandleReader(handle, backend=self.name, kind=SHM_HANDLE_KIND)
+        name = reader.text("file")
+        if not _SHM_NAME.fullmatch(name):
+            reader.fail(
+                "file",
+                f"{name!r} is not the name of a shared-memory file of this backend "
+                f"({SHM_PREFIX}<pid>-<12 hex digits>, a plain name without directories)",
+            )
+        storage_nbytes = reader.integer("storage_nbytes", minimum=1)
+        byte_offset = reader.integer("byte_offset")
+        shape = reader.integers("shape")
+        stride = reader.integers("stride")
+        dtype = reader.dtype("dtype")
+        reader.done()
+        check_view(reader, shape, stride, dtype.itemsize, byte_offset, storage_nbytes,
+                   offset_field="byte_offset", size_field="storage_nbytes")
+
+        directory = _shm_dir()
+        path = os.path.join(directory, name)
+        # The name has no directory part, so the file is in `directory`. Open it without
+        # following a symlink, then check what was opened: a regular file at least as large
+        # as the handle claims. The mapping below goes through this descriptor
+        # (/proc/self/fd where it exists), so the file checked is the file mapped.
+        try:
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"import_ipc: shared-memory file {path} is gone (exporter released it)") from None
+        except OSError as exc:
+            reader.fail("file", f"{name!r} cannot be opened as a plain file in {directory}: {exc.strerror}")
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                reader.fail("file", f"{name!r} is not a regular file")
+            if storage_nbytes > info.st_size:
+                reader.fail("storage_nbytes", f"{storage_nbytes} overruns the file, which holds {info.st_size} bytes")
+            by_fd = f"/proc/self/fd/{fd}"
+            storage = torch.UntypedStorage.from_file(
+                by_fd if os.path.exists(by_fd) else path, shared=True, nbytes=storage_nbytes
+            )
+        finally:
+            os.close(fd)
         # Set the typed view directly on the storage: viewing the whole uint8 storage as
         # `dtype` first fails when its byte length is not a multiple of the element size.
-        itemsize = handle.dtype.itemsize
-        return torch.empty(0, dtype=handle.dtype).set_(storage, handle.byte_offset // itemsize, handle.shape, handle.stride)
+        return torch.empty(0, dtype=dtype).set_(storage, byte_offset // dtype.itemsize, shape, stride)
 
     def _release_shared(self, tensor: torch.Tensor) -> None:
         with self._shared_lock:

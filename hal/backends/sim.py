@@ -29,15 +29,21 @@ class SimEvent:
         self.timing = timing
         self._current_stream = current_stream
         self._time: float | None = None
+        self._error: BaseException | None = None
         self._done = threading.Event()
         self._done.set()  # like CUDA: an event never recorded counts as complete
 
     def record(self, stream: "SimStream | None" = None) -> None:
         stream = stream or self._default_stream()
         self._done = done = threading.Event()
-        stream._put(self._complete, (done,))
+        self._error = None
+        stream._put(self._complete, (done, stream))
 
-    def _complete(self, done: threading.Event) -> None:
+    def _complete(self, done: threading.Event, stream: "SimStream") -> None:
+        # Work before this event failed: report it through the event, as cudaEventSynchronize
+        # returns an earlier kernel's error (taken off the stream: reported once).
+        with stream._idle:
+            self._error, stream._error = stream._error, None
         self._time = time.perf_counter()
         done.set()
 
@@ -54,6 +60,9 @@ class SimEvent:
 
     def synchronize(self) -> None:
         self._done.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"work on simulated stream failed before this event: {error!r}") from error
 
     def elapsed_time(self, end_event: "SimEvent") -> float:
         self.synchronize()
@@ -164,7 +173,6 @@ class SimBackend(CpuBackend):
 
     name = "sim"
     supports_async_streams = True
-    collectives_follow_streams = False  # collectives are gloo on host memory
 
     def __init__(self, latency: float | None = None) -> None:
         self.latency = env.sim_latency_seconds() if latency is None else float(latency)

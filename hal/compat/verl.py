@@ -12,9 +12,11 @@ VERL_DEVICE resolved, so `VERL_DEVICE=cpu` on a GPU host makes every answer "cpu
 Where verl's answer for the CPU is a GPU/NPU name that would fail later (NCCL's),
 the CPU's real answer (`"gloo"`) is given instead; the doc lists each such case.
 
-verl's names are device-specific by nature (compute capability is a CUDA notion), so
-this module compares `backend.device_type` strings; the device modules themselves are
-reached through `torch.get_device_module`, never imported by name.
+Every device action is a question to the backend (`set_allocator_settings`,
+`device_capability`, `runtime_versions`, `supports_device_memory_ipc`); this module only
+translates the answers into verl's names and shapes. Where verl's API is about one device
+by nature (`is_cuda_available`, `is_npu_available`), it compares `backend.device_type`
+with that device's name, and nothing else device-specific happens here.
 
 `is_cuda_available` and `is_npu_available` are module attributes in verl; here they are
 computed on first access (PEP 562), so importing this module resolves nothing.
@@ -23,17 +25,12 @@ computed on first access (PEP 562), so importing this module resolves nothing.
 from __future__ import annotations
 
 import logging
-import os
-import platform
-import re
-import subprocess
 import types
 from typing import Any
 
 import torch
 
 import hal
-from hal import env
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +59,8 @@ __all__ = [
 _DEFAULT_VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 # Ray's built-in resource for a worker that needs no accelerator.
 _CPU_RAY_RESOURCE = "CPU"
-# First NPU driver / CANN releases whose device memory IPC works (per verl's check).
-_NPU_IPC_MIN_DRIVER = "25.3.rc1"
-_NPU_IPC_MIN_CANN = "8.3.rc1"
+# The `runtime_versions()` key a ROCm build of the CUDA backend reports.
+_ROCM_RUNTIME = "hip"
 
 
 def __getattr__(name: str) -> Any:
@@ -114,8 +110,9 @@ def get_device_name() -> str:
 
 
 def is_rocm_visible_devices() -> bool:
-    """True when the CUDA backend runs on a ROCm (HIP) build of torch."""
-    return hal.current().device_type == "cuda" and getattr(torch.version, "hip", None) is not None
+    """True when the CUDA backend runs on a ROCm (HIP) build of torch (its runtime is "hip")."""
+    backend = hal.current()
+    return backend.device_type == "cuda" and _ROCM_RUNTIME in backend.runtime_versions()
 
 
 def get_torch_device() -> types.ModuleType:
@@ -134,11 +131,14 @@ def get_nccl_backend() -> str:
 
 
 def set_expandable_segments(enable: bool) -> None:
-    """Switch the CUDA caching allocator's expandable segments; a no-op on other backends."""
-    if hal.current().device_type != "cuda":
-        return
-    memory = torch.get_device_module("cuda").memory
-    memory._set_allocator_settings(f"expandable_segments:{bool(enable)}")
+    """Switch the caching allocator's expandable segments where the backend has the setting.
+
+    CUDA always, NPU where torch_npu offers it; elsewhere (cpu, sim) a no-op, as in verl,
+    with the backend's reason logged at debug level.
+    """
+    reason = hal.current().set_allocator_settings(expandable_segments=bool(enable))
+    if reason is not None:
+        logger.debug("set_expandable_segments(%r) changed nothing: %s", enable, reason)
 
 
 def auto_set_device(config: Any) -> None:
@@ -168,90 +168,49 @@ def auto_set_ascend_device_name(config: Any) -> None:
 
 
 def get_device_capability(device_id: int = 0) -> tuple[int | None, int | None]:
-    """(major, minor) compute capability of CUDA device `device_id`; (None, None) elsewhere."""
-    if hal.current().device_type != "cuda":
-        return None, None
-    major, minor = torch.get_device_module("cuda").get_device_capability(device_id)
-    return int(major), int(minor)
+    """(major, minor) compute capability of device `device_id`; (None, None) where the device has none."""
+    capability = hal.current().device_capability(device_id)
+    return (None, None) if capability is None else capability
 
 
 def get_npu_versions() -> tuple[str, str]:
     """(driver software version, CANN toolkit version) of this Ascend host, lower-cased.
 
-    Raises RuntimeError naming what is missing: `npu-smi`, its version line, or the CANN
-    toolkit's install-info file under ASCEND_HOME_PATH.
+    Answered by the npu backend's `runtime_versions()`: `info -t board -i 1` through
+    npu-smi and the CANN toolkit's install-info file under ASCEND_HOME_PATH. Raises
+    RuntimeError naming what is missing (npu-smi, its version line, the file), or that the
+    resolved backend is not an NPU backend.
     """
+    backend = hal.current()
     try:
-        result = subprocess.run(
-            ["npu-smi", "info", "-t", "board", "-i", "1"], capture_output=True, text=True, check=True, timeout=30
+        versions = backend.runtime_versions()
+    except RuntimeError as exc:
+        raise RuntimeError(f"get_npu_versions: {exc}") from exc
+    if "driver" not in versions or "cann" not in versions:
+        raise RuntimeError(
+            f"get_npu_versions: backend {backend.name!r} reports no NPU driver and CANN versions "
+            f"(runtime versions: {versions or 'none'}); select the npu backend with VERL_DEVICE"
         )
-    except FileNotFoundError as exc:
-        raise RuntimeError("get_npu_versions: npu-smi is not on PATH (no Ascend driver installed?)") from exc
-    except subprocess.SubprocessError as exc:
-        raise RuntimeError(f"get_npu_versions: npu-smi failed: {exc}") from exc
-    driver = _field_after(result.stdout, "Software Version", ":")
-    if driver is None:
-        raise RuntimeError("get_npu_versions: npu-smi printed no 'Software Version' line")
-
-    arch = platform.machine()
-    info_file = os.path.join(env.ascend_home(), f"{arch}-linux", "ascend_toolkit_install.info")
-    try:
-        with open(info_file) as f:
-            cann = _field_after(f.read(), "version", "=")
-    except OSError as exc:
-        raise RuntimeError(f"get_npu_versions: cannot read the CANN toolkit info file {info_file}: {exc}") from exc
-    if cann is None:
-        raise RuntimeError(f"get_npu_versions: no 'version=' line in {info_file}")
-    return driver.lower(), cann.lower()
-
-
-def _field_after(text: str, key: str, sep: str) -> str | None:
-    for line in text.splitlines():
-        name, found, value = line.partition(sep)
-        if found and name.strip() == key:
-            return value.strip()
-    return None
-
-
-# Ascend versions look like 25.5.0, 25.3.rc1, 25.3.rc1.2 (a hotfix of rc1) or 25.5.t3.b001
-# (a test build of 25.5). Only major.minor and a third part (number or rcN) take part.
-_ASCEND_VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(?:(\d+)|rc(\d+)|t\w*))?(?:\..*)?$")
-
-
-def _ascend_version_key(text: str) -> tuple[int, int, int, int, int]:
-    match = _ASCEND_VERSION.match(text.strip().lower())
-    if match is None:
-        raise RuntimeError(f"unrecognised Ascend version {text!r} (expected e.g. 25.5.0 or 8.3.rc1)")
-    major, minor, patch, rc = match.groups()
-    if rc is not None:  # a release candidate sorts before the release it leads to
-        return int(major), int(minor), 0, 0, int(rc)
-    return int(major), int(minor), int(patch or 0), 1, 0
+    return versions["driver"], versions["cann"]
 
 
 def check_ipc_version_support(software_version: str, cann_version: str) -> bool:
-    """True when driver >= 25.3.rc1 and CANN >= 8.3.rc1, the releases with NPU memory IPC."""
-    driver_ok = _ascend_version_key(software_version) >= _ascend_version_key(_NPU_IPC_MIN_DRIVER)
-    cann_ok = _ascend_version_key(cann_version) >= _ascend_version_key(_NPU_IPC_MIN_CANN)
-    if not driver_ok:
-        logger.info("NPU driver %s is older than %s: no device memory IPC", software_version, _NPU_IPC_MIN_DRIVER)
-    elif not cann_ok:
-        logger.info("CANN %s is older than %s: no device memory IPC", cann_version, _NPU_IPC_MIN_CANN)
-    return driver_ok and cann_ok
+    """True when driver >= 25.3.rc1 and CANN >= 8.3.rc1, the releases with NPU memory IPC.
+
+    The comparison is the npu backend's (`hal.backends.npu.ipc_versions_supported`); an
+    unrecognised version raises RuntimeError.
+    """
+    from hal.backends.npu import ipc_versions_supported
+
+    return ipc_versions_supported(software_version, cann_version)
 
 
 def is_support_ipc() -> bool:
     """True when device memory can be shared with another process through an IPC handle.
 
-    verl's meaning is device memory (CUDA/NPU IPC handles), so the CPU and sim backends
-    answer False although `Backend.supports_ipc` is True for their shared-memory files.
-    ROCm answers False (rebuilding HIP IPC handles fails in vLLM workers); an NPU needs
-    the driver and CANN releases that `check_ipc_version_support` names.
+    The backend's `supports_device_memory_ipc()`: verl means device memory (CUDA/NPU IPC
+    handles), so the CPU and sim backends answer False although `Backend.supports_ipc` is
+    True for their shared-memory files. ROCm answers False; an NPU needs the driver and
+    CANN releases that `check_ipc_version_support` names.
     """
-    backend = hal.current()
-    if not backend.supports_ipc or backend.device_type == "cpu":
-        return False
-    if is_rocm_visible_devices():
-        return False
-    if backend.device_type == "npu":
-        return check_ipc_version_support(*get_npu_versions())
-    return True
+    return hal.current().supports_device_memory_ipc()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 
-def open_shared(rank: int, world_size: int, backend_name: str, handle, fill: float) -> list[float]:
-    """Map the exporter's tensor, report what it holds, then overwrite it with `fill`."""
+def open_shared(rank: int, world_size: int, backend_name: str, wire: str, fill: float) -> list[float]:
+    """Map the exporter's tensor from its JSON handle, report what it holds, then overwrite it with `fill`."""
+    import json
+
     import hal
 
     backend = hal.get_backend(backend_name)
-    tensor = backend.import_ipc(handle)
+    tensor = backend.import_ipc(json.loads(wire))
     seen = tensor.cpu().tolist()
     tensor.fill_(fill)
     backend.synchronize()

@@ -6,11 +6,15 @@ tests use only the contract, never a backend's internals.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import hal
+from hal.backends.collectives import collective_traits
 from hal.device import backend_class
 from tests.backends._workers import open_shared
 from tests.conftest import BACKEND_PARAMS
@@ -44,13 +48,18 @@ def test_declared_attributes(backend):
     accelerator = backend.device_type != "cpu"
     assert (backend.visible_devices_env is not None) == accelerator
     assert (backend.ray_resource is not None) == accelerator
-    capabilities = ("supports_pinned_memory", "supports_ipc", "supports_async_streams", "collectives_follow_streams", "point_to_point_transfers")
+    capabilities = ("supports_pinned_memory", "supports_ipc", "supports_async_streams")
     for capability in capabilities:
         assert isinstance(getattr(backend, capability), bool), capability
+    # Collective traits belong to the library (hal.backends.collectives), not the backend.
+    assert not hasattr(backend, "collectives_follow_streams")
+    assert not hasattr(backend, "point_to_point_transfers")
     described = backend.describe()
     assert described["name"] == backend.name
     assert described["dist_backend"] == backend.dist_backend
-    assert set(described) >= {"device_type", "visible_devices_env", "ray_resource", "supports_ipc"}
+    assert set(described) >= {"device_type", "visible_devices_env", "ray_resource", "supports_ipc", *capabilities}
+    assert described["collective_traits"] == dataclasses.asdict(collective_traits(backend.dist_backend))
+    assert json.loads(json.dumps(described)) == described
     assert backend.name in repr(backend)
 
 
@@ -239,12 +248,21 @@ def test_copy_casts_dtype(backend):
     assert torch.equal(dst.cpu(), src.cpu().to(torch.bfloat16))
 
 
-def test_copy_reshapes_same_element_count(backend):
+def test_copy_refuses_another_shape_with_the_same_element_count(backend):
+    # A transposed weight, (896, 4864) into (4864, 896) in a real model, scaled down.
     src = torch.arange(6, dtype=torch.int32).reshape(2, 3).to(backend.device())
-    dst = backend.empty(6, torch.int32)
-    backend.copy_(dst, src)
+    dst = backend.empty((3, 2), torch.int32)
+    dst.fill_(-1)
+    with pytest.raises(ValueError, match=r"copy_: destination has shape \(3, 2\), source \(2, 3\) \(same 6 elements"):
+        backend.copy_(dst, src)
+    flat = backend.empty(6, torch.int32)
+    with pytest.raises(ValueError, match=r"destination has shape \(6,\), source \(2, 3\)"):
+        backend.copy_(flat, src)
     backend.synchronize()
-    assert dst.cpu().tolist() == list(range(6))
+    assert dst.cpu().eq(-1).all()  # nothing was launched
+    backend.copy_(flat, src.reshape(-1))  # an explicit reshape is the way to copy flat
+    backend.synchronize()
+    assert flat.cpu().tolist() == list(range(6))
 
 
 def test_copy_element_count_mismatch(backend):
@@ -301,8 +319,9 @@ def test_ipc_across_processes(backend):
     view.copy_(torch.arange(8, dtype=torch.float32).to(backend.device()))
     backend.synchronize()
     handle = backend.export_ipc(view)
+    wire = json.dumps(handle)  # handles travel as JSON text: the receiver never unpickles one
     try:
-        [seen] = run_group(open_shared, 1, args=(backend.name, handle, -1.0), init_process_group=False, timeout=120)
+        [seen] = run_group(open_shared, 1, args=(backend.name, wire, -1.0), init_process_group=False, timeout=120)
         assert seen == [float(i) for i in range(8)]
         assert view.cpu().eq(-1.0).all()  # the child's writes landed in our memory
     finally:
@@ -322,6 +341,47 @@ def test_export_ipc_rejects_unshared_tensor(backend):
     # A plain host tensor is neither in a shared-memory file nor on the device.
     with pytest.raises(ValueError, match="export_ipc"):
         backend.export_ipc(torch.zeros(4))
+
+
+# ---- runtime questions ------------------------------------------------------------
+
+
+def test_set_allocator_settings_answers_applied_or_why_not(backend):
+    # False is every allocator's default, so asking cannot change later tests on hardware.
+    answer = backend.set_allocator_settings(expandable_segments=False)
+    assert answer is None or (isinstance(answer, str) and answer)
+    if backend.device_type == "cpu":
+        assert "no caching allocator" in answer
+    with pytest.raises(ValueError, match="expandable_segments must be a bool, got str 'yes'"):
+        backend.set_allocator_settings(expandable_segments="yes")
+
+
+def test_device_capability(backend):
+    capability = backend.device_capability()
+    assert capability == backend.device_capability(backend.current_device())
+    if backend.device_type == "cuda":
+        major, minor = capability
+        assert isinstance(major, int) and isinstance(minor, int) and major >= 1
+    else:
+        assert capability is None
+    with pytest.raises(ValueError, match="out of range"):
+        backend.device_capability(backend.device_count())
+
+
+def test_runtime_versions(backend):
+    versions = backend.runtime_versions()
+    assert all(isinstance(k, str) and isinstance(v, str) and v for k, v in versions.items())
+    if backend.device_type == "cpu":
+        assert versions == {}
+    if backend.device_type == "npu":
+        assert set(versions) == {"driver", "cann"}
+
+
+def test_supports_device_memory_ipc(backend):
+    answer = backend.supports_device_memory_ipc()
+    assert isinstance(answer, bool)
+    if backend.device_type == "cpu" or not backend.supports_ipc:
+        assert answer is False  # host shared-memory files are not device memory IPC
 
 
 # ---- misc -------------------------------------------------------------------------

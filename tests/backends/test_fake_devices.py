@@ -9,10 +9,14 @@ report back as JSON.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import os
+import platform
 
 import pytest
 import torch
+from torch.multiprocessing import reductions
 
 import hal
 from hal import BackendUnavailableError
@@ -54,8 +58,16 @@ class FakeCuda:
             "mem_get_info": lambda device=None: (5 * 2**30, 80 * 2**30),
             "empty_cache": lambda: self.calls.append(("empty_cache",)),
             "manual_seed_all": lambda seed: self.calls.append(("manual_seed_all", seed)),
+            "get_device_capability": lambda device=None: {0: (8, 0), 1: (9, 0)}[device],
         }.items():
             monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(torch.version, "hip", None)
+        # The allocator setters: torch's device-generic private one, and the older CUDA one.
+        monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", self._log("allocator"), raising=False)
+        monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", self._log("cuda.memory allocator"))
+
+    def _log(self, name: str):
+        return lambda *args: self.calls.append((name, *args))
 
     def _set_device(self, index: int) -> None:
         self.calls.append(("set_device", index))
@@ -98,7 +110,7 @@ def test_fake_cuda_names(fake_cuda):
     assert backend.dist_backend_string() == "cuda:nccl,cpu:gloo"
     assert backend.dist_backend_string(with_cpu=False) == "nccl"
     assert backend.supports_pinned_memory and backend.supports_ipc and backend.supports_async_streams
-    assert backend.collectives_follow_streams
+    assert backend.describe()["collective_traits"] == {"follows_streams": True, "point_to_point_for_one_receiver": False}
 
 
 def test_fake_cuda_devices(fake_cuda):
@@ -146,6 +158,200 @@ def test_fake_cuda_ipc_rejects_host_tensor(fake_cuda):
     backend = hal.get_backend("cuda")
     with pytest.raises(ValueError, match="export_ipc on backend 'cuda': tensor is on cpu, expected cuda"):
         backend.export_ipc(torch.zeros(2))
+
+
+# ---- CUDA runtime questions ----------------------------------------------------------
+
+
+def test_fake_cuda_allocator_settings(fake_cuda, monkeypatch):
+    backend = hal.get_backend("cuda")
+    assert backend.set_allocator_settings(expandable_segments=True) is None
+    assert fake_cuda.calls[-1] == ("allocator", "expandable_segments:True")
+    with pytest.raises(ValueError, match="expandable_segments must be a bool, got int 1"):
+        backend.set_allocator_settings(expandable_segments=1)
+    assert len(fake_cuda.calls) == 1  # refused before reaching the runtime
+    # A torch without the device-generic setter: the CUDA one.
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
+    assert backend.set_allocator_settings(expandable_segments=False) is None
+    assert fake_cuda.calls[-1] == ("cuda.memory allocator", "expandable_segments:False")
+
+
+def test_fake_cuda_device_capability(fake_cuda):
+    backend = hal.get_backend("cuda")
+    assert backend.device_capability(1) == (9, 0)
+    assert backend.device_capability() == (8, 0)  # the current device
+    backend.set_device(1)
+    assert backend.device_capability() == (9, 0)
+    with pytest.raises(ValueError, match="device index 2 out of range for backend 'cuda'"):
+        backend.device_capability(2)
+
+
+def test_fake_cuda_runtime_versions_and_ipc(fake_cuda, monkeypatch):
+    backend = hal.get_backend("cuda")
+    assert backend.runtime_versions() == {"cuda": "12.8"}
+    assert backend.supports_device_memory_ipc() is True
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # a ROCm build
+    assert backend.runtime_versions() == {"hip": "6.2"}
+    assert backend.supports_device_memory_ipc() is False
+
+
+# ---- CUDA IPC handles: torch's reduction as JSON, with a fake reduction ----------------
+
+
+class OnCuda(torch.Tensor):
+    """A host tensor that reports itself on cuda:0, so export_ipc takes its device path on a CPU build."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+REF_COUNTER = b"/torch_4242_17_0"
+
+
+class FakeReduction:
+    """Stands in for torch's CUDA `reduce_tensor` / `rebuild_cuda_tensor`, in the same argument
+    layout: a random 64-byte "memory handle" names a host storage in `shared`, as a CUDA IPC
+    handle names an allocation, so a rebuilt tensor really shares the exporter's memory."""
+
+    def __init__(self) -> None:
+        self.shared: dict[bytes, torch.UntypedStorage] = {}
+        self.rebuilt: list[tuple] = []
+        self.rebuild = self._rebuild  # one object, so that `is` identifies it
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(reductions, "reduce_tensor", self.reduce_tensor)
+        monkeypatch.setattr(reductions, "rebuild_cuda_tensor", self.rebuild)
+
+    def reduce_tensor(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        handle = os.urandom(64)
+        self.shared[handle] = storage
+        args = (
+            type(tensor), tensor.size(), tensor.stride(), tensor.storage_offset(), torch.storage.TypedStorage,
+            tensor.dtype, 0, handle, storage.nbytes(), 0, tensor.requires_grad, REF_COUNTER, 3, bytes(range(64)), True,
+        )  # fmt: skip
+        return reductions.rebuild_cuda_tensor, args
+
+    def _rebuild(self, *args):
+        self.rebuilt.append(args)
+        _, size, stride, offset, _, dtype, _, handle, nbytes, _, requires_grad, *_ = args
+        if handle is None:
+            return torch.empty(0, dtype=dtype)
+        tensor = torch.empty(0, dtype=dtype).set_(self.shared[handle], offset, size, stride)
+        return tensor.requires_grad_(requires_grad)
+
+
+@pytest.fixture
+def cuda_ipc(fake_cuda, monkeypatch):
+    """(backend, fake reduction, exported handle of a (4, 4) float32 view at element 4, the view)."""
+    fake = FakeReduction()
+    fake.install(monkeypatch)
+    backend = hal.get_backend("cuda")
+    base = torch.arange(32, dtype=torch.float32)
+    view = base[4:20].view(4, 4).as_subclass(OnCuda)
+    return backend, fake, backend.export_ipc(view), base
+
+
+def test_fake_cuda_ipc_handle_is_json(cuda_ipc):
+    backend, fake, handle, _ = cuda_ipc
+    assert json.loads(json.dumps(handle)) == handle
+    storage_handle = next(iter(fake.shared))
+    assert handle == {
+        "kind": "cuda",
+        "device": 0,
+        "storage_handle": storage_handle.hex(),
+        "storage_size_bytes": 128,
+        "storage_offset_bytes": 0,
+        "ref_counter_handle": REF_COUNTER.hex(),
+        "ref_counter_offset": 3,
+        "event_handle": bytes(range(64)).hex(),
+        "event_sync_required": True,
+        "tensor_offset": 4,
+        "shape": [4, 4],
+        "stride": [4, 1],
+        "dtype": "float32",
+        "requires_grad": False,
+    }
+
+
+def test_fake_cuda_ipc_round_trip_rebuilds_through_torch(cuda_ipc):
+    backend, fake, handle, base = cuda_ipc
+    tensor = backend.import_ipc(json.loads(json.dumps(handle)))
+    assert tensor.tolist() == base[4:20].view(4, 4).tolist()
+    tensor.fill_(-1.0)
+    assert base[4:20].eq(-1.0).all() and base[:4].tolist() == [0.0, 1.0, 2.0, 3.0]  # shared, at its offset
+    [args] = fake.rebuilt
+    assert args[0] is torch.Tensor and args[4] is torch.storage.TypedStorage
+    assert args[1] == torch.Size([4, 4]) and isinstance(args[1], torch.Size)
+    assert args[2:4] == ((4, 1), 4)
+    assert args[5] is torch.float32 and args[6] == 0
+    assert isinstance(args[7], bytes) and args[7] in fake.shared
+    assert args[8:11] == (128, 0, False)
+    assert args[11:] == (REF_COUNTER, 3, bytes(range(64)), True)
+
+
+def test_fake_cuda_ipc_empty_storage(cuda_ipc):
+    backend, fake, handle, _ = cuda_ipc
+    empty = {**handle, "storage_handle": None, "ref_counter_handle": None, "event_handle": None,
+             "event_sync_required": None, "storage_size_bytes": 0, "tensor_offset": 0, "shape": [0], "stride": [1]}  # fmt: skip
+    assert backend.import_ipc(empty).numel() == 0
+    assert fake.rebuilt[-1][7] is None
+
+
+def test_fake_cuda_export_refuses_another_reduction(fake_cuda, monkeypatch):
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_tensor, (type(t), None, None)))
+    backend = hal.get_backend("cuda")
+    with pytest.raises(RuntimeError, match="reduce_tensor returned 'rebuild_tensor' with 3 arguments, expected 'rebuild_cuda_tensor' with 15"):
+        backend.export_ipc(torch.zeros(4).as_subclass(OnCuda))
+
+
+CUDA_MALFORMED = [
+    pytest.param(lambda h: [h], "must be a dict", id="list"),
+    pytest.param(lambda h: {**h, "kind": "shm"}, "'kind' is 'shm', expected 'cuda'", id="kind"),
+    pytest.param(lambda h: {**h, "pickle": "gASV"}, "'pickle' is not part", id="extra"),
+    pytest.param(lambda h: {k: v for k, v in h.items() if k != "dtype"}, "'dtype' is missing", id="missing"),
+    pytest.param(lambda h: {**h, "device": 2}, "'device' must be <= 1", id="device-too-large"),
+    pytest.param(lambda h: {**h, "device": -1}, "'device' must be >= 0", id="device-negative"),
+    pytest.param(lambda h: {**h, "device": "0"}, "'device' must be an int", id="device-str"),
+    pytest.param(lambda h: {**h, "storage_handle": "zz"}, "'storage_handle' is not lower-case hex", id="handle-not-hex"),
+    pytest.param(lambda h: {**h, "storage_handle": "abc"}, "'storage_handle' is not lower-case hex", id="handle-odd"),
+    pytest.param(lambda h: {**h, "storage_handle": h["storage_handle"].upper()}, "'storage_handle' is not lower-case", id="handle-upper"),
+    pytest.param(lambda h: {**h, "storage_handle": ""}, "'storage_handle' is empty", id="handle-empty"),
+    pytest.param(lambda h: {**h, "storage_handle": list(range(64))}, "'storage_handle' must be a hex str or None", id="handle-list"),
+    pytest.param(lambda h: {**h, "storage_handle": "00" * 5000}, "'storage_handle' holds more than 4096 bytes", id="handle-huge"),
+    pytest.param(lambda h: {**h, "storage_handle": None}, "'storage_handle' is None for a storage of 128 bytes", id="handle-none"),
+    pytest.param(lambda h: {**h, "ref_counter_handle": b"/etc/passwd".hex()}, "'ref_counter_handle' does not name", id="refcount-path"),
+    pytest.param(lambda h: {**h, "ref_counter_handle": b"/torch_1_2_3/../x".hex()}, "'ref_counter_handle' does not name", id="refcount-dotdot"),
+    pytest.param(lambda h: {**h, "ref_counter_handle": None}, "'ref_counter_handle' does not name", id="refcount-none"),
+    pytest.param(lambda h: {**h, "ref_counter_offset": -1}, "'ref_counter_offset' must be >= 0", id="refcount-offset"),
+    pytest.param(lambda h: {**h, "event_handle": None}, "'event_handle' is None for a shared storage", id="event-none"),
+    pytest.param(lambda h: {**h, "event_sync_required": "true"}, "'event_sync_required' must be a bool", id="sync-str"),
+    pytest.param(lambda h: {**h, "event_sync_required": None}, "'event_sync_required' is None for a shared storage", id="sync-none"),
+    pytest.param(lambda h: {**h, "storage_size_bytes": -128}, "'storage_size_bytes' must be >= 0", id="size-negative"),
+    pytest.param(lambda h: {**h, "storage_size_bytes": 64}, "'shape' \\[4, 4\\] with stride \\[4, 1\\] at byte 16 reaches byte 80, past the 64", id="size-overrun"),
+    pytest.param(lambda h: {**h, "storage_offset_bytes": 1.5}, "'storage_offset_bytes' must be an int", id="storage-offset-float"),
+    pytest.param(lambda h: {**h, "tensor_offset": 20}, "reaches byte 144, past the 128", id="offset-overrun"),
+    pytest.param(lambda h: {**h, "tensor_offset": -4}, "'tensor_offset' must be >= 0", id="offset-negative"),
+    pytest.param(lambda h: {**h, "shape": [8, 4]}, "'shape' \\[8, 4\\] with stride \\[4, 1\\] at byte 16 reaches byte 144", id="shape-overrun"),
+    pytest.param(lambda h: {**h, "shape": [4, -4]}, "'shape\\[1\\]' must be >= 0", id="shape-negative"),
+    pytest.param(lambda h: {**h, "stride": [4]}, "'stride' has 1 entries for a shape of 2", id="stride-length"),
+    pytest.param(lambda h: {**h, "stride": [4, "1"]}, "'stride\\[1\\]' must be an int", id="stride-str"),
+    pytest.param(lambda h: {**h, "dtype": "object"}, "'dtype' names no allowed dtype: 'object'", id="dtype-unknown"),
+    pytest.param(lambda h: {**h, "dtype": "float"}, "'dtype' names no allowed dtype: 'float'", id="dtype-alias"),
+    pytest.param(lambda h: {**h, "requires_grad": 1}, "'requires_grad' must be a bool", id="grad-int"),
+    pytest.param(lambda h: {**h, "dtype": "int64", "requires_grad": True}, "'requires_grad' is true for dtype torch.int64", id="grad-int-dtype"),
+]
+
+
+@pytest.mark.parametrize(("spoil", "message"), CUDA_MALFORMED)
+def test_fake_cuda_malformed_handles_never_reach_torch(cuda_ipc, spoil, message):
+    backend, fake, handle, _ = cuda_ipc
+    with pytest.raises(ValueError, match=rf"import_ipc on backend 'cuda': handle.*{message}"):
+        backend.import_ipc(spoil(copy.deepcopy(handle)))
+    assert fake.rebuilt == []  # refused before torch's rebuild opened anything
+    backend.import_ipc(handle)  # while the handle itself was good
+    assert len(fake.rebuilt) == 1
 
 
 def test_fake_cuda_pinned_failure_names_the_size(fake_cuda):
@@ -335,3 +541,178 @@ def test_fake_npu_hal_info(fake_torch_npu):
     assert info["visible_devices_env"] == "ASCEND_RT_VISIBLE_DEVICES"
     assert info["ray_resource"] == "NPU"
     assert info["device_count"] == 2
+
+
+# ---- NPU runtime questions: a fake npu-smi and CANN install, no torch_npu needed -----------
+
+
+@pytest.fixture
+def ascend_host(tmp_path, monkeypatch):
+    """Returns `install(board=..., cann=..., status=0)`: puts a fake `npu-smi` first on PATH that
+    prints `board` and exits with `status` (None: no npu-smi), and a CANN install-info file
+    with `version=<cann>` under ASCEND_HOME_PATH (None: no file). The fake logs its
+    arguments to `tmp_path / "npu-smi.args"`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    info_dir = tmp_path / "ascend" / f"{platform.machine()}-linux"
+    info_dir.mkdir(parents=True)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path / "ascend"))
+
+    def install(board: str | None = None, cann: str | None = None, status: int = 0) -> None:
+        script = bin_dir / "npu-smi"
+        if board is not None:
+            (tmp_path / "board.txt").write_text(board)
+            script.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "npu-smi.args"}\ncat {tmp_path / "board.txt"}\nexit {status}\n')
+            script.chmod(0o755)
+        info = info_dir / "ascend_toolkit_install.info"
+        if cann is not None:
+            info.write_text(f"package_name=Ascend-cann-toolkit\n{cann}\n")
+
+    return install
+
+
+BOARD = "NPU ID                         : 1\n    Software Version               : {}\n    Firmware Version : 7.7.0.1\n"
+
+
+def test_npu_runtime_versions_from_npu_smi_and_cann(ascend_host, tmp_path):
+    ascend_host(board=BOARD.format("25.3.RC1.2"), cann="version=8.3.RC1")
+    backend = NpuBackend()  # no device module is touched by these questions
+    assert backend.runtime_versions() == {"driver": "25.3.rc1.2", "cann": "8.3.rc1"}
+    assert (tmp_path / "npu-smi.args").read_text().split() == ["info", "-t", "board", "-i", "1"]
+    assert backend.supports_device_memory_ipc() is True
+
+
+@pytest.mark.parametrize(
+    ("driver", "cann", "expected"),
+    [("25.5.0", "8.3.rc1", True), ("25.2.0", "8.3.rc1", False), ("25.3.0", "8.2.rc1", False), ("25.5.t3.b001", "8.5.0", True)],
+)
+def test_npu_device_memory_ipc_needs_new_driver_and_cann(ascend_host, driver, cann, expected):
+    ascend_host(board=BOARD.format(driver), cann=f"version={cann}")
+    assert NpuBackend().supports_device_memory_ipc() is expected
+
+
+@pytest.mark.parametrize(
+    ("board", "cann", "status", "message"),
+    [
+        (None, "version=8.3.rc1", 0, "npu-smi is not on PATH \\(no Ascend driver installed\\?\\)"),
+        (BOARD.format("25.3.rc1"), "version=8.3.rc1", 3, "npu-smi failed: .*exit status 3"),
+        ("NPU ID : 1\nno versions here\n", "version=8.3.rc1", 0, "npu-smi printed no 'Software Version' line"),
+        (BOARD.format("25.3.rc1"), None, 0, "cannot read the CANN toolkit info file .*ascend_toolkit_install.info"),
+        (BOARD.format("25.3.rc1"), "package_name=x", 0, "no 'version=' line in .*ascend_toolkit_install.info"),
+    ],
+)
+def test_npu_runtime_versions_say_what_is_missing(ascend_host, board, cann, status, message):
+    ascend_host(board=board, cann=cann, status=status)
+    backend = NpuBackend()
+    with pytest.raises(RuntimeError, match=f"backend 'npu': runtime_versions: {message}"):
+        backend.runtime_versions()
+    with pytest.raises(RuntimeError, match=message):
+        backend.supports_device_memory_ipc()  # cannot tell: says why, does not guess
+
+
+def test_npu_unrecognised_version_is_an_error(ascend_host):
+    ascend_host(board=BOARD.format("beta"), cann="version=8.3.rc1")
+    with pytest.raises(RuntimeError, match="unrecognised Ascend version 'beta'"):
+        NpuBackend().supports_device_memory_ipc()
+
+
+# ---- NPU device-module hooks and IPC, in a subprocess with the fake torch_npu ---------------
+
+# torch_npu's multiprocessing reductions, faked in the same argument layout as the CUDA fake.
+FAKE_NPU_REDUCTIONS = """
+import os
+import torch
+
+shared = {}
+rebuilt = []
+
+
+def reduce_tensor(tensor):
+    storage = tensor.untyped_storage()
+    handle = os.urandom(64)
+    shared[handle] = storage
+    return rebuild_npu_tensor, (
+        type(tensor), tensor.size(), tensor.stride(), tensor.storage_offset(), torch.storage.TypedStorage,
+        tensor.dtype, tensor.device.index, handle, storage.nbytes(), 0, tensor.requires_grad,
+        b"/torch_7_8_9", 0, bytes(64), True,
+    )
+
+
+def rebuild_npu_tensor(*args):
+    rebuilt.append(args)
+    _, size, stride, offset, _, dtype, _, handle, *_ = args
+    return torch.empty(0, dtype=dtype).set_(shared[handle], offset, size, stride)
+"""
+
+NPU_HOOKS_PROBE = """
+import json
+import sys
+import types
+
+import torch
+
+import hal
+from hal.compat import verl
+
+backend = hal.current()
+out = {}
+out["capability"] = [backend.device_capability(), backend.device_capability(1)]
+out["verl_capability"] = list(verl.get_device_capability(1))
+out["allocator_missing"] = backend.set_allocator_settings(expandable_segments=True)
+calls = []
+torch.npu.memory = types.SimpleNamespace(_set_allocator_settings=calls.append)
+out["allocator"] = backend.set_allocator_settings(expandable_segments=True)
+verl.set_expandable_segments(False)
+out["allocator_calls"] = calls
+out["rocm"] = verl.is_rocm_visible_devices()
+
+import torch_npu.multiprocessing.reductions as fake
+
+torch.multiprocessing.reductions.reduce_tensor = fake.reduce_tensor  # as torch_npu does on import
+
+
+class OnNpu(torch.Tensor):
+    @property
+    def device(self):
+        return torch.device("npu", 1)
+
+
+base = torch.arange(12, dtype=torch.bfloat16)
+handle = backend.export_ipc(base[2:10].view(2, 4).as_subclass(OnNpu))
+tensor = backend.import_ipc(json.loads(json.dumps(handle)))
+out["handle"] = {k: handle[k] for k in ("kind", "device", "dtype", "tensor_offset", "shape", "stride")}
+out["values"] = tensor.float().tolist()
+out["rebuilt"] = len(fake.rebuilt)
+try:
+    backend.import_ipc({**handle, "device": 5})
+except ValueError as exc:
+    out["refused"] = str(exc)
+out["rebuilt_after_refusal"] = len(fake.rebuilt)
+sys.modules["torch_npu.multiprocessing.reductions"] = None  # a torch_npu without NPU IPC
+try:
+    backend.export_ipc(base.as_subclass(OnNpu))
+except NotImplementedError as exc:
+    out["no_ipc"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_fake_npu_hooks_and_ipc(fake_torch_npu):
+    package = fake_torch_npu / "torch_npu" / "multiprocessing"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "reductions.py").write_text(FAKE_NPU_REDUCTIONS)
+    out = _run_probe(NPU_HOOKS_PROBE, fake_torch_npu, VERL_DEVICE="npu")
+    assert out["capability"] == [None, None]  # NPUs have no compute capability
+    assert out["verl_capability"] == [None, None]
+    assert out["allocator_missing"] == "backend 'npu': this torch_npu cannot change allocator settings at run time"
+    assert out["allocator"] is None
+    assert out["allocator_calls"] == ["expandable_segments:True", "expandable_segments:False"]
+    assert out["rocm"] is False
+    assert out["handle"] == {"kind": "npu", "device": 1, "dtype": "bfloat16", "tensor_offset": 2, "shape": [2, 4], "stride": [4, 1]}
+    assert out["values"] == [[2.0, 3.0, 4.0, 5.0], [6.0, 7.0, 8.0, 9.0]]
+    assert out["rebuilt"] == 1
+    assert "import_ipc on backend 'npu': handle field 'device' must be <= 1, got 5" in out["refused"]
+    assert out["rebuilt_after_refusal"] == 1
+    assert "this torch_npu has no NPU memory IPC" in out["no_ipc"]

@@ -50,7 +50,8 @@ def test_unknown_attribute_is_an_attribute_error():
 
 
 @pytest.mark.parametrize("name", ["cpu", "sim"])
-def test_host_backends(name):
+def test_host_backends(name, caplog):
+    caplog.set_level("DEBUG", logger="hal.compat.verl")
     with hal.use(name):
         assert verl.get_device_name() == "cpu"
         assert verl.get_nccl_backend() == "gloo"
@@ -65,14 +66,17 @@ def test_host_backends(name):
         assert verl.get_device_id() == 0
         assert verl.get_device_capability() == (None, None)
         assert verl.is_support_ipc() is False  # host shared files are not device IPC
-        verl.set_expandable_segments(True)  # no-op off CUDA
+        verl.set_expandable_segments(True)  # no-op off CUDA/NPU, with the backend's reason logged
+        assert f"backend {name!r} has no caching allocator" in caplog.text
 
 
 def test_cuda_backend_answers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0) if index == 1 else (8, 0))
     settings = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.version, "hip", None)
     with hal.use(CudaBackend()):
         assert verl.get_device_name() == "cuda"
@@ -84,16 +88,22 @@ def test_cuda_backend_answers(monkeypatch):
         assert verl.get_torch_device() is torch.cuda
         assert verl.get_device_id() == 3
         assert verl.get_device_capability(1) == (9, 0)
+        assert verl.get_device_capability() == (8, 0)
+        assert verl.is_rocm_visible_devices() is False
         assert verl.is_support_ipc() is True
         verl.set_expandable_segments(False)
-        assert settings == ["expandable_segments:False"]
+        verl.set_expandable_segments(1)  # verl formats whatever it is given; hal wants a bool
+        assert settings == ["expandable_segments:False", "expandable_segments:True"]
+        with pytest.raises(RuntimeError, match="get_npu_versions: backend 'cuda' reports no NPU driver and CANN versions"):
+            verl.get_npu_versions()
         monkeypatch.setattr(torch.version, "hip", "6.2")
         assert verl.is_rocm_visible_devices() is True
         assert verl.is_support_ipc() is False
 
 
 def test_npu_backend_answers(monkeypatch):
-    # Names only: torch.npu itself needs a PrivateUse1 rename (tests/backends/test_fake_devices.py).
+    # Names and host questions only: torch.npu itself needs a PrivateUse1 rename
+    # (tests/backends/test_fake_devices.py asks the device-module hooks there).
     with hal.use(NpuBackend()):
         assert verl.get_device_name() == "npu"
         assert verl.get_nccl_backend() == "hccl"
@@ -102,10 +112,11 @@ def test_npu_backend_answers(monkeypatch):
         assert verl.is_npu_available is True
         assert verl.is_cuda_available is False
         assert verl.is_torch_npu_available() is True
-        assert verl.get_device_capability() == (None, None)
-        monkeypatch.setattr(verl, "get_npu_versions", lambda: ("25.5.0", "8.3.rc1"))
+        monkeypatch.setattr(NpuBackend, "runtime_versions", lambda self: {"driver": "25.5.0", "cann": "8.3.rc1"})
+        assert verl.get_npu_versions() == ("25.5.0", "8.3.rc1")
+        assert verl.is_rocm_visible_devices() is False
         assert verl.is_support_ipc() is True
-        monkeypatch.setattr(verl, "get_npu_versions", lambda: ("25.2.0", "8.3.rc1"))
+        monkeypatch.setattr(NpuBackend, "runtime_versions", lambda self: {"driver": "25.2.0", "cann": "8.3.rc1"})
         assert verl.is_support_ipc() is False
 
 
@@ -155,8 +166,12 @@ def test_get_npu_versions_reads_npu_smi_and_cann(monkeypatch, tmp_path):
     (info_dir / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=8.3.RC1\n")
     monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
     board = "NPU ID : 1\n    Software Version               : 25.3.RC1.2\n"
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=board))
-    assert verl.get_npu_versions() == ("25.3.rc1.2", "8.3.rc1")
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **k: ran.append(cmd) or types.SimpleNamespace(stdout=board))
+    with hal.use(NpuBackend()):
+        assert verl.get_npu_versions() == ("25.3.rc1.2", "8.3.rc1")
+        assert verl.is_support_ipc() is True
+    assert ran[0] == ["npu-smi", "info", "-t", "board", "-i", "1"]
 
 
 def test_get_npu_versions_says_what_is_missing(monkeypatch, tmp_path):
@@ -165,13 +180,22 @@ def test_get_npu_versions_says_what_is_missing(monkeypatch, tmp_path):
     def no_npu_smi(*args, **kwargs):
         raise FileNotFoundError("npu-smi")
 
-    monkeypatch.setattr(subprocess, "run", no_npu_smi)
-    with pytest.raises(RuntimeError, match="npu-smi is not on PATH"):
-        verl.get_npu_versions()
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="Software Version : 25.5.0\n"))
-    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
-    with pytest.raises(RuntimeError, match="CANN toolkit info file .*ascend_toolkit_install.info"):
-        verl.get_npu_versions()
+    with hal.use(NpuBackend()):
+        monkeypatch.setattr(subprocess, "run", no_npu_smi)
+        with pytest.raises(RuntimeError, match="get_npu_versions: .*npu-smi is not on PATH"):
+            verl.get_npu_versions()
+        with pytest.raises(RuntimeError, match="npu-smi is not on PATH"):
+            verl.is_support_ipc()
+        monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="NPU ID : 1\n"))
+        with pytest.raises(RuntimeError, match="get_npu_versions: .*npu-smi printed no 'Software Version' line"):
+            verl.get_npu_versions()
+        monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="Software Version : 25.5.0\n"))
+        monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
+        with pytest.raises(RuntimeError, match="get_npu_versions: .*CANN toolkit info file .*ascend_toolkit_install.info"):
+            verl.get_npu_versions()
+    with hal.use("cpu"):
+        with pytest.raises(RuntimeError, match="get_npu_versions: backend 'cpu' reports no NPU driver and CANN versions"):
+            verl.get_npu_versions()
 
 
 def _config(device):

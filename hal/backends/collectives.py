@@ -1,0 +1,67 @@
+"""What the weight-sync code may assume of a collective library (gloo, NCCL, HCCL).
+
+These are properties of the library that moves the bytes, not of the device: a CUDA
+tensor in a gloo group behaves like gloo. So they are looked up by the
+`torch.distributed` backend name (`collective_traits(backend.dist_backend)`), never
+declared by a device backend. Code here may assume nothing but the name it is given;
+it imports no collective library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CONSERVATIVE_TRAITS", "CollectiveTraits", "collective_traits", "known_collective_libraries"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveTraits:
+    """How one collective library orders work and which transfers it moves fastest."""
+
+    follows_streams: bool
+    """A collective issued while a device stream is current is ordered after the work
+    already queued on that stream, so no host wait is needed before it. From the
+    libraries' stream semantics: NCCL and HCCL enqueue the operation on a communication
+    stream that first waits on the issuing stream (torch.distributed's ProcessGroupNCCL /
+    torch_npu's ProcessGroupHCCL). gloo runs on host threads and reads the tensor when
+    the call is made: the host must wait for the producing work first. False is always
+    correct (the host then waits); True where it is not true corrupts data."""
+
+    point_to_point_for_one_receiver: bool
+    """With exactly one receiver, a sync's transfers go as send/recv pairs rather than as
+    broadcasts. Measured, not derived: gloo runs each broadcast through its worker
+    threads at about 1 ms each on a small host, and send/recv avoids that
+    (docs/benchmarks.md, "What changed in session 2"). Not measured for NCCL/HCCL, so
+    they keep broadcasts, which are always correct."""
+
+
+# Safe for any library: the host waits before every collective, and transfers are broadcasts.
+CONSERVATIVE_TRAITS = CollectiveTraits(follows_streams=False, point_to_point_for_one_receiver=False)
+
+# torch.distributed backend name (lower case) -> its traits; see the field docs for sources.
+_TRAITS: dict[str, CollectiveTraits] = {
+    "gloo": CollectiveTraits(follows_streams=False, point_to_point_for_one_receiver=True),
+    "nccl": CollectiveTraits(follows_streams=True, point_to_point_for_one_receiver=False),
+    "hccl": CollectiveTraits(follows_streams=True, point_to_point_for_one_receiver=False),
+}
+
+
+def known_collective_libraries() -> tuple[str, ...]:
+    """The names `collective_traits` has measured or documented traits for."""
+    return tuple(sorted(_TRAITS))
+
+
+def collective_traits(dist_backend: str) -> CollectiveTraits:
+    """The traits of the `torch.distributed` backend named `dist_backend` (case-insensitive).
+
+    An unknown name (an out-of-tree library, or a mixed string such as
+    ``"cuda:nccl,cpu:gloo"``, which names more than one) gets `CONSERVATIVE_TRAITS`:
+    the host waits before each collective and transfers are broadcasts, which is
+    correct for any library, only perhaps slower.
+
+    >>> collective_traits("NCCL").follows_streams
+    True
+    """
+    if not isinstance(dist_backend, str):
+        raise TypeError(f"collective_traits: dist_backend must be a str, got {type(dist_backend).__name__}")
+    return _TRAITS.get(dist_backend.strip().lower(), CONSERVATIVE_TRAITS)
