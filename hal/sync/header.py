@@ -1,0 +1,473 @@
+"""The per-sync header: what the sending rank tells every receiver before any tensor byte.
+
+It crosses a process boundary, so it travels as explicit JSON and is never unpickled: a
+receiver that unpickles what a peer sends runs whatever that peer chose. `decode` treats
+its input as hostile: anything malformed, truncated, oversize or of another protocol
+raises `HeaderError` naming what is wrong, in time and memory bounded by
+`MAX_HEADER_BYTES`, and no other exception gets out.
+
+    data = SyncHeader.from_plan(plan, version=step, token=token).encode()  # trainer
+    header = SyncHeader.decode(data)                                       # each engine worker
+    check_auth(header, engine_token)
+
+Decoding is linear in the input; the worst input (64 MiB of tiny JSON arrays) costs
+about 1.5 GiB of Python objects and some seconds while it is parsed, then is refused.
+Authentication is checked after decoding, since the proof travels in the header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import re
+import reprlib
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from hal.sync.errors import AuthError, HeaderError
+from hal.sync.plan import BucketPlan, TensorSpec
+
+HEADER_PROTOCOL = 1
+"""Wire format version; bumped whenever the header's keys or their meaning change."""
+
+MAX_HEADER_BYTES = 64 * 2**20
+"""Largest encoded header either side accepts: bounds what a hostile peer can make a receiver parse."""
+
+MAX_SPECS = 1_000_000
+MAX_NAME_CHARS = 1024
+MAX_DIMS = 32
+MAX_DIM = 2**48
+MAX_TENSOR_BYTES = 2**48
+MIN_BUCKET_BYTES = 4096  # as SyncConfig: smaller buckets make no sense and stress the plan
+MAX_BUCKET_BYTES = 2**40
+MAX_VERSION = 2**63  # exclusive: versions fit an int64 on every side
+DIGEST_CHARS = 24  # hal.sync.plan.plan_key keeps this many hex characters
+AUTH_CHARS = 64  # hex of an HMAC-SHA256
+
+# No valid header holds a number longer than this (2**63 has 19 digits). Checked before
+# Python converts the literal: conversion of a long digit string is quadratic, and the
+# interpreter's own digit limit can be switched off.
+_MAX_NUMBER_CHARS = 24
+_MAX_QUOTE = 100
+
+_WIRE_DTYPE_NAMES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+)
+
+WIRE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {name: dtype for name in _WIRE_DTYPE_NAMES if isinstance(dtype := getattr(torch, name, None), torch.dtype)}
+)
+"""Wire name -> dtype of every dtype a sync may carry (those this torch lacks are left out)."""
+
+_NAME_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {dtype: dtype.itemsize for dtype in WIRE_DTYPES.values()}
+_HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in (DIGEST_CHARS, AUTH_CHARS)}
+_KEYS = ("protocol", "version", "specs", "bucket_bytes", "segment_bytes", "verify", "digest", "auth")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of `dtype` (its torch attribute name, e.g. "bfloat16")."""
+    try:
+        return _NAME_OF[dtype]
+    except (KeyError, TypeError):  # TypeError: not hashable, so not a dtype either
+        raise ValueError(f"dtype {_quote(dtype)} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype whose wire name is `name`."""
+    dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise ValueError(f"unknown dtype name {_quote(name)}; valid names: {', '.join(WIRE_DTYPES)}")
+    return dtype
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncHeader:
+    """What a sync carries, checked on construction: build one only from valid values."""
+
+    protocol: int = HEADER_PROTOCOL
+    """Wire format version; must equal HEADER_PROTOCOL."""
+
+    version: int
+    """Weight version of this sync, 0 <= version < 2**63."""
+
+    specs: tuple[TensorSpec, ...]
+    """Every tensor of the sync, in bucket-plan order; names unique."""
+
+    bucket_bytes: int
+    """Bucket size the plan was built with, 4096 <= bucket_bytes <= 2**40."""
+
+    segment_bytes: int | None
+    """Segment size the plan was built with (None: a bucket travels whole), else 4096 <= s <= 2**40."""
+
+    verify: bool
+    """Whether buckets carry checksums."""
+
+    digest: str
+    """The sender's bucket-plan digest (hal.sync.plan.plan_key): 24 lowercase hex characters."""
+
+    auth: str | None = None
+    """HMAC proof that the sender knows the engine's token (see `auth_proof`), or None."""
+
+    def __post_init__(self) -> None:
+        _check_int("protocol", self.protocol)
+        if self.protocol != HEADER_PROTOCOL:
+            raise HeaderError(_protocol_message(self.protocol))
+        _check_int("version", self.version, 0, MAX_VERSION - 1)
+        if type(self.specs) is not tuple:
+            raise HeaderError(f"header field 'specs': expected a tuple of TensorSpec, got {_describe(self.specs)}")
+        if len(self.specs) > MAX_SPECS:
+            raise HeaderError(f"header field 'specs': {len(self.specs)} tensors, at most {MAX_SPECS} are allowed")
+        seen: set[str] = set()
+        for i, spec in enumerate(self.specs):
+            if not isinstance(spec, TensorSpec):
+                raise HeaderError(f"header field 'specs[{i}]': expected a TensorSpec, got {_describe(spec)}")
+            _check_spec(i, spec.name, spec.shape, spec.dtype)
+            if spec.name in seen:
+                raise HeaderError(f"header field 'specs[{i}]': name {_quote(spec.name)} appears twice")
+            seen.add(spec.name)
+        _check_int("bucket_bytes", self.bucket_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES)
+        if self.segment_bytes is not None:
+            _check_int("segment_bytes", self.segment_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES, "an int or null")
+        if type(self.verify) is not bool:
+            raise HeaderError(f"header field 'verify': expected a bool, got {_describe(self.verify)}")
+        _check_hex("digest", self.digest, DIGEST_CHARS)
+        if self.auth is not None:
+            _check_hex("auth", self.auth, AUTH_CHARS, " or null")
+
+    @classmethod
+    def from_plan(cls, plan: BucketPlan, *, version: int, token: str | None = None) -> SyncHeader:
+        """The header announcing `plan` as weight `version`, with a proof of `token` when given."""
+        auth = None if token is None else auth_proof(token, version=version, digest=plan.digest)
+        return cls(
+            version=version,
+            specs=plan.specs,
+            bucket_bytes=plan.bucket_bytes,
+            segment_bytes=plan.segment_bytes,
+            verify=plan.verify,
+            digest=plan.digest,
+            auth=auth,
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all tensors (not counting padding or checksums)."""
+        return sum(s.nbytes for s in self.specs)
+
+    def encode(self) -> bytes:
+        """Compact UTF-8 JSON, the same bytes for equal headers; HeaderError past MAX_HEADER_BYTES."""
+        obj = {
+            "protocol": self.protocol,
+            "version": self.version,
+            "specs": [[s.name, list(s.shape), _NAME_OF[s.dtype]] for s in self.specs],
+            "bucket_bytes": self.bucket_bytes,
+            "segment_bytes": self.segment_bytes,
+            "verify": self.verify,
+            "digest": self.digest,
+            "auth": self.auth,
+        }
+        # ensure_ascii=False: names travel as UTF-8, not \u escapes; __post_init__ refused
+        # names that are not valid Unicode, so this always encodes.
+        data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        if len(data) > MAX_HEADER_BYTES:
+            raise HeaderError(
+                f"header of {len(data)} bytes ({len(self.specs)} tensors) exceeds MAX_HEADER_BYTES ({MAX_HEADER_BYTES}): "
+                "receivers would refuse it"
+            )
+        return data
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> SyncHeader:
+        """The header in `data`, as sent by a peer; HeaderError (only) for anything else."""
+        try:
+            return cls._decode(data)
+        except HeaderError:
+            raise
+        except (ValueError, TypeError, RecursionError, OverflowError, MemoryError) as exc:
+            # ValueError covers json.JSONDecodeError and UnicodeDecodeError
+            raise HeaderError(f"unreadable sync header: {_reason(exc)}") from None
+
+    @classmethod
+    def _decode(cls, data: bytes | bytearray | memoryview) -> SyncHeader:
+        if isinstance(data, memoryview):
+            size = data.nbytes
+        elif isinstance(data, (bytes, bytearray)):
+            size = len(data)
+        else:
+            raise HeaderError(f"header must be bytes, bytearray or memoryview, got {type(data).__name__}")
+        # before anything else: a hostile peer must not make us parse gigabytes
+        if size > MAX_HEADER_BYTES:
+            raise HeaderError(f"header of {size} bytes exceeds MAX_HEADER_BYTES ({MAX_HEADER_BYTES}); refused unread")
+        if size == 0:
+            raise HeaderError("header is empty")
+        try:
+            text = bytes(data).decode("utf-8") if isinstance(data, memoryview) else data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad = exc.object[exc.start : exc.start + 1]
+            raise HeaderError(f"header is not valid UTF-8: byte {exc.start} ({bad!r}): {exc.reason}") from None
+        try:
+            obj = json.loads(
+                text,
+                object_pairs_hook=_unique_keys,
+                parse_constant=_refuse_constant,
+                parse_int=_parse_int,
+                parse_float=_parse_float,
+            )
+        except json.JSONDecodeError as exc:
+            raise HeaderError(f"header is not JSON: {exc.msg} at character {exc.pos}") from None
+        except RecursionError:
+            raise HeaderError("header nests arrays or objects too deeply to be a sync header") from None
+        if not isinstance(obj, dict):
+            raise HeaderError(f"header must be one JSON object, got {_describe(obj)}")
+        # protocol first: a peer of another protocol may have other keys, and this is what to tell the user
+        if "protocol" not in obj:
+            raise HeaderError("header has no 'protocol' key: not a verl-hal sync header, or mismatched verl-hal versions?")
+        _check_int("protocol", obj["protocol"])
+        if obj["protocol"] != HEADER_PROTOCOL:
+            raise HeaderError(_protocol_message(obj["protocol"]))
+        unknown = [k for k in obj if k not in _KEYS]
+        if unknown:
+            shown = ", ".join(_quote(k) for k in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            raise HeaderError(f"header has unknown key(s) {shown}")
+        missing = [k for k in _KEYS if k not in obj]
+        if missing:
+            raise HeaderError(f"header is missing key(s) {', '.join(repr(k) for k in missing)}")
+        obj["specs"] = _decode_specs(obj["specs"])
+        return cls(**obj)
+
+
+def auth_proof(token: str, *, version: int, digest: str) -> str:
+    """Hex HMAC-SHA256 keyed by `token` over this sync's protocol, version and plan digest.
+
+    The token itself never travels; binding the proof to version and digest keeps a proof
+    seen on the wire from vouching for a different sync.
+    """
+    if not isinstance(token, str):
+        raise TypeError(f"auth token must be a str, got {type(token).__name__}")
+    message = f"verl-hal-sync|{HEADER_PROTOCOL}|{version}|{digest}".encode("utf-8")
+    return hmac.new(token.encode("utf-8"), message, hashlib.sha256).hexdigest()
+
+
+def check_auth(header: SyncHeader, token: str | None) -> None:
+    """Refuse `header` with AuthError unless it proves knowledge of `token` (None: an open engine)."""
+    if token is None:
+        return
+    if header.auth is None:
+        raise AuthError("the trainer presented no token, but this engine requires one")
+    expected = auth_proof(token, version=header.version, digest=header.digest)
+    if not hmac.compare_digest(expected, header.auth):  # constant time: leaks no prefix of the proof
+        raise AuthError("the trainer's token does not match this engine's")
+
+
+def init_proof(token: str, *, address: str, port: int, world_size: int) -> str:
+    """Hex HMAC-SHA256 keyed by `token` over one rendezvous (address, port, group size):
+    what a trainer shows an engine before the engine joins its group. Bound to the
+    rendezvous, so a proof seen on the way cannot send the engine to another trainer."""
+    if not isinstance(token, str):
+        raise TypeError(f"auth token must be a str, got {type(token).__name__}")
+    message = f"verl-hal-init|{HEADER_PROTOCOL}|{address}|{port}|{world_size}".encode("utf-8")
+    return hmac.new(token.encode("utf-8"), message, hashlib.sha256).hexdigest()
+
+
+def check_init_proof(token: str | None, proof: str | None, *, address: str, port: int, world_size: int) -> None:
+    """Refuse with AuthError, before any connection is made, a trainer that does not prove
+    it knows `token` for this rendezvous (None: an open engine accepts anyone)."""
+    if token is None:
+        return
+    if proof is None:
+        raise AuthError("the trainer presented no token, but this engine requires one (set VERL_HAL_SYNC_TOKEN on the trainer)")
+    expected = init_proof(token, address=address, port=port, world_size=world_size)
+    if not isinstance(proof, str) or not hmac.compare_digest(expected, proof):
+        raise AuthError("the trainer's token does not match this engine's (VERL_HAL_SYNC_TOKEN differs)")
+
+
+# -- checks shared by construction and decoding --------------------------------------------
+
+
+def _check_int(field: str, value: Any, lo: int | None = None, hi: int | None = None, expected: str = "an int") -> None:
+    if type(value) is not int:  # exactly int: a bool or a float is a different value on the wire
+        raise HeaderError(f"header field {field!r}: expected {expected}, got {_describe(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise HeaderError(f"header field {field!r}: {_quote(value)} is outside [{_bound(lo)}, {_bound(hi)}]")
+
+
+def _check_hex(field: str, value: Any, chars: int, alternative: str = "") -> None:
+    if not isinstance(value, str) or not _HEX[chars].fullmatch(value):
+        expected = f"{chars} lowercase hex characters{alternative}"
+        raise HeaderError(f"header field {field!r}: expected {expected}, got {_describe(value)}")
+
+
+def _check_spec(i: int, name: Any, shape: Any, dtype: Any) -> None:
+    # Runs once per tensor on every sync, up to a million times: messages are built only on failure.
+    problem = _spec_problem(name, shape, dtype)
+    if problem is not None:
+        raise HeaderError(f"{_where(i, name)}: {problem}")
+
+
+def _where(i: int, name: Any) -> str:
+    return f"header field 'specs[{i}]'" + (f" ({_quote(name)})" if isinstance(name, str) and name else "")
+
+
+def _spec_problem(name: Any, shape: Any, dtype: Any) -> str | None:
+    if not isinstance(name, str) or not name:
+        return f"name must be a non-empty string, got {_describe(name)}"
+    if len(name) > MAX_NAME_CHARS:
+        return f"name of {len(name)} characters, at most {MAX_NAME_CHARS} are allowed"
+    if "\0" in name:
+        return "name contains NUL"
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: not text, cannot travel as UTF-8
+            return "name is not valid Unicode (it holds a lone surrogate)"
+    if type(shape) is not tuple:
+        return f"shape must be a sequence of ints, got {_describe(shape)}"
+    if len(shape) > MAX_DIMS:
+        return f"shape has {len(shape)} dimensions, at most {MAX_DIMS} are allowed"
+    for d in shape:
+        if type(d) is not int or d < 0 or d > MAX_DIM:
+            return f"shape dimensions must be ints in [0, 2**48], got {_describe(d)}"
+    itemsize = _ITEMSIZE.get(dtype) if isinstance(dtype, torch.dtype) else None
+    if itemsize is None:
+        return f"dtype {_quote(dtype)} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}"
+    if math.prod(shape) * itemsize > MAX_TENSOR_BYTES:  # at most 32 dims of 2**48: a small bignum
+        return f"shape {_quote(shape)} of {_NAME_OF[dtype]} holds more than {MAX_TENSOR_BYTES} bytes"
+    return None
+
+
+def _decode_specs(raw: Any) -> tuple[TensorSpec, ...]:
+    if not isinstance(raw, list):
+        raise HeaderError(f"header field 'specs': expected a list of [name, shape, dtype], got {_describe(raw)}")
+    if len(raw) > MAX_SPECS:
+        raise HeaderError(f"header field 'specs': {len(raw)} tensors, at most {MAX_SPECS} are allowed")
+    specs = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise HeaderError(f"header field 'specs[{i}]': expected [name, shape, dtype], got {_describe(entry)}")
+        name, shape, dtype = entry
+        torch_dtype = WIRE_DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if torch_dtype is None:
+            raise HeaderError(f"{_where(i, name)}: dtype {_quote(dtype)} is not one of {', '.join(WIRE_DTYPES)}")
+        if isinstance(shape, list):
+            shape = tuple(shape)
+        # checked before TensorSpec sees them: it would coerce true to 1 and 2.5 to 2
+        _check_spec(i, name, shape, torch_dtype)
+        specs.append(TensorSpec(name, shape, torch_dtype))
+    return tuple(specs)
+
+
+# -- json hooks: refuse while parsing, before a hostile value is ever built ----------------
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise HeaderError(f"header repeats the key {_quote(key)}")
+            seen.add(key)
+    return obj
+
+
+def _refuse_constant(name: str) -> Any:
+    raise HeaderError(f"header holds {name}, which is not a JSON number (no header field takes it)")
+
+
+def _parse_int(literal: str) -> int:
+    if len(literal) > _MAX_NUMBER_CHARS:
+        raise HeaderError(
+            f"header holds an integer of {len(literal)} characters ({_quote(literal)}): no header field takes one that large"
+        )
+    return int(literal)
+
+
+def _parse_float(literal: str) -> float:
+    if len(literal) > _MAX_NUMBER_CHARS:
+        raise HeaderError(f"header holds a number of {len(literal)} characters ({_quote(literal)}): no header field takes one")
+    return float(literal)  # kept so the field that holds it is named in the error
+
+
+# -- messages ---------------------------------------------------------------------------
+
+
+def _protocol_message(protocol: int) -> str:
+    return (
+        f"header protocol {_quote(protocol)}; this verl-hal speaks {HEADER_PROTOCOL}: "
+        "mismatched verl-hal versions on trainer and engine?"
+    )
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel = 3
+_repr.maxstring = _MAX_QUOTE
+_repr.maxother = _MAX_QUOTE
+_repr.maxlong = 40
+for _attr in ("maxtuple", "maxlist", "maxdict", "maxset", "maxfrozenset"):
+    setattr(_repr, _attr, 6)
+
+
+def _quote(value: Any) -> str:
+    """repr of `value`, at most about _MAX_QUOTE characters, whatever its size."""
+    if type(value) is int and value.bit_length() > 128:
+        return f"<int of {value.bit_length()} bits>"  # repr of a huge int is slow, or refused past the digit limit
+    try:
+        text = _repr.repr(value)
+    except Exception:  # a foreign object's __repr__ may raise anything; never hide the real error behind it
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= _MAX_QUOTE else text[: _MAX_QUOTE - 3] + "..."
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {_quote(value)}"
+
+
+def _bound(value: int | None) -> str:
+    if value is None:
+        return "..."
+    for exp in (63, 48, 40):
+        if value in (2**exp, 2**exp - 1):
+            return f"2**{exp}" + ("" if value == 2**exp else " - 1")
+    return str(value)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    text = text if len(text) <= _MAX_QUOTE else text[: _MAX_QUOTE - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+__all__ = [
+    "HEADER_PROTOCOL",
+    "MAX_HEADER_BYTES",
+    "WIRE_DTYPES",
+    "SyncHeader",
+    "auth_proof",
+    "check_auth",
+    "dtype_from_name",
+    "dtype_name",
+]
+
