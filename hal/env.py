@@ -33,11 +33,24 @@ def sim_latency_seconds() -> float:
     return value
 
 
-# Root of the Ascend CANN toolkit; only `hal.compat.verl.get_npu_versions` reads it, to find
-# the toolkit's version file. Default: where the CANN installer puts it.
+# Root of the Ascend CANN toolkit; only the npu backend's `runtime_versions()` reads it
+# (hal.backends.npu.read_npu_versions), to find the toolkit's version file. Default: where
+# the CANN installer puts it.
 ASCEND_HOME_PATH = "ASCEND_HOME_PATH"
 ASCEND_HOME_DEFAULT = "/usr/local/Ascend/ascend-toolkit/latest"
 
 
 def ascend_home() -> str:
     return os.environ.get(ASCEND_HOME_PATH) or ASCEND_HOME_DEFAULT
+
+
+# The secret a trainer must prove it knows before an engine accepts its weights (the
+# vLLM "hal" engines read it at start; the trainer-side `WeightSync` reads it too unless
+# given `token=`). Unset: engines accept any trainer that reaches them, and warn at start.
+# docs/security.md has the threat model.
+VERL_HAL_SYNC_TOKEN = "VERL_HAL_SYNC_TOKEN"
+
+
+def sync_token() -> str | None:
+    """The sync token, or None when unset or empty."""
+    return os.environ.get(VERL_HAL_SYNC_TOKEN) or None

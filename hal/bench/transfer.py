@@ -335,7 +335,7 @@ def _setup_floor_with_copy(ctx: RankContext) -> tuple[Callable[[], None], Callab
 
 def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Callable[[], None], Callable[[], None]]:
     from hal.device import get_backend
-    from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec
+    from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec, as_sink
     from hal.sync.rollout import copy_into
     from hal.sync import transport as transports
 
@@ -344,7 +344,7 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
     transport_cls = getattr(transports, transport_name)
     transport = transport_cls(group=None, src=SENDER)
     if ctx.config.trace:
-        _trace_calls(transport, ctx.trace, ("setup", "broadcast_object", "agree", "send", "wait_sent", "recv", "wait_received", "release", "finish"))
+        _trace_calls(transport, ctx.trace, ("prepare", "exchange_header", "agree", "send_segment", "wait_sent", "recv_status", "recv_segment", "wait_segment", "release", "finish"))
     sync_config = SyncConfig(bucket_bytes=ctx.config.bucket_bytes, timeout_s=ctx.config.collective_timeout_s)
     names = [p.name for p in ctx.params]
 
@@ -366,13 +366,13 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
         return run, teardown
 
     specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in ctx.params]
-    receiver = Receiver(transport, specs, sync_config, backend=backend)
+    receiver = Receiver(transport, specs, timeout_s=ctx.config.collective_timeout_s, backend=backend)
     if ctx.config.trace:
         _trace_calls(receiver, ctx.trace, ("_arrived",))  # private: profiling only
     destination = dict(zip(names, ctx.tensors))
-    apply: Callable[[list[tuple[str, torch.Tensor]]], None]
+    apply: Any
     if target == "copy_into":
-        apply = copy_into(destination, backend=backend)
+        apply = copy_into(destination)
     elif target == "copy":
 
         def apply(pairs: list[tuple[str, torch.Tensor]]) -> None:
@@ -386,17 +386,21 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
                 _read_all(view)
 
     if ctx.config.trace:
-        untraced_apply = apply
+        untraced = as_sink(apply)
 
-        class Traced:  # keeps the target's `destination`, so tracing does not change the path
-            destination = getattr(untraced_apply, "destination", None)
+        class Traced:  # the same sink (destinations included), its apply timed: tracing does not change the path
+            def destination(self, name: str) -> torch.Tensor | None:
+                return untraced.destination(name)
 
-            def __call__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+            def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
                 t0 = time.perf_counter()
                 try:
-                    untraced_apply(pairs)
+                    untraced.apply(pairs)
                 finally:
                     ctx.trace.append(("apply", len(pairs), t0, time.perf_counter()))
+
+            def abort(self) -> None:
+                untraced.abort()
 
         apply = Traced()
 

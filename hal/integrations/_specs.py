@@ -9,26 +9,13 @@ is applied.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
 from hal.sync import TensorSpec
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+from hal.sync.rollout import specs_from_safetensors
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
@@ -44,33 +31,20 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         raise FileNotFoundError(f"model {model!r}: not a local directory and not resolvable from the hub: {exc}") from exc
 
 
-def _header(file: Path) -> dict:
-    with open(file, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(size))
-
-
 def checkpoint_specs(model_dir: str | Path, dtype: torch.dtype | None = None) -> list[TensorSpec]:
     """Specs of every tensor in the safetensors files of `model_dir`, in checkpoint order.
 
     Floating-point tensors take `dtype` (the engine's compute dtype) when given: the
-    engine casts on load, so that is what the trainer must send.
+    engine casts on load, so that is what the trainer must send; fp8 tensors (a quantized
+    checkpoint) keep their dtype.
     """
     model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    if not any(model_dir.glob("*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}: the hal engine needs the checkpoint's layout")
-    specs: list[TensorSpec] = []
-    for file in files:
-        for name, meta in _header(file).items():
-            if name == "__metadata__":
-                continue
-            tdtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
-            if tdtype is None:
-                raise ValueError(f"{file.name}: tensor {name!r} has unsupported safetensors dtype {meta['dtype']!r}")
-            if dtype is not None and tdtype.is_floating_point:
-                tdtype = dtype
-            specs.append(TensorSpec(name, tuple(meta["shape"]), tdtype))
+    specs = specs_from_safetensors(model_dir)
+    if dtype is not None:
+        # fp8 weights of a quantized checkpoint stay fp8: the engine keeps them as they are
+        specs = [TensorSpec(s.name, s.shape, dtype) if s.dtype.is_floating_point and s.dtype.itemsize > 1 else s for s in specs]
     return order_like_model(specs)
 
 

@@ -6,38 +6,65 @@
 
     # each engine worker, built from the engine's own parameter specs
     receiver = Receiver(BroadcastTransport(group), specs)
-    receiver.receive(lambda pairs: model.load_weights(pairs))
+    receiver.receive(copy_into(engine_weights))        # or any Sink, or apply(pairs)
+
+Only the sender takes a `SyncConfig`; receivers read everything from the typed header
+of each sync (`SyncHeader`). A sync either completes on every rank or leaves every
+engine tensor with its old or its new bytes, and the receiver says whether it is
+`consistent` (docs/design.md, "Failures").
 """
 
-from hal.sync.config import SyncConfig, default_bucket_bytes
-from hal.sync.errors import ChecksumMismatchError, PeerError, SpecMismatchError, StaleVersionError, SyncError
+from hal.sync.config import SyncConfig, default_bucket_bytes, wire_dtype_for
+from hal.sync.errors import (
+    AuthError,
+    ChecksumMismatchError,
+    HeaderError,
+    PeerError,
+    SourceError,
+    SpecMismatchError,
+    StaleVersionError,
+    SyncError,
+)
+from hal.sync.header import SyncHeader
 from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import BucketPlan, PlanCache, TensorSpec, build_plan
 from hal.sync.receiver import Receiver
+from hal.sync.rollout import CopyInto, copy_into
 from hal.sync.sender import Sender
+from hal.sync.sink import Sink, as_sink
 from hal.sync.source import ModuleSource, TensorSource, WeightSource, as_source
-from hal.sync.transport import BroadcastTransport, IpcTransport, Transport
+from hal.sync.transport import BroadcastTransport, IpcTransport, SegmentStatus, Transport
 
 __all__ = [
+    "AuthError",
     "BroadcastTransport",
     "BucketPlan",
     "ChecksumMismatchError",
+    "CopyInto",
+    "HeaderError",
     "IpcTransport",
     "ModuleSource",
     "PeerError",
     "PlanCache",
     "Receiver",
+    "SegmentStatus",
     "Sender",
+    "Sink",
+    "SourceError",
     "SpecMismatchError",
     "StaleVersionError",
     "SyncConfig",
     "SyncError",
+    "SyncHeader",
     "SyncMetrics",
     "TensorSource",
     "TensorSpec",
     "Transport",
     "WeightSource",
+    "as_sink",
     "as_source",
     "build_plan",
+    "copy_into",
     "default_bucket_bytes",
+    "wire_dtype_for",
 ]

@@ -13,7 +13,13 @@ MIB = 1 << 20
 
 @dataclass(kw_only=True, slots=True)
 class SyncConfig:
-    """How a sync moves weights. Sender and receivers must use the same values."""
+    """How a sync moves weights: the sending side's settings.
+
+    Only the `Sender` takes a `SyncConfig`. Every receiver learns the bucket and segment
+    sizes and whether to verify from the header of each sync, so the two sides cannot
+    disagree; a receiver's only setting of its own is how long it waits (`timeout_s` of
+    `Receiver`).
+    """
 
     bucket_bytes: int | None = None
     """Size of one bucket in bytes. None: derived from the device's free memory
@@ -31,8 +37,9 @@ class SyncConfig:
     through a reused pinned host buffer first (what parameter snapshots need)."""
 
     wire_dtype: torch.dtype | None = None
-    """Cast floating-point tensors to this dtype on the wire (fp32 master weights to a
-    bf16 engine). None: send each tensor in its own dtype."""
+    """Cast floating-point tensors wider than this dtype to it on the wire (fp32 master
+    weights to a bf16 engine); narrower ones (fp8 next to a bf16 wire) travel as they
+    are, never widened. None: send each tensor in its own dtype. See `wire_dtype_for`."""
 
     verify: bool = False
     """Send a checksum of every piece; receivers compare before applying and fail the
@@ -51,6 +58,15 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.wire_dtype must be a floating-point torch.dtype or None, got {self.wire_dtype!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"SyncConfig.timeout_s must be positive, got {self.timeout_s!r}")
+
+
+def wire_dtype_for(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of `dtype` travels in under `SyncConfig.wire_dtype`: floating-point
+    dtypes wider than the wire dtype are cast down to it; everything else is left alone
+    (an fp8 weight beside a bf16 wire would double its bytes if widened)."""
+    if wire_dtype is None or not dtype.is_floating_point or dtype.itemsize <= wire_dtype.itemsize:
+        return dtype
+    return wire_dtype
 
 
 def default_bucket_bytes(backend: Backend, largest_tensor_bytes: int = 0) -> int:

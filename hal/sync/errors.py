@@ -1,8 +1,42 @@
-"""Errors of a weight sync. Every rank of a failed sync raises one of these."""
+"""Errors of a weight sync. Every rank of a failed sync raises one of these.
+
+A failed sync carries what every rank reported (`SyncError.reports`), so the trainer
+knows which rank failed first, whether the failure was its own (`trainer_side`), and
+which receivers were left holding some new and some old tensors (`inconsistent_ranks`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
 
 
 class SyncError(RuntimeError):
     """A sync did not complete; nothing about it was reported as success."""
+
+    def __init__(self, message: str = "", *, reports: "dict[int, RankReport] | None" = None, my_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.reports: dict[int, RankReport] = dict(reports or {})
+        """What each rank said at the agreement that failed the sync (empty when no agreement was reached)."""
+        self.my_rank = my_rank
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return sorted(r for r, rep in self.reports.items() if rep.error)
+
+    @property
+    def inconsistent_ranks(self) -> list[int]:
+        """Receivers that applied part of this failed sync: they hold some new and some old tensors."""
+        return sorted(r for r, rep in self.reports.items() if rep.inconsistent)
+
+    @property
+    def trainer_side(self) -> bool:
+        """True when the sending rank itself failed (its source raised, a pack failed)."""
+        return any(rep.sender and rep.error for rep in self.reports.values())
+
+
+class HeaderError(SyncError, ValueError):
+    """A sync header that is malformed, truncated, oversize or not of this protocol (nothing was applied)."""
 
 
 class SpecMismatchError(SyncError, ValueError):
@@ -17,40 +51,97 @@ class ChecksumMismatchError(SyncError):
     """Bytes received differ from the bytes sent."""
 
 
+class AuthError(SyncError):
+    """The trainer did not present the token the engine was started with (refused before any byte)."""
+
+
+class SourceError(SyncError):
+    """The trainer's source or a pack failed on the sending rank; no byte of the failed tensor left it."""
+
+
 class PeerError(SyncError):
     """Another rank failed, died or did not answer within the timeout."""
 
 
-# Errors cross ranks as "kind|message" strings (Transport.agree); every rank then raises
-# the same class, so a test on any rank sees what went wrong where.
-_KINDS = {
+# Errors cross ranks as small JSON reports (Transport.agree); every rank then raises the
+# same class, so a test on any rank sees what went wrong where.
+_KINDS: dict[str, type[SyncError]] = {
+    "header": HeaderError,
     "spec": SpecMismatchError,
     "stale": StaleVersionError,
     "checksum": ChecksumMismatchError,
+    "auth": AuthError,
+    "source": SourceError,
     "peer": PeerError,
 }
+_MAX_MESSAGE = 2000
 
 
-def encode(kind: str, message: str) -> str:
-    return f"{kind}|{message}"
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """One rank's word at an agreement: its error (None for success), whether it is the
+    sender, and whether it touched its weights during the sync (wrote a destination or
+    applied a tensor): if the sync then fails, that receiver holds some new and some old
+    tensors. The two flags travel as bits beside the message length; only an error costs
+    a second round trip (`Transport.agree`)."""
+
+    error: str | None = None
+    kind: str = "error"
+    sender: bool = False
+    inconsistent: bool = False
+
+    @property
+    def flags(self) -> int:
+        return int(self.sender) | int(self.inconsistent) << 1
+
+    def encode(self) -> str:
+        """The error as JSON, or "" for none."""
+        if self.error is None:
+            return ""
+        return json.dumps({"e": self.error[:_MAX_MESSAGE], "k": self.kind}, separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, text: str | None, flags: int = 0) -> "RankReport":
+        """A report from another rank; anything malformed becomes an error report saying so."""
+        sender, inconsistent = bool(flags & 1), bool(flags & 2)
+        if not text:
+            return cls(sender=sender, inconsistent=inconsistent)
+        try:
+            raw = json.loads(text)
+            if not isinstance(raw, dict) or set(raw) != {"e", "k"}:
+                raise ValueError("not an object with keys e, k")
+            error, kind = raw["e"], raw["k"]
+            if not isinstance(error, str) or not isinstance(kind, str):
+                raise ValueError("bad field types")
+        except (ValueError, RecursionError) as exc:
+            return cls(error=f"unreadable status report ({exc}): {text[:200]!r}", kind="peer", sender=sender, inconsistent=inconsistent)
+        return cls(error=error[:_MAX_MESSAGE], kind=kind if kind in _KINDS else "error", sender=sender, inconsistent=inconsistent)
 
 
-def encode_exception(exc: BaseException) -> str:
+def kind_of(exc: BaseException) -> str:
     for kind, cls in _KINDS.items():
         if isinstance(exc, cls):
-            return encode(kind, str(exc))
-    return encode("error", f"{type(exc).__name__}: {exc}")
+            return kind
+    return "error"
 
 
-def raise_if_any(errors: "list[str | None]", my_rank: int, what: str) -> None:
-    """Raise on every rank if any rank reported an error; this rank's own error first."""
-    failed = [(r, e) for r, e in enumerate(errors) if e]
+def report_exception(exc: BaseException, *, sender: bool, inconsistent: bool = False) -> RankReport:
+    message = str(exc) if isinstance(exc, SyncError) else f"{type(exc).__name__}: {exc}"
+    return RankReport(error=message, kind=kind_of(exc), sender=sender, inconsistent=inconsistent)
+
+
+def raise_if_any(reports: "list[RankReport]", my_rank: int, what: str) -> None:
+    """Raise on every rank if any rank reported an error; this rank's own error first.
+
+    A report that only says "inconsistent" (no error) never raises by itself: some other
+    rank's error is what failed the sync.
+    """
+    failed = [(r, rep) for r, rep in enumerate(reports) if rep.error]
     if not failed:
         return
     failed.sort(key=lambda item: item[0] != my_rank)
-    rank, text = failed[0]
-    kind, _, message = text.partition("|")
-    cls = _KINDS.get(kind, SyncError)
+    rank, report = failed[0]
+    cls = _KINDS.get(report.kind, SyncError)
     where = "" if rank == my_rank else f"rank {rank}: "
     others = f" (and {len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
-    raise cls(f"{what} failed: {where}{message}{others}")
+    raise cls(f"{what} failed: {where}{report.error}{others}", reports=dict(enumerate(reports)), my_rank=my_rank)

@@ -59,7 +59,7 @@ __all__ = [
 SLEEP_LEVELS = (0, 1, 2)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoraSyncDecision:
     """What one sync sends. At least one of the three is True."""
 
@@ -114,19 +114,19 @@ def decide_lora_sync(
         raise ValueError("decide_lora_sync: adapter_merged=True needs has_adapter=True (there is nothing to merge)")
 
     if not has_adapter:
-        return LoraSyncDecision(True, False, False, "no adapter: the whole model is trained, every sync sends all weights")
+        return LoraSyncDecision(send_base=True, send_adapter=False, send_merged=False, reason="no adapter: the whole model is trained, every sync sends all weights")
     if adapter_merged:
         return LoraSyncDecision(
-            False, False, True, "adapter merged on the trainer: every sync sends the merged weights, never the base alone"
+            send_base=False, send_adapter=False, send_merged=True, reason="adapter merged on the trainer: every sync sends the merged weights, never the base alone"
         )
     engine_frees_weights = free_cache_engine and sleep_level == 2
     if not base_sent:
         return LoraSyncDecision(
-            True, True, False, "the engine does not hold the base weights (first sync, or it lost them): base and adapter"
+            send_base=True, send_adapter=True, send_merged=False, reason="the engine does not hold the base weights (first sync, or it lost them): base and adapter"
         )
     if engine_frees_weights:
         return LoraSyncDecision(
-            True, True, False, "sleep level 2 with free_cache_engine discards the weights while asleep: base and adapter"
+            send_base=True, send_adapter=True, send_merged=False, reason="sleep level 2 with free_cache_engine discards the weights while asleep: base and adapter"
         )
     if not free_cache_engine:
         why = "free_cache_engine is off, the engine never frees its weights"
@@ -134,7 +134,7 @@ def decide_lora_sync(
         why = "sleep level 1 keeps the base weights in host memory"
     else:
         why = "sleep level 0 keeps the weights on the device"
-    return LoraSyncDecision(False, True, False, f"{why}: adapter only")
+    return LoraSyncDecision(send_base=False, send_adapter=True, send_merged=False, reason=f"{why}: adapter only")
 
 
 @dataclass(slots=True)

@@ -123,6 +123,10 @@ class BucketPlan:
     buckets: tuple[Bucket, ...]
     digest: str
     segment_bytes: int | None
+    solo_tensors: frozenset[str] = frozenset()
+    """Tensors every byte of which travels in segments holding nothing else (a range of
+    that one tensor, exactly). Only these can go straight from the sender's tensor and
+    land straight in a receiver's destination: no other tensor shares their transfers."""
 
     @property
     def total_bytes(self) -> int:
@@ -201,7 +205,26 @@ def build_plan(
     if pieces:
         close()
     key = plan_key(specs, bucket_bytes, verify, segment_bytes)
-    return BucketPlan(specs, bucket_bytes, verify, tuple(buckets), key, segment_bytes)
+    return BucketPlan(specs, bucket_bytes, verify, tuple(buckets), key, segment_bytes, _solo_tensors(buckets))
+
+
+def is_solo(bucket: Bucket, segment: Segment) -> bool:
+    """The segment is exactly one non-empty range of one piece: nothing else travels with it."""
+    if len(segment.parts) != 1:
+        return False
+    _, lo, hi = segment.parts[0]
+    return hi > lo and segment.stop - segment.start == hi - lo
+
+
+def _solo_tensors(buckets: Sequence[Bucket]) -> frozenset[str]:
+    solo: dict[str, bool] = {}
+    for bucket in buckets:
+        for segment in bucket.segments:
+            alone = is_solo(bucket, segment)
+            for index, _, _ in segment.parts:
+                name = bucket.pieces[index].spec.name
+                solo[name] = solo.get(name, True) and alone
+    return frozenset(name for name, ok in solo.items() if ok)
 
 
 def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, segment_bytes: int | None) -> tuple[Segment, ...]:

@@ -1,16 +1,23 @@
 """The receiving side of a weight sync: built from engine-side specs alone.
 
-A receiver knows the names, shapes and dtypes it accepts (`TensorSpec`s, e.g. from
-the engine's own model), never the trainer's model. Per sync it checks the sender's
-header against them before anything is applied (every rank learns the verdict), then
-takes each bucket into a reused slot and hands zero-copy views to `apply`, while the
-next bucket is already on its way where the transport allows.
+A receiver knows the names, shapes and dtypes it accepts (`TensorSpec`s, e.g. from the
+engine's own model), never the trainer's model. Everything else about a sync (bucket and
+segment sizes, verification, the weight version) comes from the sender's typed header,
+which the receiver decodes and checks itself before anything is applied; every rank
+learns the verdict. Then, segment by segment, it reads the sender's status, lands the
+bytes (in a destination of the sink, or in the transport's buffer), and delivers each
+tensor to the sink once all of it is here (and checked, when verifying).
+
+Failure semantics (docs/design.md, "Failures"): a tensor reaches the sink, or its
+destination, only whole and only with bytes the sender packed. After a failed sync the
+receiver's `version` does not advance; if any tensor of that sync was applied the
+receiver is `consistent = False` (some tensors new, some old) until a complete sync lands.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -18,53 +25,52 @@ import hal
 from hal import kernels
 from hal.backend import Backend
 from hal.sync import errors
-from hal.sync.config import SyncConfig
+from hal.sync.errors import RankReport
+from hal.sync.header import SyncHeader, check_auth
 from hal.sync.metrics import PhaseTimer, SyncMetrics
-from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec
-from hal.sync.transport import Transport
-
-Apply = Callable[[list[tuple[str, torch.Tensor]]], Any]
+from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec, is_solo
+from hal.sync.sink import Pairs, Sink, as_sink
+from hal.sync.transport import SegmentStatus, Transport
 
 _MAX_REPORTED = 5
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise errors.SpecMismatchError(f"header names an unknown dtype {name!r}")
-    return dtype
-
-
 class Receiver:
-    """Receives syncs into `apply`, accepting only tensors described by `specs`.
+    """Receives syncs into a `Sink` (or an `apply(pairs)` callable), accepting only
+    tensors described by `specs`.
 
     A sync may carry any subset of `specs` (a LoRA sync sends only adapters).
-    `apply` is called as tensors complete: once per segment that completes any (see
-    `SyncConfig.segment_bytes`), or once per bucket with `apply_whole_buckets` or
-    verification (whose checksums travel at the end of a bucket).
-    `version` is the weight version this side holds: set after a sync that every rank
-    completed, never after a failed one.
-    """
+    `timeout_s` bounds every wait for the sender or the other receivers. `token`, when
+    set, must be proven by the sender in every header (see `hal.sync.header.check_auth`).
+    `validate(specs)` may refuse, before anything is applied, a sync by the list of
+    tensors it carries (e.g. "whole layers only"): raise `SpecMismatchError`.
 
-    # True: call apply once per bucket, after its last segment, for targets that pay for
-    # tensors of one group (a layer) arriving in different calls.
-    apply_whole_buckets: ClassVar[bool] = False
+    `version` is the weight version this side holds, set after a sync that every rank
+    completed, never after a failed one; `consistent` is False while the weights mix two
+    versions (a failed sync applied part of itself); `torn` names tensors whose bytes may
+    be neither old nor new (a connection broke in the middle of an in-place transfer).
+    """
 
     def __init__(
         self,
         transport: Transport,
         specs: Iterable[TensorSpec],
-        config: SyncConfig | None = None,
         *,
+        timeout_s: float = 60.0,
+        token: str | None = None,
+        validate: Callable[[list[TensorSpec]], None] | None = None,
         backend: Backend | None = None,
         version: int | None = None,
     ) -> None:
         if transport.is_sender:
             raise ValueError(f"Receiver on rank {transport.rank}, which is the transport's sender")
+        if not timeout_s > 0:
+            raise ValueError(f"Receiver timeout_s must be positive, got {timeout_s!r}")
         self.transport = transport
-        self.config = config or SyncConfig()
+        self.timeout_s = float(timeout_s)
+        self.token = token
+        self.validate = validate
         self.backend = backend or hal.current()
-        self.transport.timeout_s = self.config.timeout_s
         self.specs: dict[str, TensorSpec] = {}
         for spec in specs:
             if not isinstance(spec, TensorSpec):
@@ -73,81 +79,97 @@ class Receiver:
                 raise ValueError(f"parameter {spec.name!r} is listed twice in the receiver's specs")
             self.specs[spec.name] = spec
         self.version = version
+        self.consistent = True
+        self.torn: tuple[str, ...] = ()
         self.plans = PlanCache()
         self._stream = self.backend.new_stream()
-        # Buffers for tensors that arrive in chunks, kept across syncs (their size is part of
-        # the layout): a fresh one per sync is page-faulted in each time, which cost more
-        # than its transfer (docs/benchmarks.md).
+        # Buffers for tensors that arrive in chunks across buckets, kept across syncs (their
+        # size is part of the layout): a fresh one per sync is page-faulted in each time,
+        # which cost more than its transfer (docs/benchmarks.md).
         self._reassembly: dict[str, torch.Tensor] = {}
-
-    def _check_header(self, header: dict[str, Any]) -> tuple[BucketPlan | None, str | None]:
-        version = header["version"]
-        if self.version is not None and version < self.version:
-            return None, errors.encode("stale", f"receiver holds weight version {self.version}; refusing older version {version}")
-        problems: list[str] = []
-        specs: list[TensorSpec] = []
-        for name, shape, dtype_name in header["specs"]:
-            try:
-                dtype = _dtype(dtype_name)
-            except errors.SpecMismatchError as exc:
-                problems.append(f"parameter {name!r}: {exc}")
-                continue
-            spec = TensorSpec(name, tuple(shape), dtype)
-            specs.append(spec)
-            expected = self.specs.get(name)
-            if expected is None:
-                problems.append(f"parameter {name!r}: not a parameter this receiver accepts")
-            elif expected.shape != spec.shape:
-                problems.append(f"parameter {name!r}: expected shape {expected.shape}, got {spec.shape}")
-            elif expected.dtype != spec.dtype:
-                problems.append(f"parameter {name!r}: expected dtype {expected.dtype}, got {spec.dtype}")
-        if problems:
-            more = f" (+{len(problems) - _MAX_REPORTED} more)" if len(problems) > _MAX_REPORTED else ""
-            return None, errors.encode("spec", "; ".join(problems[:_MAX_REPORTED]) + more)
-        try:
-            self.validate(specs)
-        except errors.SpecMismatchError as exc:
-            return None, errors.encode("spec", str(exc))
-        plan = self.plans.get(specs, header["bucket_bytes"], header["verify"], header["segment_bytes"])
-        if plan.digest != header["digest"]:
-            return None, errors.encode("spec", f"bucket layout differs from the sender's ({plan.digest} vs {header['digest']}): mismatched verl-hal versions?")
-        return plan, None
 
     @property
     def reassembly_bytes(self) -> int:
         """Memory held across syncs for tensors that arrive in chunks (0 when none do)."""
         return sum(t.numel() for t in self._reassembly.values())
 
-    def validate(self, specs: list[TensorSpec]) -> None:
-        """Hook for rules beyond name/shape/dtype, on the whole list a sync carries (e.g.
-        "whole layers only"). Raise SpecMismatchError to refuse the sync on every rank
-        before anything is applied. The default accepts any subset of `self.specs`."""
+    # ---- header -----------------------------------------------------------------------
+    def _check_header(self, payload: bytes, sink: Sink) -> tuple[SyncHeader | None, BucketPlan | None, RankReport]:
+        try:
+            header = SyncHeader.decode(payload)
+            check_auth(header, self.token)
+            if self.version is not None and header.version < self.version:
+                raise errors.StaleVersionError(f"receiver holds weight version {self.version}; refusing older version {header.version}")
+            self._check_specs(header.specs, sink)
+            if self.validate is not None:
+                self.validate(list(header.specs))
+            try:
+                plan = self.plans.get(list(header.specs), header.bucket_bytes, header.verify, header.segment_bytes)
+            except ValueError as exc:
+                raise errors.HeaderError(f"header describes no valid bucket layout: {exc}") from None
+            if plan.digest != header.digest:
+                raise errors.SpecMismatchError(
+                    f"bucket layout differs from the sender's ({plan.digest} vs {header.digest}): mismatched verl-hal versions?"
+                )
+        except errors.SyncError as exc:
+            return None, None, errors.report_exception(exc, sender=False)
+        return header, plan, RankReport()
 
-    def receive(self, apply: Apply) -> SyncMetrics:
-        """Take one sync; `apply(pairs)` is called as tensors complete (see the class doc)
-        with zero-copy views that are valid only during the call (copy what you keep, as
-        `load_weights` does).
-        """
+    def _check_specs(self, specs: tuple[TensorSpec, ...], sink: Sink) -> None:
+        problems: list[str] = []
+        for spec in specs:
+            expected = self.specs.get(spec.name)
+            if expected is None:
+                problems.append(f"parameter {spec.name!r}: not a parameter this receiver accepts")
+            elif expected.shape != spec.shape:
+                problems.append(f"parameter {spec.name!r}: expected shape {expected.shape}, got {spec.shape}")
+            elif expected.dtype != spec.dtype:
+                problems.append(f"parameter {spec.name!r}: expected dtype {expected.dtype}, got {spec.dtype}")
+            else:
+                dest = sink.destination(spec.name)
+                if dest is not None and (not isinstance(dest, torch.Tensor) or tuple(dest.shape) != spec.shape):
+                    got = tuple(dest.shape) if isinstance(dest, torch.Tensor) else type(dest).__name__
+                    problems.append(f"parameter {spec.name!r}: the engine's destination has shape {got}, the sync carries {spec.shape}")
+        if problems:
+            more = f" (+{len(problems) - _MAX_REPORTED} more)" if len(problems) > _MAX_REPORTED else ""
+            raise errors.SpecMismatchError("; ".join(problems[:_MAX_REPORTED]) + more)
+
+    # ---- one sync ---------------------------------------------------------------------
+    def receive(self, sink: Any) -> SyncMetrics:
+        """Take one sync into `sink` (a `Sink`, or a callable `apply(pairs)`); see the class doc."""
         start = time.perf_counter()
         timer = PhaseTimer()
-        rank = self.transport.rank
+        sink = as_sink(sink)
+        transport, rank = self.transport, self.transport.rank
+        transport.timeout_s = self.timeout_s
         builds = self.plans.builds
-        header = self.transport.broadcast_object(None)
-        version = header["version"]
-        where = f"sync of version {version}"
-        plan, error = self._check_header(header)
-        errors.raise_if_any(self.transport.agree(error, "header check"), rank, where)
-        assert plan is not None  # every rank agreed there was no error
-        self.transport.setup(self.backend, plan.max_bucket_nbytes)
-        chunked = {p.spec.name for b in plan.buckets for p in b.pieces if not p.is_whole}
-        for name in set(self._reassembly) - chunked:  # the layout changed: drop what it no longer needs
+        payload = transport.exchange_header(None)
+        header, plan, report = self._check_header(payload, sink)
+        where = f"sync of version {header.version}" if header is not None else "sync"
+        errors.raise_if_any(transport.agree(report, "header check"), rank, where)
+        assert header is not None and plan is not None  # every rank agreed there was no error
+        transport.prepare(self.backend, plan.max_bucket_nbytes)
+        multi_piece = {p.spec.name for b in plan.buckets for p in b.pieces if not p.is_whole}
+        for name in set(self._reassembly) - multi_piece:  # the layout changed: drop what it no longer needs
             del self._reassembly[name]
 
-        local_error = self._receive_buckets(plan, apply, timer)
-        errors.raise_if_any(self.transport.agree(local_error, "apply status"), rank, where)
-        self.version = version
+        delivery = _Delivery(self, plan, sink, timer)
+        try:
+            delivery.run()
+        except errors.PeerError:
+            self._failed(delivery, sink)
+            self.torn = tuple(sorted(delivery.landing))
+            raise
+        try:
+            errors.raise_if_any(transport.agree(delivery.report(), "sync status"), rank, where)
+        except errors.SyncError:
+            self._failed(delivery, sink)
+            raise
+        self.version = header.version
+        self.consistent = True
+        self.torn = ()
         return SyncMetrics(
-            version=version,
+            version=header.version,
             bytes=plan.total_bytes,
             buckets=len(plan.buckets),
             tensors=len(plan.specs),
@@ -157,146 +179,205 @@ class Receiver:
             plan_reused=self.plans.builds == builds,
         )
 
-    def _receive_buckets(self, plan: BucketPlan, apply: Apply, timer: PhaseTimer) -> str | None:
-        """Runs every bucket through the transport even after a local failure, so the
-        ranks stay in step; returns this rank's error, if any."""
-        transport, buckets = self.transport, plan.buckets
-        local_error: str | None = None
-        destinations = self._destinations(plan, apply)
-        # With prefetch, both slots' receives are posted before anything is applied:
-        # bucket k+2 is posted as soon as bucket k's slot is released.
-        ahead = 2 if transport.prefetch else 1
+    def _failed(self, delivery: "_Delivery", sink: Sink) -> None:
+        if delivery.touched:
+            self.consistent = False
+        try:
+            sink.abort()
+        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to raise
+            delivery.notes.append(f"abort() failed: {type(exc).__name__}: {exc}")
+
+
+class _Delivery:
+    """The receiving state of one sync: where each tensor lands and what was applied."""
+
+    def __init__(self, receiver: Receiver, plan: BucketPlan, sink: Sink, timer: PhaseTimer) -> None:
+        self.receiver = receiver
+        self.transport = receiver.transport
+        self.backend = receiver.backend
+        self.plan = plan
+        self.sink = sink
+        self.timer = timer
+        self.error: RankReport | None = None
+        self.touched = False  # some destination was written or some tensor applied
+        self.sender_failed = False
+        self.landing: set[str] = set()  # tensors landing in place with ranges still outstanding
+        self.in_place: dict[str, bool] = {}  # the decision taken at each tensor's first range
+        self.ready: Pairs = []  # complete tensors waiting for the end of their bucket
+        self.whole_buckets = bool(getattr(sink, "whole_buckets", False)) or plan.verify
+        self.notes: list[str] = []
+        self.destinations, self.exact = self._destinations()
+
+    def _destinations(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Every destination the sink names, and those matching the wire spec exactly
+        (dtype, contiguous, on the buffers' device): only those may be written in place."""
+        device = self.backend.device()
+        in_place = bool(getattr(self.sink, "in_place", True))
+        every: dict[str, torch.Tensor] = {}
+        exact: dict[str, torch.Tensor] = {}
+        for spec in self.plan.specs:
+            dest = self.sink.destination(spec.name)
+            if dest is None:
+                continue
+            every[spec.name] = dest
+            if in_place and dest.dtype == spec.dtype and dest.is_contiguous() and dest.device == device:
+                exact[spec.name] = dest
+        return every, exact
+
+    def report(self) -> RankReport:
+        if self.error is not None:
+            return RankReport(error=self.error.error, kind=self.error.kind, inconsistent=self.touched)
+        return RankReport(inconsistent=self.touched)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = errors.report_exception(exc, sender=False)
+
+    def run(self) -> None:
+        transport, timer = self.transport, self.timer
+        pending: tuple[Bucket, int, Segment, bool] | None = None
+        for bucket in self.plan.buckets:
+            for j, segment in enumerate(bucket.segments):
+                with timer("transfer"):
+                    status = transport.recv_status(bucket.index, j, segment.stop - segment.start)
+                if status.failed:
+                    self.sender_failed = True
+                    break
+                into = self._landing(bucket, segment, status)
+                landed = transport.recv_segment(bucket.index, j, segment.start, segment.stop, into)
+                if into is not None and not landed:
+                    self._not_in_place(bucket, segment)
+                if pending is not None:
+                    self._complete(*pending)
+                pending = (bucket, j, segment, landed)
+            if self.sender_failed:
+                break
+        if pending is not None:
+            self._complete(*pending)
         with timer("transfer"):
-            for bucket in buckets[:ahead]:
-                self._post(bucket, destinations)
-        for bucket in buckets:
-            k = bucket.index
-            data = transport.slot(k % 2)
-            whole_bucket = self.apply_whole_buckets or self._verifying(bucket)  # checksums come last
-            pairs: list[tuple[str, torch.Tensor]] = []
-            for segment in bucket.segments:
-                with timer("transfer"):
-                    transport.wait_received(k)
-                if local_error is not None:
-                    continue
-                try:
-                    with timer("apply"):  # copies into destinations are the receiver's part of applying
-                        pairs += self._arrived(bucket, segment, data, destinations)
-                    if whole_bucket and segment.stop != bucket.nbytes:
-                        continue
-                    if whole_bucket:
-                        self._verify(bucket, data)
-                    if pairs:
-                        with timer("apply"):
-                            apply(pairs)
-                    pairs = []
-                except errors.PeerError:
-                    raise
-                except Exception as exc:
-                    local_error = errors.encode_exception(exc)
-            transport.release(k)
-            if k + ahead < len(buckets):
-                with timer("transfer"):
-                    self._post(buckets[k + ahead], destinations)
-        transport.finish(len(buckets))
-        return local_error
+            transport.finish()
 
-    def _destinations(self, plan: BucketPlan, apply: Apply) -> dict[str, torch.Tensor]:
-        """The tensors this sync may write in place: those `apply.destination(name)` names
-        that match the wire spec exactly (shape, dtype, contiguous, on the slots' device).
+    def _landing(self, bucket: Bucket, segment: Segment, status: SegmentStatus) -> torch.Tensor | None:
+        """Where a segment lands: the bytes of a destination, or None (the transport's buffer).
 
-        Looked up afresh every sync. None when verifying (bytes must be checked before
-        they land anywhere the engine reads) or over shared memory (no bytes travel).
+        In place only when the segment is one range of one tensor with an exact
+        destination, nothing is being verified, and either this one segment carries the
+        whole tensor or the sender vouches (DIRECT) that every range of it follows. The
+        decision is taken at a tensor's first range and kept for the rest of it.
         """
-        lookup = getattr(apply, "destination", None)
-        if lookup is None or plan.verify or not self.transport.segmented:
-            return {}
-        device = self.transport.slot(0).device
-        found: dict[str, torch.Tensor] = {}
-        for spec in plan.specs:
-            tensor = lookup(spec.name)
-            if (
-                isinstance(tensor, torch.Tensor)
-                and tuple(tensor.shape) == spec.shape
-                and tensor.dtype == spec.dtype
-                and tensor.is_contiguous()
-                and tensor.device == device
-            ):
-                found[spec.name] = tensor
-        return found
-
-    @staticmethod
-    def _in_place(bucket: Bucket, segment: Segment, destinations: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """Where a segment that is exactly one range of a destination's bytes lands, else None."""
-        if len(segment.parts) != 1:
+        if not is_solo(bucket, segment):
             return None
         index, lo, hi = segment.parts[0]
         piece = bucket.pieces[index]
-        dest = destinations.get(piece.spec.name)
-        if dest is None or hi == lo or segment.stop - segment.start != hi - lo:
+        name = piece.spec.name
+        dest = self.exact.get(name)
+        if dest is None or self.plan.verify:
             return None
+        if piece.is_first and lo == 0:
+            whole_here = piece.is_whole and hi == piece.nbytes
+            decided = self.error is None and (status.direct or whole_here)
+            self.in_place[name] = decided
+        else:
+            decided = self.in_place.get(name, False)
+            if decided and not status.direct:
+                raise errors.PeerError(f"parameter {name!r}: the sender stopped vouching for its remaining ranges mid-tensor")
+        if not decided:
+            return None
+        self.landing.add(name)
+        self.touched = True
         return kernels.as_bytes(dest)[piece.tensor_offset + lo : piece.tensor_offset + hi]
 
-    def _post(self, bucket: Bucket, destinations: dict[str, torch.Tensor]) -> None:
-        slot = self.transport.slot(bucket.index % 2)
-        for segment in bucket.segments:
-            into = self._in_place(bucket, segment, destinations)
-            self.transport.recv(bucket.index, slot[segment.start : segment.stop] if into is None else into)
+    def _not_in_place(self, bucket: Bucket, segment: Segment) -> None:
+        # the transport keeps bytes in its own buffer (shared memory): copy them instead
+        name = bucket.pieces[segment.parts[0][0]].spec.name
+        self.in_place[name] = False
+        self.landing.discard(name)
 
-    def _arrived(
-        self, bucket: Bucket, segment: Segment, data: torch.Tensor, destinations: dict[str, torch.Tensor]
-    ) -> list[tuple[str, torch.Tensor]]:
-        """Move a segment's bytes where they belong and return the tensors it completed.
+    def _complete(self, bucket: Bucket, j: int, segment: Segment, landed: bool) -> None:
+        k = bucket.index
+        with self.timer("transfer"):
+            self.transport.wait_segment(k, j)
+        last_of_bucket = segment is bucket.segments[-1]
+        completed: Pairs = []
+        try:
+            with self.timer("apply"):
+                completed = self._arrived(bucket, segment, landed)
+                if self.whole_buckets:
+                    self.ready += completed
+                    if last_of_bucket:
+                        ready, self.ready = self.ready, []
+                        self._verify(bucket)
+                        self._deliver(ready)
+                else:
+                    self._deliver(completed)
+        except errors.PeerError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported at the agreement; the protocol goes on
+            self._fail(exc)
+        if last_of_bucket:
+            self.transport.release(k)
 
-        Ranges of a tensor with a destination go into the destination (unless received
-        there in place), ranges of a tensor larger than a bucket into its reassembly
-        buffer; a whole tensor without either is handed out as a view of the slot.
-        """
+    def _arrived(self, bucket: Bucket, segment: Segment, landed: bool) -> Pairs:
+        """The tensors this segment completes, each as (name, where its bytes are now)."""
+        out: Pairs = []
+        if landed:
+            index, _, hi = segment.parts[0]
+            piece = bucket.pieces[index]
+            if hi == piece.nbytes and piece.is_last:
+                self.landing.discard(piece.spec.name)
+                out.append((piece.spec.name, self.exact[piece.spec.name]))
+            return out
+        buffer = self.transport.buffer(bucket.index)
         copied = False
-        if self._in_place(bucket, segment, destinations) is None:
-            for index, lo, hi in segment.parts:
-                piece = bucket.pieces[index]
-                spec = piece.spec
-                into = destinations.get(spec.name)
-                if into is None and piece.is_whole:
-                    continue  # viewed in the slot
-                if into is None:
-                    into = self._reassembly.get(spec.name)
-                    if into is None or into.numel() != spec.nbytes:
-                        into = self._reassembly[spec.name] = self.backend.empty(spec.nbytes)
-                if hi == lo:
-                    continue
-                if not copied and self.backend.collectives_follow_streams:  # the receive completed on the current stream
-                    self._stream.wait_stream(self.backend.current_stream())
-                start = piece.tensor_offset + lo
-                self.backend.copy_(kernels.as_bytes(into)[start : start + hi - lo], data[piece.offset + lo : piece.offset + hi], stream=self._stream)
-                copied = True
-        if copied:
-            # apply reads the copies on the host, and the slot is reused after this bucket
-            self._stream.synchronize()
-        pairs: list[tuple[str, torch.Tensor]] = []
         for index, _, hi in segment.parts:
             piece = bucket.pieces[index]
             spec = piece.spec
-            if hi != piece.nbytes or not piece.is_last:
-                continue  # this tensor has more bytes to come
-            if spec.name in destinations:
-                pairs.append((spec.name, destinations[spec.name]))
-            elif piece.is_whole:
-                pairs.append((spec.name, kernels.typed_view(data, piece.offset, spec.shape, spec.dtype)))
-            else:
-                pairs.append((spec.name, kernels.typed_view(self._reassembly[spec.name], 0, spec.shape, spec.dtype)))
-        return pairs
+            if hi != piece.nbytes:
+                continue  # this piece has more bytes to come in the bucket
+            if piece.is_whole:
+                out.append((spec.name, kernels.typed_view(buffer, piece.offset, spec.shape, spec.dtype)))
+                continue
+            # one chunk of a tensor spread over buckets: gather it before anyone sees it
+            into = self.receiver._reassembly.get(spec.name)
+            if into is None or into.numel() != spec.nbytes:
+                into = self.receiver._reassembly[spec.name] = self.backend.empty(spec.nbytes)
+            if piece.nbytes:
+                if not copied and self.backend.supports_async_streams:  # the receive completed on the current stream
+                    self.receiver._stream.wait_stream(self.backend.current_stream())
+                self.backend.copy_(
+                    into[piece.tensor_offset : piece.tensor_offset + piece.nbytes],
+                    buffer[piece.offset : piece.offset + piece.nbytes],
+                    stream=self.receiver._stream,
+                )
+                copied = True
+            if piece.is_last:
+                out.append((spec.name, kernels.typed_view(into, 0, spec.shape, spec.dtype)))
+        if copied:
+            self.receiver._stream.synchronize()  # the buffer is reused after this bucket
+        return out
 
-    def _verify(self, bucket: Bucket, data: torch.Tensor) -> None:
-        if not self._verifying(bucket):
+    def _deliver(self, pairs: Pairs) -> None:
+        """Copy complete tensors into their destinations (those not landed there), then apply."""
+        if not pairs or self.error is not None:
             return
+        stream = self.receiver._stream
+        copies = [(self.destinations[n], t) for n, t in pairs if n in self.destinations and t is not self.destinations[n]]
+        self.touched = True
+        if copies:
+            if self.backend.supports_async_streams:
+                stream.wait_stream(self.backend.current_stream())
+            for dst, src in copies:
+                self.backend.copy_(dst, src, stream=stream)
+            stream.synchronize()  # the views are reused once this returns
+        self.sink.apply([(n, self.destinations.get(n, t)) for n, t in pairs])
+
+    def _verify(self, bucket: Bucket) -> None:
+        if bucket.nbytes <= bucket.checksum_offset:
+            return
+        data = self.transport.buffer(bucket.index)
         sent = kernels.typed_view(data, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
         got = torch.stack([kernels.checksum(data[o : o + n]) for o, n in bucket.checksum_ranges()])
         bad = (sent != got).nonzero().flatten().tolist()
         if bad:
             names = ", ".join(repr(bucket.pieces[i].spec.name) for i in bad[:_MAX_REPORTED])
             raise errors.ChecksumMismatchError(f"bucket {bucket.index}: checksum mismatch for parameter(s) {names}")
-
-    def _verifying(self, bucket: Bucket) -> bool:
-        return bucket.nbytes > bucket.checksum_offset

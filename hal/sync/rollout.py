@@ -195,41 +195,37 @@ def _current() -> Backend:
 
 
 class CopyInto:
-    """A `Receiver.receive` apply callable: copies each received view into `tensors[name]`.
+    """A `Sink` that writes each received tensor into `tensors[name]` (an engine's weights).
 
-    It also names each tensor as the receiver's `destination`: where a tensor travels in
-    transfers of its own and `tensors[name]` has its exact wire shape and dtype, the bytes
-    are received straight into it and no copy is made (the call then gets that tensor
-    itself). The copies run on a backend stream and complete before the call returns (the
-    views are valid only during it). `received` lists the names applied, in order, across
-    calls; clear it between syncs to see what one sync delivered.
+    Every name is a destination: the receiver writes the tensor's new bytes there (in
+    place when they travel alone and the sender vouches for the whole tensor, by a copy
+    through the backend otherwise, casting if the dtypes differ) and only then calls
+    `apply`, which records the name. `received` lists the names applied, in order, across
+    syncs; clear it between syncs to see what one sync delivered. A name the engine does
+    not hold is refused before anything is applied (the receiver asks `destination` at
+    the header check). With `in_place=False` nothing is ever received straight into a
+    tensor: every tensor goes through the receiver's buffer first, so even a connection
+    that breaks mid-transfer cannot leave a tensor torn (at the cost of one more copy).
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], *, backend: Backend | None = None) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, in_place: bool = True) -> None:
         self.tensors = tensors
-        self.backend = backend or _current()
+        self.in_place = in_place
         self.received: list[str] = []
-        self._stream = self.backend.new_stream()
 
     def destination(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
 
-    def __call__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        for name, src in pairs:
-            dst = self.tensors.get(name)
-            if dst is None:
+    def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in pairs:
+            if name not in self.tensors:
                 raise KeyError(f"parameter {name!r}: the engine holds no tensor of that name")
-            if tuple(dst.shape) != tuple(src.shape):
-                raise ValueError(f"parameter {name!r}: engine tensor has shape {tuple(dst.shape)}, received {tuple(src.shape)}")
-        copies = [(self.tensors[name], src) for name, src in pairs if src is not self.tensors[name]]  # not those received in place
-        if copies:
-            self._stream.wait_stream(self.backend.current_stream())
-            for dst, src in copies:
-                self.backend.copy_(dst, src, stream=self._stream)
-            self._stream.record_event().synchronize()
         self.received.extend(name for name, _ in pairs)
 
+    def abort(self) -> None:
+        pass
 
-def copy_into(tensors: Mapping[str, torch.Tensor], *, backend: Backend | None = None) -> CopyInto:
-    """An apply callable for `Receiver.receive` that copies into `tensors` (see `CopyInto`)."""
-    return CopyInto(tensors, backend=backend)
+
+def copy_into(tensors: Mapping[str, torch.Tensor], *, in_place: bool = True) -> CopyInto:
+    """A sink for `Receiver.receive` that writes into `tensors` (see `CopyInto`)."""
+    return CopyInto(tensors, in_place=in_place)

@@ -1,54 +1,55 @@
 """The sending side of a weight sync: one implementation for every backend.
 
-Per sync: declare the tensors (header), let every receiver check them, then for each
-bucket k pack it on the pack stream while bucket k-1 is in flight, and send it once its
-pack event completed. Two slots alternate; a slot is packed again only after the
-transport says its previous bucket is done. There is no global synchronize in the
-loop: ordering comes from events.
+Per sync: declare the tensors (a typed header), let every receiver check them, then for
+each segment of each bucket pack it on the pack stream while the previous one is in
+flight, and hand it to the transport once its pack event completed. Two bucket buffers
+alternate; one is packed again only after the transport is done with its previous
+bucket. There is no global synchronize in the loop: ordering comes from events.
+
+If the source raises or a pack fails, the transport sends a FAILED status in place of
+that segment and nothing more: no byte the sender did not pack leaves it, and every
+receiver stops before landing anything of that segment (docs/design.md, "Failures").
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 import hal
 from hal import kernels
-from hal.backend import Backend, Event
+from hal.backend import Backend
 from hal.sync import errors
-from hal.sync.config import SyncConfig, default_bucket_bytes
+from hal.sync.config import SyncConfig, default_bucket_bytes, wire_dtype_for
+from hal.sync.header import SyncHeader, auth_proof
 from hal.sync.metrics import PhaseTimer, SyncMetrics
 from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec
 from hal.sync.source import as_source
 from hal.sync.transport import Transport
 
 
-def header_of(plan: BucketPlan, version: int) -> dict[str, Any]:
-    return {
-        "version": version,
-        "specs": [(s.name, s.shape, str(s.dtype).removeprefix("torch.")) for s in plan.specs],
-        "bucket_bytes": plan.bucket_bytes,
-        "verify": plan.verify,
-        "segment_bytes": plan.segment_bytes,
-        "digest": plan.digest,
-    }
-
-
 class Sender:
     """Sends a source's tensors to every receiver of `transport`.
 
-    Reused across syncs: it keeps the bucket layout (while metadata is unchanged), the
-    pack stream and the pinned staging buffer, and nothing else.
+    `config` is used as given. `token`, when the engines were started with one, proves
+    to them that this trainer may push weights (it never travels itself). Reused across
+    syncs: it keeps the bucket layout (while metadata is unchanged), the pack stream and
+    the pinned staging buffer, and nothing else.
     """
 
-    def __init__(self, transport: Transport, config: SyncConfig | None = None, *, backend: Backend | None = None) -> None:
+    def __init__(
+        self, transport: Transport, config: SyncConfig | None = None, *, backend: Backend | None = None, token: str | None = None
+    ) -> None:
         if not transport.is_sender:
             raise ValueError(f"Sender on rank {transport.rank}, but the transport's sender is rank {transport.src}")
         self.transport = transport
-        self.config = config or SyncConfig()
+        self.config = config if config is not None else SyncConfig()
+        if not isinstance(self.config, SyncConfig):
+            raise TypeError(f"Sender config must be a SyncConfig, got {type(self.config).__name__}")
         self.backend = backend or hal.current()
+        self.token = token
         self.transport.timeout_s = self.config.timeout_s
         # None until the first sync when derived from free memory (it depends on the largest tensor)
         self.bucket_bytes: int | None = self.config.bucket_bytes
@@ -57,53 +58,54 @@ class Sender:
         self._stream = self.backend.new_stream()
         self._staging: torch.Tensor | None = None
         self._sized_for = 0
-        # On CUDA/NPU the source tensors are produced, and collectives issued, on the current
-        # stream while packs run on our own: the two must wait on each other on the device.
-        self._cross_stream_waits = self.backend.collectives_follow_streams
-        # Segments may go straight from a tensor's memory: not when staging through the host
-        # (the point of staging), not when verifying (checksums are computed over the slot),
-        # not through shared memory (the bytes must be in the slot).
-        self._sends_from_tensors = self.config.bypass_cpu and not self.config.verify and transport.segmented
 
     def _wire_specs(self, metadata: list[TensorSpec]) -> list[TensorSpec]:
         wire = self.config.wire_dtype
-        if wire is None:
-            return metadata
-        return [TensorSpec(s.name, s.shape, wire) if s.dtype.is_floating_point else s for s in metadata]
+        return [TensorSpec(s.name, s.shape, wire_dtype_for(s.dtype, wire)) for s in metadata]
 
     def send(self, source: Any, *, version: int) -> SyncMetrics:
         """Send every tensor of `source` as weight version `version`; returns this sync's metrics.
 
         Raises a `SyncError` subclass (on this and every receiving rank) if any rank
-        rejected the header, failed to apply, or did not answer in time.
+        rejected the header, failed, or did not answer in time; `SourceError` when this
+        side's source or a pack failed. The error's `reports` say which receivers were left
+        holding part of the sync (`inconsistent_ranks`).
         """
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise ValueError(f"version must be a non-negative int (e.g. the global step), got {version!r}")
+        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
+            raise ValueError(f"version must be a non-negative int below 2**63 (e.g. the global step), got {version!r}")
         start = time.perf_counter()
         timer = PhaseTimer()
+        transport = self.transport
+        transport.timeout_s = self.config.timeout_s
         source = as_source(source)
         metadata = list(source.metadata())
         builds = self.plans.builds
         wire_specs = self._wire_specs(metadata)
         self._size_buckets(wire_specs)
-        segment_bytes = self.config.segment_bytes if self.transport.segmented else None
-        plan = self.plans.get(wire_specs, self.bucket_bytes, self.config.verify, segment_bytes)
+        plan = self.plans.get(wire_specs, self.bucket_bytes, self.config.verify, transport.segment_bytes(self.config.segment_bytes))
         where = f"sync of version {version}"
 
-        self.transport.broadcast_object(header_of(plan, version))
-        errors.raise_if_any(self.transport.agree(None, "header check"), self.transport.rank, where)
-        self.transport.setup(self.backend, plan.max_bucket_nbytes)
+        header = SyncHeader(
+            version=version,
+            specs=plan.specs,
+            bucket_bytes=plan.bucket_bytes,
+            segment_bytes=plan.segment_bytes,
+            verify=plan.verify,
+            digest=plan.digest,
+            auth=None if self.token is None else auth_proof(self.token, version=version, digest=plan.digest),
+        )
+        transport.exchange_header(header.encode())
+        errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, where)
+        transport.prepare(self.backend, plan.max_bucket_nbytes)
         if not self.config.bypass_cpu:
             self._ensure_staging(plan.max_bucket_nbytes)
 
-        local_error = None
-        try:
-            self._send_buckets(plan, iter(source), metadata, timer)
-        except errors.PeerError:
-            raise
-        except Exception as exc:  # the protocol still completes below, so nobody hangs
-            local_error = errors.encode_exception(exc)
-        errors.raise_if_any(self.transport.agree(local_error, "apply status"), self.transport.rank, where)
+        failure = self._send_buckets(plan, iter(source), timer)
+        report = errors.RankReport(sender=True)
+        if failure is not None:
+            failure = errors.SourceError(f"{type(failure).__name__}: {failure}") if not isinstance(failure, errors.SyncError) else failure
+            report = errors.report_exception(failure, sender=True)
+        errors.raise_if_any(transport.agree(report, "sync status"), transport.rank, where)
 
         self.version = version
         return SyncMetrics(
@@ -133,122 +135,126 @@ class Sender:
             self._staging = None  # free the old one before allocating the larger
             self._staging = self.backend.empty_pinned(nbytes)
 
-    def _send_buckets(self, plan: BucketPlan, it: Any, metadata: list[TensorSpec], timer: PhaseTimer) -> None:
-        transport = self.transport
-        alive: dict[int, list[torch.Tensor]] = {}  # keeps sources alive until their bucket is sent
-        current: torch.Tensor | None = None
-        failure: Exception | None = None
+    def _send_buckets(self, plan: BucketPlan, it: Iterator[tuple[str, torch.Tensor]], timer: PhaseTimer) -> BaseException | None:
+        """Send every segment, or stop at the first one whose source or pack failed, after
+        announcing that failure in its place. Returns that failure; a transport failure
+        (PeerError) propagates instead: the group can no longer agree on anything."""
+        transport, async_streams = self.transport, self.backend.supports_async_streams
+        packing = _Packing(plan, it)
+        alive: dict[int, list[torch.Tensor]] = {}  # tensors sent from their own memory, until their bucket is sent
+        failure: BaseException | None = None
         for bucket in plan.buckets:
-            k, slot = bucket.index, bucket.index % 2
+            k = bucket.index
             if k >= 2:
                 with timer("transfer"):
                     transport.wait_sent(k - 2)
-                if self._cross_stream_waits:  # the send of k-2 (on the current stream) read this slot
-                    self._stream.wait_stream(self.backend.current_stream())
                 alive.pop(k - 2, None)
+            if async_streams:  # earlier sends (issued on the current stream) read this buffer; sources were made there
+                self._stream.wait_stream(self.backend.current_stream())
             keep = alive.setdefault(k, [])
-            for segment in bucket.segments:
-                data = None
-                if failure is None:
-                    try:
-                        gathered = timer.get("gather") or 0.0
-                        began = time.perf_counter()
-                        current, data = self._pack(bucket, segment, slot, it, metadata, current, keep, timer)
-                        # on synchronous backends the copies happen here, not in _wait_packed
-                        timer.add("pack", time.perf_counter() - began - ((timer.get("gather") or 0.0) - gathered))
-                    except Exception as exc:
-                        failure = exc  # keep sending so every rank reaches the final agreement
-                if data is None:
-                    data = transport.slot(slot)[segment.start : segment.stop]
-                event = self._stream.record_event()
-                with timer("pack"):
-                    self._wait_packed(event)
-                transport.send(k, data)
+            for j, segment in enumerate(bucket.segments):
+                try:
+                    gathered = timer.get("gather") or 0.0
+                    began = time.perf_counter()
+                    data, direct = self._pack(packing, bucket, segment, keep, timer)
+                    ready = self._stream.record_event()
+                    # on synchronous backends the copies happen here, not on the stream
+                    timer.add("pack", time.perf_counter() - began - ((timer.get("gather") or 0.0) - gathered))
+                    with timer("transfer"):
+                        transport.send_segment(k, j, segment.start, data, ready=ready, direct=direct)
+                except errors.PeerError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - announced to every rank, then reported
+                    failure = exc
+                    with timer("transfer"):
+                        transport.send_failure(k, j)
+                    break
+            if failure is not None:
+                break
         with timer("transfer"):
-            transport.finish(len(plan.buckets))
+            transport.finish()
         alive.clear()
-        if failure is not None:
-            raise failure
+        return failure
 
-    def _pack(
-        self,
-        bucket: Bucket,
-        segment: Segment,
-        slot: int,
-        it: Any,
-        metadata: list[TensorSpec],
-        current: torch.Tensor | None,
-        keep: list[torch.Tensor],
-        timer: PhaseTimer,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Pack one segment; returns the tensor whose piece is being packed and the bytes
-        to send: the segment's range of the slot, or the tensor's own bytes."""
+    def _pack(self, packing: "_Packing", bucket: Bucket, segment: Segment, keep: list[torch.Tensor], timer: PhaseTimer) -> tuple[torch.Tensor, bool]:
+        """Pack one segment; returns the bytes to send (a range of the bucket buffer, or a
+        tensor's own bytes) and whether they come straight from a tensor that sends every
+        range that way."""
         backend, stream = self.backend, self._stream
-        target = self.transport.slot(slot) if self.config.bypass_cpu else self._staging
+        buffer = self.transport.buffer(bucket.index)
+        target = buffer if self.config.bypass_cpu else self._staging
         for index, lo, hi in segment.parts:
             piece = bucket.pieces[index]
             spec = piece.spec
             if piece.is_first and lo == 0:
                 with timer("gather"):
-                    current = self._next(it, spec, metadata)
-                if self._cross_stream_waits:  # a gather (e.g. full_tensor) may still be running
+                    tensor = packing.next_tensor(spec)
+                if self.backend.supports_async_streams:  # a gather (e.g. full_tensor) may still be running
                     stream.wait_stream(backend.current_stream())
-                if not piece.is_whole and current.dtype != spec.dtype:
-                    wire = backend.empty(tuple(current.shape), spec.dtype)  # cast once, then chunk its bytes
-                    backend.copy_(wire, current, stream=stream)
-                    current = wire
-                if not (lo == 0 and hi == spec.nbytes) and not current.is_contiguous():
-                    current = current.contiguous()  # sent in ranges: one flat copy, not one per range
-                keep.append(current)
-            if self._sends_in_place(segment, current, spec, hi - lo):
-                keep.append(current)  # also when its first range went in an earlier bucket
-                return current, kernels.as_bytes(current)[piece.tensor_offset + lo : piece.tensor_offset + hi]
+                in_ranges = not (piece.is_whole and hi == piece.nbytes)
+                packing.start(spec, tensor, self._direct(packing.plan, spec, tensor, buffer), in_ranges, backend, stream)
+                keep.append(packing.tensor)
+            tensor = packing.tensor
+            if packing.direct:
+                keep.append(tensor)  # also when its first range went in an earlier bucket
+                return kernels.as_bytes(tensor)[piece.tensor_offset + lo : piece.tensor_offset + hi], True
             if hi == lo:
                 continue
             if piece.is_whole and lo == 0 and hi == piece.nbytes:
-                kernels.pack_into(backend, target, piece.offset, current, spec.dtype, stream=stream)
+                kernels.pack_into(backend, target, piece.offset, tensor, spec.dtype, stream=stream)
             else:
                 # a range of the piece, in wire bytes (ALIGNMENT-aligned: whole elements)
-                kernels.pack_range_into(backend, target, piece.offset + lo, current, spec.dtype, piece.tensor_offset + lo, hi - lo, stream=stream)
+                kernels.pack_range_into(backend, target, piece.offset + lo, tensor, spec.dtype, piece.tensor_offset + lo, hi - lo, stream=stream)
         if segment.stop == bucket.nbytes and bucket.nbytes > bucket.checksum_offset:  # checksums travel last
             sums = kernels.typed_view(target, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
             backend.launch(stream, kernels.checksums_into, sums, target, bucket.checksum_ranges())
         if not self.config.bypass_cpu:
-            backend.copy_(self.transport.slot(slot)[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
-        return current, self.transport.slot(slot)[segment.start : segment.stop]
+            backend.copy_(buffer[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
+        return buffer[segment.start : segment.stop], False
 
-    def _sends_in_place(self, segment: Segment, tensor: torch.Tensor, spec: TensorSpec, nbytes: int) -> bool:
-        """Whether a segment can go straight from the tensor's memory, skipping the pack:
-        it holds exactly one range of one tensor that is already contiguous, in its wire
-        dtype and where the slots are."""
+    def _direct(self, plan: BucketPlan, spec: TensorSpec, tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+        """Whether every range of this tensor goes straight from its memory, skipping the
+        pack: it travels alone in its segments, is already contiguous, in its wire dtype
+        and where the buffers are. Not when staging through the host (the point of
+        staging) nor when verifying (checksums are computed over the packed bucket)."""
         return (
-            self._sends_from_tensors
-            and nbytes > 0
-            and segment.stop - segment.start == nbytes
-            and len(segment.parts) == 1
+            self.config.bypass_cpu
+            and not self.config.verify
+            and spec.name in plan.solo_tensors
             and tensor.dtype == spec.dtype
             and tensor.is_contiguous()
-            and tensor.device == self.transport.slot(0).device
+            and tensor.device == buffer.device
         )
 
-    def _next(self, it: Any, spec: TensorSpec, metadata: list[TensorSpec]) -> torch.Tensor:
+
+class _Packing:
+    """The source's iterator and the tensor being packed, for one sync."""
+
+    def __init__(self, plan: BucketPlan, it: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.plan = plan
+        self.it = it
+        self.tensor: torch.Tensor | None = None
+        self.direct = False
+
+    def next_tensor(self, spec: TensorSpec) -> torch.Tensor:
         try:
-            name, tensor = next(it)
+            name, tensor = next(self.it)
         except StopIteration:
             raise errors.SpecMismatchError(f"source ended before parameter {spec.name!r} that its metadata() declared") from None
         if name != spec.name:
             raise errors.SpecMismatchError(f"source yielded {name!r} where its metadata() declared {spec.name!r}; iteration must follow metadata order")
+        if not isinstance(tensor, torch.Tensor):
+            raise errors.SpecMismatchError(f"parameter {name!r}: the source yielded a {type(tensor).__name__}, not a tensor")
         if tuple(tensor.shape) != spec.shape:
             raise errors.SpecMismatchError(f"parameter {name!r}: metadata() declared shape {spec.shape}, iteration yielded {tuple(tensor.shape)}")
         return tensor
 
-    def _wait_packed(self, event: Event) -> None:
-        """Order the transfer of a bucket after its pack.
-
-        NCCL/HCCL collectives follow the issuing stream, so a device-side wait suffices;
-        gloo and the IPC signal run on the host, so the host waits for the event.
-        """
-        if self.backend.collectives_follow_streams and not self.transport.host_ordered:
-            self.backend.current_stream().wait_event(event)
-        else:
-            event.synchronize()
+    def start(self, spec: TensorSpec, tensor: torch.Tensor, direct: bool, in_ranges: bool, backend: Backend, stream: Any) -> None:
+        """Take `tensor` as the one being packed, in the form its ranges are cut from: a
+        tensor sent in several ranges is cast and laid out once, then cut in wire bytes."""
+        self.direct = direct
+        if in_ranges and not direct and (tensor.dtype != spec.dtype or not tensor.is_contiguous()):
+            wire = backend.empty(tuple(tensor.shape), spec.dtype)
+            backend.copy_(wire, tensor, stream=stream)
+            tensor = wire
+        self.tensor = tensor

@@ -1,50 +1,108 @@
-"""How buckets travel: a broadcast over a process group, or same-node shared memory.
+"""How a sync's bytes travel: over a process group, or through same-node shared memory.
+
+A transport owns its data path. The sender hands it segments (`send_segment`), each
+either a range of the bucket buffer the transport gave it to pack into (`buffer(k)`) or
+a tensor's own bytes; receivers ask for each segment's status (`recv_status`) and then
+for its bytes (`recv_segment`), offering a place to land them; the transport says
+whether they landed there or in its own buffer. What differs between transports (bytes
+on the wire or in shared memory, whether a receive can be posted into a caller's
+tensor, how sends are ordered after the packs) lives in their methods, not in flags
+the sender and receiver branch on.
+
+**Every segment is preceded by a status** (`SegmentStatus`, four int64 words): OK, OK
+and "the rest of this tensor comes straight from its memory" (DIRECT), or FAILED. A
+sender whose source or pack fails sends FAILED in place of the segment and nothing after
+it, so no byte it did not pack ever leaves it, and a receiver knows before it lands or
+applies a segment that the sender packed it.
 
 Both transports speak to a `torch.distributed` ProcessGroup object directly (its
-`broadcast` / `allgather` / `allreduce` methods), so they work with the default group
+`broadcast` / `send` / `recv` / `allreduce` methods), so they work with the default group
 and equally with a group created outside c10d's registry, such as vLLM's
 `stateless_init_torch_distributed_process_group` joining a trainer and engine workers.
 The group is created once by the caller and reused by every sync.
 
-The sender and receivers drive a transport in a fixed order (see `Sender` and
-`Receiver`), which each transport maps onto collectives that match across ranks.
+How a collective is ordered after device work (NCCL/HCCL follow the issuing stream;
+gloo runs on the host, which must wait) and whether one receiver is better served by
+send/recv pairs are traits of the collective library, looked up by its name
+(`hal.backends.collectives.collective_traits`).
 """
 
 from __future__ import annotations
 
 import collections
 import datetime
-import pickle
+import json
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
-from hal.backend import Backend
-from hal.sync.errors import PeerError
+from hal.backend import Backend, Event
+from hal.sync.errors import HeaderError, PeerError, RankReport
+from hal.sync.header import MAX_HEADER_BYTES
+
+# Largest status report one rank contributes to an agreement (its error message, JSON).
+MAX_REPORT_BYTES = 8192
+# Largest set of IPC handles the sender announces (two small JSON objects).
+MAX_HANDLES_BYTES = 1 << 20
 
 
 def _default_group() -> Any:
     if not dist.is_initialized():
         raise PeerError("no process group: pass group= or call torch.distributed.init_process_group first")
-    return dist.distributed_c10d._get_default_group()
+    return dist.group.WORLD
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentStatus:
+    """What the sender says about segment `segment` of bucket `bucket` before its bytes."""
+
+    FAILED: ClassVar[int] = -1
+    OK: ClassVar[int] = 1
+    DIRECT: ClassVar[int] = 2  # OK, and every later range of this tensor is sent from its own memory
+
+    code: int
+    bucket: int
+    segment: int
+    nbytes: int
+
+    @property
+    def failed(self) -> bool:
+        return self.code == self.FAILED
+
+    @property
+    def direct(self) -> bool:
+        return self.code == self.DIRECT
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([self.code, self.bucket, self.segment, self.nbytes], dtype=torch.int64, device=device)
+
+    @classmethod
+    def parse(cls, words: torch.Tensor, bucket: int, segment: int, nbytes: int, where: str) -> "SegmentStatus":
+        code, got_bucket, got_segment, got_nbytes = (int(w) for w in words.cpu().tolist())
+        status = cls(code, got_bucket, got_segment, got_nbytes)
+        if code not in (cls.FAILED, cls.OK, cls.DIRECT) or (got_bucket, got_segment) != (bucket, segment):
+            raise PeerError(f"{where}: expected the status of bucket {bucket} segment {segment}, got {status}: the ranks are out of step")
+        if not status.failed and got_nbytes != nbytes:
+            raise PeerError(f"{where}: bucket {bucket} segment {segment} announced {got_nbytes} bytes, the plan says {nbytes}")
+        return status
 
 
 class Transport:
-    """Control messages plus two bucket slots, over one process group."""
+    """Control messages plus bucket buffers, over one process group (see the module doc)."""
 
-    # The receiver may post the receive of bucket k+1 before it finished applying bucket k.
-    prefetch: ClassVar[bool] = True
-    # Data moves by host-side signalling, so the sender's packs must be complete on the
-    # host before `send` even when collectives follow device streams.
-    host_ordered: ClassVar[bool] = False
-    # Bytes travel, so a bucket is sent in segments (SyncConfig.segment_bytes) to start
-    # the wire early; a transport that moves no bytes takes each bucket whole.
-    segmented: ClassVar[bool] = False
     name: ClassVar[str] = "transport"
 
-    def __init__(self, group: Any = None, *, src: int = 0, control_device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        src: int = 0,
+        control_device: str | torch.device = "cpu",
+        timeout_s: float = 60.0,
+        dist_backend: str | None = None,
+    ) -> None:
         self.group = group if group is not None else _default_group()
         self.rank = self.group.rank()
         self.world_size = self.group.size()
@@ -54,10 +112,14 @@ class Transport:
             raise ValueError(f"a sync group needs the sender and at least one receiver; this group has {self.world_size} rank")
         self.src = src
         self.control_device = torch.device(control_device)
-        self.timeout_s = 60.0
+        self.timeout_s = timeout_s
+        """Longest wait for any one transfer or agreement; set by `Sender` / `Receiver`."""
+        self.dist_backend = dist_backend
+        """The group's collective library ("gloo", ...); None: the device backend's `dist_backend`."""
+        self._backend: Backend | None = None
+        self._traits: Any = None
         self._slots: list[torch.Tensor] = []
         self._capacity = 0
-        self._pending: dict[int, Any] = {}
 
     @property
     def is_sender(self) -> bool:
@@ -93,91 +155,121 @@ class Transport:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
         self._wait(work, what)
 
-    def broadcast_object(self, obj: Any, what: str = "header") -> Any:
-        """The sender's `obj`, on every rank (pickled; small control messages only)."""
-        if self.is_sender:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        size = size.to(self.control_device)
+    def _broadcast_bytes(self, payload: bytes | None, limit: int, what: str) -> bytes:
+        """The sender's `payload` on every rank. Its length travels first; a length over
+        `limit` fails every rank alike (each sees the same length) before the payload moves."""
+        n = len(payload) if self.is_sender and payload is not None else 0
+        size = torch.tensor([n], dtype=torch.int64, device=self.control_device)
         self._wait(self._broadcast(size, f"{what} size"), f"{what} size")
         n = int(size.item())
-        data = payload.to(self.control_device) if self.is_sender else torch.empty(n, dtype=torch.uint8, device=self.control_device)
-        self._wait(self._broadcast(data, what), what)
-        return obj if self.is_sender else pickle.loads(data.cpu().numpy().tobytes())
+        if not 0 <= n <= limit:
+            raise HeaderError(f"{what} of {n} bytes announced by rank {self.src}; the limit is {limit} bytes")
+        if self.is_sender:
+            data = torch.frombuffer(bytearray(payload or b""), dtype=torch.uint8).to(self.control_device) if n else torch.empty(0, dtype=torch.uint8)
+        else:
+            data = torch.empty(n, dtype=torch.uint8, device=self.control_device)
+        if n:
+            self._wait(self._broadcast(data, what), what)
+        return bytes(payload or b"") if self.is_sender else data.cpu().numpy().tobytes()
 
-    def agree(self, error: str | None, what: str = "status") -> list[str | None]:
-        """Every rank's error (None for success), on every rank, so all stop together."""
-        encoded = (error or "").encode()[:4000]
-        length = torch.tensor([len(encoded)], dtype=torch.int64, device=self.control_device)
-        lengths = [torch.zeros(1, dtype=torch.int64, device=self.control_device) for _ in range(self.world_size)]
-        self._allgather(lengths, length, f"{what} lengths")
-        width = max(int(t.item()) for t in lengths)
-        if width == 0:  # the common case: nobody failed, no second round trip
-            return [None] * self.world_size
-        mine = torch.zeros(width, dtype=torch.uint8)
-        if encoded:
-            mine[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        mine = mine.to(self.control_device)
-        outs = [torch.zeros(width, dtype=torch.uint8, device=self.control_device) for _ in range(self.world_size)]
-        self._allgather(outs, mine, what)
-        result: list[str | None] = []
-        for n, t in zip(lengths, outs):
-            k = int(n.item())
-            result.append(t[:k].cpu().numpy().tobytes().decode(errors="replace") if k else None)
-        return result
+    def exchange_header(self, payload: bytes | None) -> bytes:
+        """The sender's encoded header on every rank (the receivers decode it themselves:
+        nothing that came over the wire is unpickled)."""
+        return self._broadcast_bytes(payload, MAX_HEADER_BYTES, "header")
 
-    def _allgather(self, outputs: list[torch.Tensor], tensor: torch.Tensor, what: str) -> None:
-        opts = AllgatherOptions()
-        opts.timeout = self._timeout()
-        try:
-            work = self.group.allgather([outputs], [tensor], opts)
-        except RuntimeError as exc:
-            raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
-        self._wait(work, what)
+    def agree(self, report: RankReport, what: str = "status") -> list[RankReport]:
+        """Every rank's report, on every rank, so that all stop together.
 
-    # ---- slots ----------------------------------------------------------------------
-    def setup(self, backend: Backend, nbytes: int) -> None:
-        """Make sure both slots hold at least `nbytes` (every rank calls this with the same value)."""
+        Gathered through all-reduces (one row per rank): message lengths and flags first,
+        then, only if some rank has an error to tell, the messages' bytes. The common
+        case, nobody failed, costs one small all-reduce.
+        """
+        text = report.encode().encode()[:MAX_REPORT_BYTES]
+        head = torch.zeros(self.world_size, 2, dtype=torch.int64, device=self.control_device)
+        head[self.rank, 0] = len(text)
+        head[self.rank, 1] = report.flags
+        self._allreduce(head, f"{what} lengths")
+        rows_head = head.cpu().tolist()
+        sizes = [int(n) for n, _ in rows_head]
+        flags = [int(f) for _, f in rows_head]
+        if any(not 0 <= n <= MAX_REPORT_BYTES for n in sizes) or any(not 0 <= f < 4 for f in flags):
+            raise PeerError(f"{self.name}: {what}: a rank announced a malformed report {rows_head}")
+        width = max(sizes)
+        if width == 0:
+            return [RankReport.decode("", f) for f in flags]
+        rows = torch.zeros(self.world_size, width, dtype=torch.uint8)
+        if text:
+            rows[self.rank, : len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        rows = rows.to(self.control_device)
+        self._allreduce(rows, what)
+        rows = rows.cpu()
+        return [RankReport.decode(rows[r, :n].numpy().tobytes().decode(errors="replace"), flags[r]) for r, n in enumerate(sizes)]
+
+    # ---- buffers --------------------------------------------------------------------
+    def segment_bytes(self, requested: int | None) -> int | None:
+        """The segment size buckets travel in on this transport (the plan is cut accordingly)."""
+        return requested
+
+    def prepare(self, backend: Backend, nbytes: int) -> None:
+        """Make sure both bucket buffers hold at least `nbytes` (every rank calls this with the same value)."""
+        from hal.backends.collectives import collective_traits
+
+        self._backend = backend
+        self._traits = collective_traits(self.dist_backend or backend.dist_backend)
         if nbytes > self._capacity:
             self._allocate(backend, nbytes)
             self._capacity = nbytes
 
-    def slot(self, index: int) -> torch.Tensor:
-        return self._slots[index]
+    def buffer(self, k: int) -> torch.Tensor:
+        """The bytes of bucket k at plan offsets: where the sender packs it and where a
+        receiver finds what did not land in a place of its own."""
+        return self._slots[k % 2]
 
     @property
     def capacity(self) -> int:
         return self._capacity
 
     def _allocate(self, backend: Backend, nbytes: int) -> None:
+        self._slots = []  # free the old pair before allocating the larger one
         self._slots = [backend.empty(nbytes) for _ in range(2)]
 
-    # ---- data plane: overridden per transport ---------------------------------------
-    # Bucket k travels in one or more transfers (its `Bucket.segments`), sent and
-    # received in order; `data` is a flat uint8 tensor: a range of a slot, or, on the
-    # sender, a tensor's own bytes sent without packing.
-    def send(self, k: int, data: torch.Tensor) -> None:
-        """Start sending `data` as the next transfer of bucket k."""
+    def _status(self, code: int, k: int, j: int, nbytes: int) -> torch.Tensor:
+        return SegmentStatus(code, k, j, nbytes).tensor(self.control_device)
+
+    # ---- data plane: per transport ---------------------------------------------------
+    def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool) -> None:
+        """Send `data` as segment j of bucket k, which starts at byte `start` of the bucket:
+        a range of `buffer(k)` or a tensor's own bytes. `ready` completes when its pack
+        did; if that wait fails, this raises before anything is sent. `direct` says that
+        every later range of this segment's tensor is sent from the tensor's memory too."""
+        raise NotImplementedError
+
+    def send_failure(self, k: int, j: int) -> None:
+        """Tell every receiver that segment j of bucket k, and everything after it, will not come."""
         raise NotImplementedError
 
     def wait_sent(self, k: int) -> None:
-        """Block until every transfer of bucket k is done with its memory."""
+        """Block until the transport is done with the memory of bucket k's segments."""
         raise NotImplementedError
 
-    def recv(self, k: int, data: torch.Tensor) -> None:
-        """Post the receive of the next transfer of bucket k into `data`."""
+    def recv_status(self, k: int, j: int, nbytes: int) -> SegmentStatus:
+        """Block until the sender's status of segment j of bucket k (`nbytes` long) is here."""
         raise NotImplementedError
 
-    def wait_received(self, k: int) -> None:
-        """Block until the oldest posted transfer (one of bucket k) has arrived."""
+    def recv_segment(self, k: int, j: int, start: int, stop: int, into: torch.Tensor | None) -> bool:
+        """Start receiving segment j of bucket k (bytes `[start, stop)` of the bucket).
+        `into`, when given, is where the caller would like the bytes; returns True if they
+        land there, False if they land in `buffer(k)[start:stop]`."""
+        raise NotImplementedError
+
+    def wait_segment(self, k: int, j: int) -> None:
+        """Block until the oldest segment posted (segment j of bucket k) has arrived."""
         raise NotImplementedError
 
     def release(self, k: int) -> None:
-        """The receiver is done with bucket k's slot."""
+        """The receiver is done with bucket k's buffer."""
 
-    def finish(self, nbuckets: int) -> None:
+    def finish(self) -> None:
         """End of a sync's data phase on this rank: drain what is outstanding."""
 
     def close(self) -> None:
@@ -186,134 +278,169 @@ class Transport:
 
 
 class BroadcastTransport(Transport):
-    """Each bucket is broadcast from the sender into every receiver's own slot.
+    """Each segment goes from the sender into every receiver's own memory.
 
-    On CUDA/NPU with an NCCL/HCCL group this is a device-to-device broadcast; here it
-    is gloo over loopback. The receives of the next buckets are posted before the
-    current one is applied, so transfer and apply overlap. With a single receiver on a
-    backend that declares `point_to_point_transfers` (gloo) the transfers are send/recv
-    pairs instead: gloo pays about 1 ms per broadcast here, which a sync of ~100
-    transfers feels, and a send/recv pair does not (docs/benchmarks.md).
+    On CUDA/NPU with an NCCL/HCCL group this is a device-to-device broadcast; here it is
+    gloo over loopback. A receiver may land a segment straight in its own tensor. With a
+    single receiver on a library whose traits favour it (gloo), the transfers are
+    send/recv pairs instead of broadcasts: gloo pays about 1 ms per broadcast here,
+    which a sync of ~100 transfers feels, and a send/recv pair does not
+    (docs/benchmarks.md). Statuses and data travel in one order on every rank.
     """
 
     name = "broadcast"
-    prefetch = True
-    segmented = True
     P2P_TAG = 0x4A1  # point-to-point transfers only; collectives use their own slots
 
-    def __init__(self, group: Any = None, *, src: int = 0, control_device: str | torch.device = "cpu") -> None:
-        super().__init__(group, src=src, control_device=control_device)
-        self._posted: collections.deque[tuple[int, Any]] = collections.deque()  # receives, oldest first
-        self.point_to_point = False  # decided by the backend in setup(), the same on every rank
-        self._peer = 1 - src  # the other rank, when there are two
+    def __init__(self, group: Any = None, **kwargs: Any) -> None:
+        super().__init__(group, **kwargs)
+        self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # sends per bucket, with the memory they read
+        self._posted: collections.deque[tuple[int, int, Any]] = collections.deque()  # receives, oldest first
+        self.point_to_point = False  # decided in prepare(), the same on every rank
+        self._peer = 1 - self.src  # the other rank, when there are two
 
-    def setup(self, backend: Backend, nbytes: int) -> None:
-        self.point_to_point = self.world_size == 2 and backend.point_to_point_transfers
-        super().setup(backend, nbytes)
+    def prepare(self, backend: Backend, nbytes: int) -> None:
+        super().prepare(backend, nbytes)
+        self.point_to_point = self.world_size == 2 and self._traits.point_to_point_for_one_receiver
 
-    def _transfer(self, data: torch.Tensor, what: str) -> Any:
+    def _transfer(self, tensor: torch.Tensor, what: str) -> Any:
         if not self.point_to_point:
-            return self._broadcast(data, what)
+            return self._broadcast(tensor, what)
         try:
             if self.is_sender:
-                return self.group.send([data], self._peer, self.P2P_TAG)
-            return self.group.recv([data], self.src, self.P2P_TAG)
+                return self.group.send([tensor], self._peer, self.P2P_TAG)
+            return self.group.recv([tensor], self.src, self.P2P_TAG)
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
 
-    def send(self, k: int, data: torch.Tensor) -> None:
-        self._pending.setdefault(k, []).append(self._transfer(data, f"bucket {k}"))
+    def _order_after(self, ready: Event) -> None:
+        if self._traits.follows_streams:
+            self._backend.current_stream().wait_event(ready)  # the collective follows the stream
+        else:
+            ready.synchronize()  # the library reads memory from the host: the pack must be done
+
+    def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool) -> None:
+        self._order_after(ready)
+        status = self._status(SegmentStatus.DIRECT if direct else SegmentStatus.OK, k, j, data.numel())
+        what = f"bucket {k} segment {j}"
+        sends = self._pending.setdefault(k, [])
+        sends.append((self._transfer(status, f"{what} status"), status))
+        sends.append((self._transfer(data, what), data))
+
+    def send_failure(self, k: int, j: int) -> None:
+        status = self._status(SegmentStatus.FAILED, k, j, 0)
+        self._wait(self._transfer(status, f"bucket {k} segment {j} failure"), f"bucket {k} segment {j} failure")
 
     def wait_sent(self, k: int) -> None:
-        for work in self._pending.pop(k, ()):
+        for work, _memory in self._pending.pop(k, ()):
             self._wait(work, f"bucket {k}")
 
-    def recv(self, k: int, data: torch.Tensor) -> None:
-        self._posted.append((k, self._transfer(data, f"bucket {k}")))
+    def recv_status(self, k: int, j: int, nbytes: int) -> SegmentStatus:
+        words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
+        what = f"bucket {k} segment {j} status"
+        self._wait(self._transfer(words, what), what)
+        return SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
 
-    def wait_received(self, k: int) -> None:
-        posted, work = self._posted.popleft()
-        if posted != k:
-            raise PeerError(f"{self.name}: waited for bucket {k}, but the oldest receive posted is for bucket {posted}")
-        self._wait(work, f"bucket {k}")
+    def recv_segment(self, k: int, j: int, start: int, stop: int, into: torch.Tensor | None) -> bool:
+        target = self.buffer(k)[start:stop] if into is None else into
+        self._posted.append((k, j, self._transfer(target, f"bucket {k} segment {j}")))
+        return into is not None
 
-    def finish(self, nbuckets: int) -> None:
+    def wait_segment(self, k: int, j: int) -> None:
+        posted_k, posted_j, work = self._posted.popleft()
+        if (posted_k, posted_j) != (k, j):
+            raise PeerError(f"{self.name}: waited for bucket {k} segment {j}, but the oldest receive posted is bucket {posted_k} segment {posted_j}")
+        self._wait(work, f"bucket {k} segment {j}")
+
+    def finish(self) -> None:
         for k in sorted(self._pending):
             self.wait_sent(k)
+        while self._posted:
+            k, j, _ = self._posted[0]
+            self.wait_segment(k, j)
 
 
 class IpcTransport(Transport):
-    """Same-node transfer without a copy on the wire: both slots live in memory every
-    rank maps (shared-memory files on the CPU, device IPC handles on CUDA/NPU).
+    """Same-node transfer without a copy on the wire: both bucket buffers live in memory
+    every rank maps (shared-memory files on the CPU, device IPC handles on CUDA/NPU).
 
-    The sender packs into a shared slot and announces it; receivers read the bucket in
-    place and confirm when done, and only then is the slot packed again. Control
-    messages are tiny host collectives on the same group.
+    The sender packs into a shared buffer and announces it with the segment's status;
+    receivers read the bucket in place and confirm when done, and only then is that
+    buffer packed again. Buckets travel whole (no bytes move, so nothing to pipeline).
+    Control messages are tiny host collectives on the same group; the handles travel as
+    JSON and each backend validates what it is handed before mapping anything.
     """
 
     name = "ipc"
-    prefetch = False
-    host_ordered = True
 
-    def __init__(self, group: Any = None, *, src: int = 0, control_device: str | torch.device = "cpu") -> None:
-        super().__init__(group, src=src, control_device=control_device)
-        self._backend: Backend | None = None
-        self._released: int | None = None  # the bucket whose release is still to be announced
+    def __init__(self, group: Any = None, **kwargs: Any) -> None:
+        super().__init__(group, **kwargs)
+        self._announced: list[int] = []  # buckets announced and not yet released, oldest first
+
+    def segment_bytes(self, requested: int | None) -> int | None:
+        return None
 
     def _allocate(self, backend: Backend, nbytes: int) -> None:
         if not backend.supports_ipc:
             raise PeerError(f"ipc transport: backend {backend.name!r} has no IPC (supports_ipc is False); use BroadcastTransport")
         old = self._slots if self.is_sender else []
+        payload = None
         if self.is_sender:
             self._slots = [backend.empty_shared(nbytes) for _ in range(2)]
-            handles = [backend.export_ipc(s) for s in self._slots]
-        else:
-            handles = None
-        handles = self.broadcast_object(handles, "ipc handles")
+            payload = json.dumps([backend.export_ipc(s) for s in self._slots]).encode()
+        raw = self._broadcast_bytes(payload, MAX_HANDLES_BYTES, "ipc handles")
         if not self.is_sender:
-            self._slots = [backend.import_ipc(h) for h in handles]
-        # every rank has mapped the new slots before the old files go away
+            try:
+                handles = json.loads(raw)
+                if not isinstance(handles, list) or len(handles) != 2:
+                    raise ValueError("expected a list of two handles")
+                self._slots = [backend.import_ipc(h) for h in handles]
+            except (ValueError, TypeError, RecursionError, OSError) as exc:
+                raise PeerError(f"ipc transport: rank {self.rank} could not map the sender's buffers: {exc}") from None
+        # every rank has mapped the new buffers before the old files go away
         self._allreduce(torch.zeros(1, device=self.control_device), "ipc handle exchange")
         for s in old:
             backend.release_shared(s)
-        self._backend = backend
 
-    def _signal(self, value: int, what: str) -> int:
-        t = torch.tensor([value if self.is_sender else 0], dtype=torch.int64, device=self.control_device)
-        self._wait(self._broadcast(t, what), what)
-        return int(t.item())
+    def _signal(self, status: torch.Tensor, what: str) -> None:
+        self._wait(self._broadcast(status, what), what)
 
-    def send(self, k: int, data: torch.Tensor) -> None:
-        self._signal(k, f"bucket {k} ready")  # `data` is in the shared slot
-        self._pending[k] = True
+    def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool) -> None:
+        ready.synchronize()  # receivers read the buffer as soon as they hear of it
+        dst = self.buffer(k)[start : start + data.numel()]
+        if data.numel() and data.data_ptr() != dst.data_ptr():
+            # bytes from elsewhere (a tensor's own memory): they must be in the shared buffer
+            stream = self._backend.current_stream()
+            self._backend.copy_(dst, data, stream=stream)
+            stream.synchronize()
+        self._signal(self._status(SegmentStatus.OK, k, j, data.numel()), f"bucket {k} ready")
+        self._announced.append(k)
+
+    def send_failure(self, k: int, j: int) -> None:
+        self._signal(self._status(SegmentStatus.FAILED, k, j, 0), f"bucket {k} failure")
 
     def wait_sent(self, k: int) -> None:
-        if self._pending.pop(k, None):
+        if k in self._announced:
+            self._announced.remove(k)
             self._allreduce(torch.zeros(1, device=self.control_device), f"bucket {k} released")
 
-    def recv(self, k: int, data: torch.Tensor) -> None:
-        got = self._signal(0, f"bucket {k} ready")
-        if got != k:
-            raise PeerError(f"ipc transport: expected bucket {k}, sender announced {got}")
-        self._announce_release()
+    def recv_status(self, k: int, j: int, nbytes: int) -> SegmentStatus:
+        words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
+        self._signal(words, f"bucket {k} ready")
+        return SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
 
-    def wait_received(self, k: int) -> None:
-        pass  # `recv` returned once the sender announced the bucket: it is in shared memory
+    def recv_segment(self, k: int, j: int, start: int, stop: int, into: torch.Tensor | None) -> bool:
+        return False  # the bytes are in the shared buffer already
+
+    def wait_segment(self, k: int, j: int) -> None:
+        pass
 
     def release(self, k: int) -> None:
-        self._released = k
+        self._allreduce(torch.zeros(1, device=self.control_device), f"bucket {k} released")
 
-    def _announce_release(self) -> None:
-        if self._released is not None:
-            k, self._released = self._released, None
-            self._allreduce(torch.zeros(1, device=self.control_device), f"bucket {k} released")
-
-    def finish(self, nbuckets: int) -> None:
+    def finish(self) -> None:
         if self.is_sender:
-            for k in sorted(self._pending):
+            for k in list(self._announced):
                 self.wait_sent(k)
-        else:
-            self._announce_release()
 
     def close(self) -> None:
         if self.is_sender and self._backend is not None:

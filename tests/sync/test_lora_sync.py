@@ -271,7 +271,7 @@ def _adapter_scenario(rank: int, ckpt: str, scenario: str, config) -> list[dict]
     base_specs = specs_from_safetensors(ckpt)
     specs = base_specs + adapter_specs(base_specs, r=R, target_modules=TARGETS)
     weights = allocate(specs, fill=float("nan"))
-    receiver = Receiver(transport, specs, config)
+    receiver = Receiver(transport, specs, timeout_s=30.0)
     for step in range(STEPS):
         if step in lost_at or (level == 2 and free and step > 0):  # slept and discarded its weights
             for spec in base_specs:
@@ -314,7 +314,7 @@ def _merged_scenario(rank: int, ckpt: str, config) -> list[dict]:
         return out
     specs = specs_from_safetensors(ckpt)
     weights = allocate(specs, fill=float("nan"))
-    receiver = Receiver(transport, specs, config)
+    receiver = Receiver(transport, specs, timeout_s=30.0)
     for _ in range(2):
         receiver.receive(copy_into(weights))
         out.append({n: t.clone() for n, t in weights.items()})

@@ -110,7 +110,7 @@ def rollout_worker(rank: int, world_size: int, ckpt: str, steps: int):
         baseline = _live_tensor_bytes()
         specs = specs_from_safetensors(ckpt)  # the engine's checkpoint header, no tensor data
         weights = allocate(specs, fill=float("nan"))
-        receiver = Receiver(transport, specs, config)
+        receiver = Receiver(transport, specs, timeout_s=30.0)
         received = []
         for _ in range(steps):
             metrics = receiver.receive(copy_into(weights))
@@ -238,14 +238,17 @@ def test_specs_from_module_with_buffers():
     assert with_buffers == ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
 
 
-def test_copy_into_checks_names_and_shapes():
+def test_copy_into_is_a_sink_whose_tensors_are_the_destinations():
+    from hal.sync import Sink
+
     weights = allocate([TensorSpec("w", (2, 2), torch.float32)], fill=0.0)
-    apply = copy_into(weights)
-    apply([("w", torch.ones(2, 2))])
-    assert torch.equal(weights["w"], torch.ones(2, 2)) and apply.received == ["w"]
+    sink = copy_into(weights)
+    assert isinstance(sink, Sink) and sink.in_place
+    assert sink.destination("w") is weights["w"] and sink.destination("v") is None
+    sink.apply([("w", weights["w"])])  # the receiver wrote it; apply records it
+    assert sink.received == ["w"]
     with pytest.raises(KeyError, match="parameter 'v': the engine holds no tensor"):
-        apply([("v", torch.ones(2, 2))])
-    with pytest.raises(ValueError, match=r"parameter 'w': engine tensor has shape \(2, 2\), received \(4,\)"):
-        apply([("w", torch.ones(4))])
+        sink.apply([("v", torch.ones(2, 2))])
+    assert copy_into(weights, in_place=False).in_place is False
     with pytest.raises(ValueError, match="parameter 'w' is listed twice"):
         allocate([TensorSpec("w", (1,), torch.float32)] * 2)

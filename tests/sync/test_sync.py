@@ -75,7 +75,7 @@ def roundtrip_worker(rank, world, backend, kind, verify, segment_bytes=None):
         if rank == 0:
             sender = Sender(transport, cfg)
             return [sender.send(TensorSource(weights(v)), version=v) for v in (1, 2, 3)]
-        receiver = Receiver(transport, specs(), cfg)
+        receiver = Receiver(transport, specs())
         results = []
         for v in (1, 2, 3):
             target = Collect()
@@ -117,7 +117,7 @@ class RecordingTransport(BroadcastTransport):
         self.buckets: list[bytes] = []
 
     def release(self, k):
-        self.buckets.append(bytes(self.slot(k % 2).numpy()))
+        self.buckets.append(bytes(self.buffer(k).numpy()))
 
 
 SEGMENT = 4096  # the smallest allowed: the 16 KiB pieces travel in segments of their own
@@ -137,7 +137,7 @@ def modes_worker(rank, world, backend):
             # fp32 trainer weights travel as bf16
             Sender(transport, SyncConfig(bucket_bytes=BUCKET, wire_dtype=torch.bfloat16, segment_bytes=SEGMENT)).send(src, version=99)
             return None
-        receiver = Receiver(transport, specs(), SyncConfig(bucket_bytes=BUCKET))
+        receiver = Receiver(transport, specs())
         received = []
         for bypass, verify, segment in modes:
             transport.buckets = []
@@ -150,7 +150,7 @@ def modes_worker(rank, world, backend):
         same_data = all(r[0] == received[0][0] for r in received) and len(received[0][0]) > 1
         same_sums = received[0][1] == received[1][1] == received[2][1] == received[3][1] and received[0][1][0]
         all_match = all(r[2] for r in received)
-        bf16 = Receiver(transport, specs(torch.bfloat16), SyncConfig(bucket_bytes=BUCKET), version=1)
+        bf16 = Receiver(transport, specs(torch.bfloat16), version=1)
         target = Collect()
         bf16.receive(target)
         expected = [(n, t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in weights(7)]
@@ -173,7 +173,7 @@ def transfer_kind_worker(rank, world):
         Sender(transport, cfg).send(TensorSource(weights(8)), version=1)
         return transport.point_to_point
     target = Collect()
-    Receiver(transport, specs(), cfg).receive(target)
+    Receiver(transport, specs()).receive(target)
     return transport.point_to_point, target.matches(weights(8))
 
 
@@ -192,13 +192,14 @@ class TransferLog(BroadcastTransport):
         super().__init__(*a, **kw)
         self.addresses: list[int] = []
 
-    def send(self, k, data):
+    def send_segment(self, k, j, start, data, **kwargs):
         self.addresses.append(data.data_ptr())
-        super().send(k, data)
+        super().send_segment(k, j, start, data, **kwargs)
 
-    def recv(self, k, data):
-        self.addresses.append(data.data_ptr())
-        super().recv(k, data)
+    def recv_segment(self, k, j, start, stop, into):
+        landed = super().recv_segment(k, j, start, stop, into)
+        self.addresses.append(into.data_ptr() if landed else self.buffer(k)[start:stop].data_ptr())
+        return landed
 
 
 def _holding(tensors, addresses):
@@ -216,7 +217,7 @@ def in_place_worker(rank, world, backend):
             Sender(transport, cfg).send(TensorSource(source), version=2)
             packed = len(_holding(source, transport.addresses)) < len(transport.addresses)
             return _holding(source, transport.addresses), packed
-        receiver = Receiver(transport, specs(), cfg)
+        receiver = Receiver(transport, specs())
         destinations = allocate(specs(), fill=float("nan"))
         target = copy_into(destinations)
         receiver.receive(target)
@@ -255,11 +256,11 @@ def missing_wait_worker(rank, world, skip_wait):
         cfg = SyncConfig(bucket_bytes=BUCKET)
         if rank == 0:
             if skip_wait:
-                Sender._wait_packed = lambda self, event: None  # the bug under test
+                BroadcastTransport._order_after = lambda self, ready: None  # the bug under test
             Sender(transport, cfg).send(TensorSource(weights(3)), version=1)
             return None
         target = Collect()
-        Receiver(transport, specs(), cfg).receive(target)
+        Receiver(transport, specs()).receive(target)
         return target.matches(weights(3))
 
 
@@ -292,28 +293,36 @@ def rejections_worker(rank, world):
         attempt(lambda: sender.send(TensorSource(weights(5) + [("extra.bias", torch.zeros(3))]), version=6))
         bad_dtype = [(n, t.double() if n == "layers.0.b" else t) for n, t in weights(5)]
         attempt(lambda: sender.send(TensorSource(bad_dtype), version=6))
+        attempt(lambda: sender.send(TensorSource(weights(6)), version=6))  # into a transposed destination
         attempt(lambda: sender.send(TensorSource(weights(6)), version=6))
         return outcome, None
-    receiver = Receiver(transport, specs(), cfg)
+    receiver = Receiver(transport, specs())
     target = Collect()
     calls = []
-    for _ in range(6):
+    for _ in range(5):
         before = target.calls
         attempt(lambda: receiver.receive(target))
         calls.append(target.calls - before)
-    return outcome, (receiver.version, calls, target.matches(weights(6)))
+    engine = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs()}
+    engine["layers.0.w"] = torch.zeros(7, 33)  # same element count, transposed
+    attempt(lambda: receiver.receive(copy_into(engine)))
+    untouched = all(not t.any() for t in engine.values())
+    attempt(lambda: receiver.receive(target))
+    return outcome, (receiver.version, calls, target.matches(weights(6)), untouched)
 
 
 def test_stale_versions_and_mismatched_specs_fail_every_rank_before_anything_is_applied():
-    (sent, _), (received, (version, calls, final_ok)) = run_group(rejections_worker, 2, timeout=90)
+    (sent, _), (received, (version, calls, final_ok, untouched)) = run_group(rejections_worker, 2, timeout=90)
     for outcomes in (sent, received):
-        assert outcomes[0] == "ok" and outcomes[5] == "ok"
+        assert outcomes[0] == "ok" and outcomes[6] == "ok"
         assert outcomes[1].startswith("StaleVersionError") and "holds weight version 5" in outcomes[1]
         assert outcomes[2].startswith("SpecMismatchError")
         assert "'layers.0.w': expected shape (33, 7), got (7, 33)" in outcomes[2]
         assert "'extra.bias': not a parameter this receiver accepts" in outcomes[3]
         assert "'layers.0.b': expected dtype torch.float32, got torch.float64" in outcomes[4]
+        assert "'layers.0.w': the engine's destination has shape (7, 33), the sync carries (33, 7)" in outcomes[5]
     assert calls[1:5] == [0, 0, 0, 0]  # refused syncs applied nothing
+    assert untouched
     assert version == 6 and final_ok
 
 
@@ -327,7 +336,7 @@ def one_bad_receiver_worker(rank, world):
             accepted = specs() if rank == 1 else [s for s in specs() if s.name != "layers.1.w"]
             target = Collect()
             try:
-                Receiver(transport, accepted, cfg).receive(target)
+                Receiver(transport, accepted).receive(target)
             finally:
                 if target.calls:
                     return "applied"
@@ -344,12 +353,12 @@ def test_one_receiver_rejecting_stops_every_rank():
 
 # ---- verification and failures during the data phase ---------------------------------
 class CorruptingTransport(BroadcastTransport):
-    """Flips the first byte of bucket 2 once it has arrived (bucket 2 uses slot 0)."""
+    """Flips the first byte of bucket 2 once it has arrived."""
 
-    def wait_received(self, k):
-        super().wait_received(k)
+    def wait_segment(self, k, j):
+        super().wait_segment(k, j)
         if k == 2 and not getattr(self, "flipped", False):
-            self.slot(0)[0] ^= 0xFF
+            self.buffer(2)[0] ^= 0xFF
             self.flipped = True
 
 
@@ -360,7 +369,7 @@ def corruption_worker(rank, world, verify):
         if rank == 0:
             Sender(transport, cfg).send(TensorSource(weights(2)), version=1)
             return "ok"
-        receiver = Receiver(transport, specs(), cfg)
+        receiver = Receiver(transport, specs())
         target = Collect()
         receiver.receive(target)
         return f"ok matches={target.matches(weights(2))}"
@@ -387,7 +396,7 @@ def apply_failure_worker(rank, world):
             first = f"{type(exc).__name__}: {exc}"
         sender.send(TensorSource(weights(2)), version=2)
         return first, sender.version
-    receiver = Receiver(transport, specs(), cfg)
+    receiver = Receiver(transport, specs())
 
     def explode(pairs):
         raise RuntimeError("engine refused the tensor")
@@ -426,7 +435,7 @@ def dead_receiver_worker(rank, world, mode):
         time.sleep(12)  # stops answering for far longer than timeout_s
         raise SystemExit("stalled receiver gives up")
 
-    Receiver(transport, specs(), cfg).receive(die)
+    Receiver(transport, specs(), timeout_s=3.0).receive(die)
 
 
 @pytest.mark.parametrize("mode", ["exit", "hang"])
