@@ -1,7 +1,8 @@
 """`hal demo`: a miniature RL loop in which a trainer and a live vLLM engine stay in sync.
 
-1. Build a tiny Llama-architecture model locally (no hub) and start a real vLLM engine on
-   it (fp32, the engine's default multi-process mode unless --in-process).
+1. Build a tiny Llama- (or, with --arch qwen2, Qwen2-) architecture model locally (no hub;
+   --tied shares lm_head with embed_tokens, as most small real models do) and start a real
+   vLLM engine on it (fp32, the engine's default multi-process mode unless --in-process).
 2. Each step: sample completions with vLLM, score them with a programmatic reward (the
    fraction of completion tokens equal to a chosen target token), take one REINFORCE
    step on the trainer's copy (a transformers model), and push the new weights into the
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 PROMPT_LEN = 6
+ARCHITECTURES = ("llama", "qwen2")  # hal.integrations.tiny_model.ARCHITECTURES, without importing torch here
 
 def say(line: str) -> None:
     print(line, flush=True)
@@ -41,6 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt; default 4")
     parser.add_argument("--max-tokens", type=int, default=12, help="completion length; default 12")
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate; default 3e-3")
+    parser.add_argument(
+        "--arch", choices=ARCHITECTURES, default="llama",
+        help="model architecture: llama (no biases) or qwen2 (q/k/v biases); default llama",
+    )
+    parser.add_argument(
+        "--tied",
+        action="store_true",
+        help="tie lm_head to embed_tokens (tie_word_embeddings), like Qwen2.5 0.5B-3B, Qwen3 0.6B-4B, Llama 3.2",
+    )
     parser.add_argument(
         "--in-process",
         action="store_true",
@@ -81,8 +92,10 @@ def start_engine(model_dir: Path, *, seed: int, max_model_len: int = 256):
 
 
 def shutdown_engine(llm: Any) -> None:
+    from hal.integrations import vllm_internals
+
     with contextlib.suppress(Exception):
-        llm.llm_engine.engine_core.shutdown()
+        vllm_internals.shutdown_llm(llm)
 
 
 def engine_greedy(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -142,7 +155,7 @@ def reinforce_step(model: Any, optimizer: Any, prompts: list[list[int]], complet
     return float(loss)
 
 
-def write_plot(path: Path, steps: list[dict[str, Any]]) -> None:
+def write_plot(path: Path, steps: list[dict[str, Any]], model_name: str = "Llama") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,7 +165,7 @@ def write_plot(path: Path, steps: list[dict[str, Any]]) -> None:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax1.plot(xs, [s["reward"] for s in steps], marker="o")
     ax1.set_ylabel("reward (target-token fraction)")
-    ax1.set_title("hal demo: RL on a tiny Llama, trainer -> live vLLM engine")
+    ax1.set_title(f"hal demo: RL on a tiny {model_name}, trainer -> live vLLM engine")
     ax1.grid(alpha=0.3)
     ax2.bar(xs, [s["sync_seconds"] * 1000 for s in steps], color="tab:orange")
     ax2.set_ylabel("sync (ms)")
@@ -171,18 +184,19 @@ def main(args: argparse.Namespace) -> int:
     _quiet_vllm()
     import torch
 
-    from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model
+    from hal.integrations.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model
     from hal.integrations.vllm_client import OfflineEngine, WeightSync
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = TinyModelSpec(seed=args.seed)
+    spec = TinyModelSpec(seed=args.seed, architecture=args.arch, tie_word_embeddings=args.tied)
+    model_name = {"llama": "Llama", "qwen2": "Qwen2"}[spec.architecture] + (" (tied)" if spec.tie_word_embeddings else "")
     if not 3 <= args.target_token < spec.vocab_size:
         raise ValueError(f"--target-token must be a word id in 3..{spec.vocab_size - 1}, got {args.target_token}")
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    model_dir = build_tiny_llama(out_dir / "model", spec)
-    say(f"[demo] tiny Llama ({spec.nbytes_fp32() / 2**20:.1f} MiB fp32) in {model_dir}")
+    model_dir = build_tiny_model(out_dir / "model", spec)
+    say(f"[demo] tiny {model_name} ({spec.nbytes_fp32() / 2**20:.1f} MiB fp32) in {model_dir}")
     trainer = load_trainer_model(model_dir)
     optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
     mode = "in-process" if args.in_process else "multi-process"
@@ -242,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
         shutdown_engine(llm)
 
     plot = out_dir / "demo.png"
-    write_plot(plot, steps)
+    write_plot(plot, steps, model_name)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hal.bench import comma_list
+from hal.integrations import vllm_internals
 
 GIB = 1024**3
 MIB = 1024**2
@@ -256,7 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if sync is not None:
             sync.close()
         with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
+            vllm_internals.shutdown_llm(llm)
         shutil.rmtree(save_dir, ignore_errors=True)
         shutil.rmtree(apply_file.parent, ignore_errors=True)
     del flat

@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 import hal
+from hal.integrations import vllm_internals
 from hal.integrations.vllm import HalWorkerExtension
 
 
 class BenchWorkerExtension(HalWorkerExtension):
     def _reload(self, pairs: Any) -> None:
-        self.model_runner.reload_weights(weights_iterator=pairs)  # type: ignore[attr-defined]
+        vllm_internals.reload_weights(self, pairs)
 
     def bench_reload_bytes(self, data: bytes) -> float:
         from safetensors.torch import load

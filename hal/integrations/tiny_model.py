@@ -1,13 +1,18 @@
-"""Tiny Llama-architecture models built locally, for the demo, the tests and the benchmark.
+"""Tiny Llama- or Qwen2-architecture models built locally, for the demo, the tests and the benchmark.
 
-    path = build_tiny_llama("/tmp/tiny", TinyModelSpec(vocab_size=64))
+    path = build_tiny_model("/tmp/tiny", TinyModelSpec(vocab_size=64))
+    path = build_tiny_model("/tmp/tiny-q", TinyModelSpec(architecture="qwen2", tie_word_embeddings=True))
     llm = vllm.LLM(model=str(path), dtype="float32", ...)
 
-No hub access: the model comes from a `transformers.LlamaConfig`, the tokenizer is a
-`tokenizers` WordLevel model with exactly `vocab_size` entries (vLLM checks that the
-tokenizer and the embedding agree). Words are `t0`, `t1`, ...; ids 0-2 are `<unk>`,
-`<s>`, `</s>`. Everything is saved in float32 safetensors so vLLM's fp32 greedy output
-equals Hugging Face's token for token.
+No hub access: the model comes from a `transformers.LlamaConfig` or `Qwen2Config` (Qwen2:
+q/k/v projections carry biases), the tokenizer is a `tokenizers` WordLevel model with
+exactly `vocab_size` entries (vLLM checks that the tokenizer and the embedding agree).
+Words are `t0`, `t1`, ...; ids 0-2 are `<unk>`, `<s>`, `</s>`. Everything is saved in
+float32 safetensors so vLLM's fp32 greedy output equals Hugging Face's token for token.
+
+`tie_word_embeddings=True` gives the layout of most small real models (Qwen2.5 0.5B-3B,
+Qwen3 0.6B-4B, Llama 3.2): `lm_head` shares `embed_tokens`' weight, and the checkpoint
+holds no `lm_head.weight` tensor (as Hugging Face saves it).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 UNK, BOS, EOS = 0, 1, 2
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+ARCHITECTURES = ("llama", "qwen2")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,8 +45,14 @@ class TinyModelSpec:
     """Std of the normal init of every matrix. Larger than transformers' 0.02 so greedy
     decoding is decisive (no near-ties that float noise could flip between engines)."""
     seed: int = 0
+    architecture: str = "llama"
+    """"llama" (`LlamaForCausalLM`, no biases) or "qwen2" (`Qwen2ForCausalLM`, q/k/v biases)."""
+    tie_word_embeddings: bool = False
+    """Share one matrix between `embed_tokens` and `lm_head`; saved without `lm_head.weight`."""
 
     def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture: expected one of {list(ARCHITECTURES)}, got {self.architecture!r}")
         if self.vocab_size < len(SPECIAL_TOKENS) + 1:
             raise ValueError(f"vocab_size: need at least {len(SPECIAL_TOKENS) + 1}, got {self.vocab_size}")
         if self.hidden_size % self.num_attention_heads:
@@ -56,11 +68,14 @@ class TinyModelSpec:
             raise ValueError(f"init_std must be positive, got {self.init_std}")
 
     def nbytes_fp32(self) -> int:
-        """Bytes of all parameters in float32 (untied embeddings)."""
+        """Bytes of all parameters in float32 (a tied embedding counted once)."""
         h, i, v, n = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
         kv = h // self.num_attention_heads * self.num_key_value_heads
         per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
-        return 4 * (2 * v * h + h + n * per_layer)
+        if self.architecture == "qwen2":
+            per_layer += h + 2 * kv  # q, k, v biases
+        embeddings = (1 if self.tie_word_embeddings else 2) * v * h
+        return 4 * (embeddings + h + n * per_layer)
 
 
 # About 0.63 GiB in fp32, 75 tensors: the size the benchmark asks for (at least 0.5 GiB).
@@ -75,10 +90,12 @@ BENCH_SPEC = TinyModelSpec(
 )
 
 
-def llama_config(spec: TinyModelSpec):
-    from transformers import LlamaConfig
+def hf_config(spec: TinyModelSpec):
+    """The `transformers` config (`LlamaConfig` or `Qwen2Config`) that `spec` describes."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    return LlamaConfig(
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[spec.architecture]
+    return config_cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -86,7 +103,7 @@ def llama_config(spec: TinyModelSpec):
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=BOS,
         eos_token_id=EOS,
         pad_token_id=UNK,
@@ -96,17 +113,21 @@ def llama_config(spec: TinyModelSpec):
 
 
 def build_model(spec: TinyModelSpec):
-    """A fresh `LlamaForCausalLM` in float32, deterministically initialised from `spec.seed`."""
+    """A fresh `LlamaForCausalLM` / `Qwen2ForCausalLM` in float32, deterministically
+    initialised from `spec.seed`. Tied: `lm_head.weight` is `model.embed_tokens.weight`."""
     from transformers import AutoModelForCausalLM
 
     generator = torch.Generator().manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(llama_config(spec), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config(spec), torch_dtype=torch.float32)
     with torch.no_grad():
+        # named_parameters() lists a tied matrix once, under model.embed_tokens.weight
         for name, param in model.named_parameters():
-            if param.dim() >= 2:
+            if param.dim() >= 2 or name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=generator) * spec.init_std)
             else:  # RMSNorm weights
                 param.fill_(1.0)
+    if spec.tie_word_embeddings and model.lm_head.weight is not model.get_input_embeddings().weight:
+        raise RuntimeError(f"{type(model).__name__}: tie_word_embeddings=True but lm_head is not tied")
     model.eval()
     return model
 
@@ -129,10 +150,11 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def build_tiny_llama(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Write model (fp32 safetensors), config and tokenizer into `out_dir`; returns the path.
 
-    Reuses the directory when it already holds a model built from the same spec.
+    Reuses the directory when it already holds a model built from the same spec (every
+    field of the spec, architecture and tying included, is in the stamp).
     """
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
@@ -141,11 +163,21 @@ def build_tiny_llama(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     if stamp.exists() and stamp.read_text() == wanted and (out / "config.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
+    if stamp.exists():
+        # Our own earlier build from another spec: drop its weights first, so that neither
+        # a build cut short nor a leftover shard passes for the new model.
+        stamp.unlink()
+        for old in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
+            old.unlink()
     model = build_model(spec)
     model.save_pretrained(out, safe_serialization=True)
     build_tokenizer(spec.vocab_size).save_pretrained(out)
     stamp.write_text(wanted)
     return out
+
+
+build_tiny_llama = build_tiny_model
+"""The former name, kept for callers: it builds whatever `spec.architecture` says."""
 
 
 def load_trainer_model(model_dir: str | Path):

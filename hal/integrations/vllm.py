@@ -22,6 +22,13 @@ tensor arrives.
 
 Where the native API is missing (older vLLM, forks), `HalWorkerExtension` offers the
 same engine as a `worker_extension_cls` reached through `collective_rpc`.
+
+The engine is a hal `Sink`: the receiver hands it complete tensors per bucket and calls
+`abort()` when a sync fails part-way, which ends the layerwise reload so every layer
+holds its old or its new weights. It reports `version` and `consistent` (see
+`HalWorkerExtension.hal_state`). Engines started with `VERL_HAL_SYNC_TOKEN` accept a
+trainer only if it proves the same token, at init and in every sync (docs/security.md).
+Every private vLLM name used here goes through `hal.integrations.vllm_internals`.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -41,29 +47,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 import hal
-from hal.sync import Receiver, SpecMismatchError, SyncConfig, SyncMetrics, TensorSpec
+from hal import env
+from hal.integrations import vllm_internals
+from hal.sync import AuthError, Receiver, SpecMismatchError, SyncMetrics, TensorSpec
+from hal.sync.header import check_init_proof
 from hal.sync.transport import BroadcastTransport, IpcTransport
 
 logger = logging.getLogger(__name__)
 
-
-class _ComputedBufferWarningFilter(logging.Filter):
-    """Drops vLLM's "<layer>: Failed to load weights" for rotary embeddings.
-
-    Their cos/sin cache is computed at start-up, never part of a checkpoint, so vLLM's
-    layerwise reload restores it and warns on every single update; the warning says
-    nothing about the weights that were sent.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args if isinstance(record.args, tuple) else ()
-        return not (record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith("RotaryEmbedding"))
-
-
-def _quiet_computed_buffer_warnings() -> None:
-    target = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _ComputedBufferWarningFilter) for f in target.filters):
-        target.addFilter(_ComputedBufferWarningFilter())
 
 BACKEND_NAME = "hal"
 TRANSPORTS = {"broadcast": BroadcastTransport, "ipc": IpcTransport}
@@ -97,15 +88,19 @@ class HalInitInfo(WeightTransferInitInfo):
     """Group rank of this engine's first worker; worker `r` of the engine joins as `rank_offset + r`."""
     world_size: int = 2
     """Trainer (1) plus every worker of every engine in the group."""
-    bucket_bytes: int
-    """Resolved by the trainer (never None here): both sides must lay out the same buckets."""
     wire_dtype: str | None = None
-    verify: bool = False
+    """The dtype floating-point tensors travel in, when the trainer casts (the engine's
+    expected specs follow it). Bucket and segment sizes and verification are not here:
+    every sync's header carries them."""
     timeout_s: float = 60.0
+    """Longest wait of a worker for the trainer or the other workers, in any sync."""
     transport: str = "broadcast"
     """"broadcast": each bucket is broadcast over the group (any topology). "ipc": buckets
     live in memory the trainer shares with the workers (same node only, and the backend
     must support IPC); the group only carries control messages."""
+    auth: str | None = None
+    """The trainer's proof that it knows the engine's token (`hal.sync.header.init_proof`
+    over this rendezvous); None from a trainer without one."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -113,14 +108,6 @@ class HalInitInfo(WeightTransferInitInfo):
         if not 1 <= self.rank_offset < self.world_size:
             raise ValueError(f"HalInitInfo.rank_offset {self.rank_offset} outside 1..{self.world_size - 1} (world_size)")
         dtype_from_name(self.wire_dtype)
-
-    def sync_config(self) -> SyncConfig:
-        return SyncConfig(
-            bucket_bytes=self.bucket_bytes,
-            wire_dtype=dtype_from_name(self.wire_dtype),
-            verify=self.verify,
-            timeout_s=self.timeout_s,
-        )
 
 
 @dataclass(kw_only=True)
@@ -131,14 +118,25 @@ class HalUpdateInfo(WeightTransferUpdateInfo):
 
 
 class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
-    """Worker side: receives through a hal `Receiver` and applies by layerwise reload."""
+    """Worker side: receives through a hal `Receiver` and applies by layerwise reload.
+
+    It is the receiver's `Sink`: no destinations (vLLM repacks its parameters, so
+    tensors go through `load_weights` as views), `apply` once per bucket, `abort` ends
+    the reload of a failed sync with every layer whole.
+    """
 
     init_info_cls = HalInitInfo
     update_info_cls = HalUpdateInfo
+    # A layer whose tensors arrive in different apply calls is carried (copied) until its
+    # last one: per-segment calls would split most layers (docs/benchmarks.md, vLLM: 64 MiB
+    # buckets already doubled the apply time on the CPU).
+    whole_buckets = True
 
     def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        _quiet_computed_buffer_warnings()
+        vllm_internals.require_supported_vllm()
+        vllm_internals.quiet_computed_buffer_warnings()
+        self._token = env.sync_token()
         self._group: Any = None
         self._receiver: Receiver | None = None
         self._layer_of: dict[str, frozenset[str]] = {}
@@ -146,6 +144,8 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         self._carry: _CarryArena | None = None
         self._reloading = False
         self.last_metrics: SyncMetrics | None = None
+        self.refreshed_tied: list[str] = []
+        """Modules whose state derived from a tied weight was rebuilt after the last update."""
 
     # ---- init ---------------------------------------------------------------------
     def group_rank(self, init_info: HalInitInfo) -> int:
@@ -154,12 +154,20 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         return pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
 
     def init_transfer_engine(self, init_info: HalInitInfo) -> None:
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
         from hal.integrations._specs import checkpoint_specs, layer_groups, resolve_model_dir
 
         if self._group is not None:
             raise RuntimeError("hal weight transfer: already initialised; call shutdown_weight_transfer_engine first")
+        if self._token is None:
+            logger.warning(
+                "hal weight transfer: %s is not set: this engine accepts weights from any trainer that can reach it "
+                "(docs/security.md)", env.VERL_HAL_SYNC_TOKEN,
+            )
+        else:  # refused before joining the group: no byte of a stranger's is ever received
+            check_init_proof(
+                self._token, init_info.auth,
+                address=init_info.master_address, port=init_info.master_port, world_size=init_info.world_size,
+            )
         backend = hal.current()
         specs = checkpoint_specs(
             resolve_model_dir(self.model_config.model, getattr(self.model_config, "revision", None)),
@@ -170,20 +178,29 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             "hal weight transfer: joining %s:%d as rank %d of %d (%s), %d tensors expected",
             init_info.master_address, init_info.master_port, rank, init_info.world_size, backend.dist_backend, len(specs),
         )
-        self._group = stateless_init_torch_distributed_process_group(
-            init_info.master_address,
-            init_info.master_port,
-            rank,
-            init_info.world_size,
-            backend=backend.dist_backend,
-            timeout=timedelta(seconds=init_info.timeout_s),
+        self._group = vllm_internals.stateless_group(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size,
+            backend=backend.dist_backend, timeout_s=init_info.timeout_s,
         )
-        transport = TRANSPORTS[init_info.transport](self._group, src=0)
+        control = "cpu" if backend.dist_backend == "gloo" else backend.device()
+        transport = TRANSPORTS[init_info.transport](self._group, src=0, control_device=control)
         self._layer_of = layer_groups([s.name for s in specs])
-        receiver = _WholeLayerReceiver(transport, specs, init_info.sync_config())
-        receiver.layer_of = self._layer_of
-        self._receiver = receiver
+        self._receiver = Receiver(transport, specs, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate)
         self._carry = _CarryArena(cap_bytes=max(64 << 20, sum(s.nbytes for s in specs) // 4))
+
+    def validate(self, specs: list[TensorSpec]) -> None:
+        """Refuse, before anything is applied, a sync that carries part of a layer:
+        vLLM's layerwise reload processes a fused layer from all of its checkpoint
+        tensors, and one that got only some would be processed with the rest uninitialised."""
+        sent = {spec.name for spec in specs}
+        for name in sorted(sent):
+            missing = self._layer_of.get(name, frozenset()) - sent
+            if missing:
+                more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+                raise SpecMismatchError(
+                    f"parameter {name!r} is sent without {sorted(missing)[:3]}{more} of the same layer; "
+                    "vLLM's layerwise reload needs every tensor of each layer it reloads"
+                )
 
     # ---- one update ---------------------------------------------------------------
     def start_weight_update(self) -> None:
@@ -205,8 +222,8 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         if self._receiver is None:
             raise RuntimeError("hal weight transfer: not initialised; call init_weight_transfer_engine first")
         start = time.perf_counter()
-        with _no_mtp_check():
-            metrics = self._receiver.receive(self._apply_bucket)
+        with vllm_internals.no_mtp_completeness_check():
+            metrics = self._receiver.receive(self)
         if metrics.version is not None and metrics.version != update_info.version:
             raise RuntimeError(
                 f"hal weight transfer: update_weights announced version {update_info.version}, "
@@ -218,11 +235,13 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             metrics.version, metrics.bytes / 2**30, metrics.buckets, time.perf_counter() - start, metrics.apply_s or 0.0,
         )
 
-    def _apply_bucket(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        if not self._reloading:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    # ---- the Sink the receiver delivers into ------------------------------------------
+    def destination(self, name: str) -> torch.Tensor | None:
+        return None  # vLLM repacks its parameters: tensors go through load_weights
 
-            initialize_layerwise_reload(self.model)
+    def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        if not self._reloading:
+            vllm_internals.initialize_layerwise_reload(self.model)
             self._reloading = True
             self._seen = set()
             self._carry.reset()
@@ -233,20 +252,38 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         batch = [(n, t if self._layer_of.get(n, frozenset((n,))) <= self._seen else keep(t)) for n, t in pairs]
         self.model.load_weights(batch)
 
+    def abort(self) -> None:
+        self._finish_reload()
+
     def _finish_reload(self) -> None:
         if self._reloading:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
             self._reloading = False
-            finalize_layerwise_reload(self.model, self.model_config)
+            vllm_internals.finalize_layerwise_reload(self.model, self.model_config)
+            # A weight tied to another module (lm_head to embed_tokens) is loaded through
+            # its owner; state derived from it at load time is rebuilt here.
+            self.refreshed_tied = vllm_internals.refresh_tied_weights(self.model)
 
     def finish_weight_update(self) -> None:
         self._finish_reload()
 
     @property
     def version(self) -> int | None:
-        """The last version applied on this worker (None before the first)."""
+        """The last version completely applied on this worker (None before the first)."""
         return None if self._receiver is None else self._receiver.version
+
+    @property
+    def consistent(self) -> bool:
+        """False while this worker holds some tensors of a failed sync and old ones for the rest."""
+        return True if self._receiver is None else self._receiver.consistent
+
+    def state(self) -> dict[str, Any]:
+        """`{"version", "consistent", "torn"}` of this worker."""
+        receiver = self._receiver
+        return {
+            "version": None if receiver is None else receiver.version,
+            "consistent": self.consistent,
+            "torn": [] if receiver is None else list(receiver.torn),
+        }
 
     def shutdown(self) -> None:
         group, receiver = self._group, self._receiver
@@ -254,37 +291,10 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         if receiver is not None:
             receiver.transport.close()
         if group is not None:
-            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
             try:
-                stateless_destroy_torch_distributed_process_group(group)
+                vllm_internals.destroy_stateless_group(group)
             except Exception as exc:  # noqa: BLE001 - teardown must not fail the worker
                 logger.warning("hal weight transfer: releasing the group failed: %s", exc)
-
-
-class _WholeLayerReceiver(Receiver):
-    """Refuses, before anything is applied, a sync that carries part of a layer.
-
-    vLLM's layerwise reload processes a fused layer from all of its checkpoint tensors;
-    one that got only some of them would be processed with the rest uninitialised.
-    """
-
-    layer_of: dict[str, frozenset[str]] = {}
-    # A layer whose tensors arrive in different apply calls is carried (copied) until its
-    # last one: per-segment calls would split most layers (docs/benchmarks.md, vLLM: 64 MiB
-    # buckets already doubled the apply time on the CPU).
-    apply_whole_buckets = True
-
-    def validate(self, specs: list[TensorSpec]) -> None:
-        sent = {spec.name for spec in specs}
-        for name in sorted(sent):
-            missing = self.layer_of.get(name, frozenset()) - sent
-            if missing:
-                more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-                raise SpecMismatchError(
-                    f"parameter {name!r} is sent without {sorted(missing)[:3]}{more} of the same layer; "
-                    "vLLM's layerwise reload needs every tensor of each layer it reloads"
-                )
 
 
 class _CarryArena:
@@ -324,24 +334,6 @@ class _CarryArena:
         return out
 
 
-class _no_mtp_check:
-    """vLLM's `disable_mtp_completeness_check` where it exists (a partial load is expected per bucket)."""
-
-    def __enter__(self) -> None:
-        try:
-            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-            self._cm = disable_mtp_completeness_check()
-        except ImportError:
-            self._cm = None
-        if self._cm is not None:
-            self._cm.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._cm is not None:
-            self._cm.__exit__(*exc)
-
-
 class HalWorkerExtension:
     """The same engine through `worker_extension_cls`, for vLLM builds without the native API.
 
@@ -378,6 +370,10 @@ class HalWorkerExtension:
     def hal_version(self) -> int | None:
         return self._hal_engine().version
 
+    def hal_state(self) -> dict[str, Any]:
+        """This worker's `version`, `consistent` and `torn` (see `HalWeightTransferEngine.state`)."""
+        return self._hal_engine().state()
+
     def hal_shutdown(self) -> None:
         engine = getattr(self, "_hal_weight_engine", None)
         if engine is not None:
@@ -402,8 +398,7 @@ def register() -> None:
 
 def register_engine(factory: Any, name: str, module: str, cls_name: str) -> None:
     """`factory.register_engine(name, ...)` unless `name` is already registered."""
-    registry = getattr(factory, "_registry", None)
-    if isinstance(registry, dict) and name in registry:
+    if vllm_internals.registered(factory, name):
         return
     try:
         factory.register_engine(name, module, cls_name)

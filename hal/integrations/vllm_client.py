@@ -13,12 +13,18 @@ thread while this thread runs the hal `Sender`; both are bounded by a timeout an
 any failure on either side fails the sync with an error that names the engine.
 
 The weight version is the trainer's step: the engine reports it afterwards
-(`get_weight_version`), and a version older than the engine's is refused.
+(`get_weight_version`), and a version older than the engine's is refused. A sync that
+fails part-way leaves each engine tensor with its old or its new bytes; an engine left
+holding some of each reports the weight version `inconsistent:<last complete version>`
+until a complete sync lands, and `WeightSync.sync` resends once by default when the
+failure was the trainer's own (its source raised; `resend_after_failure`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -26,12 +32,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence
 
 import hal
-from hal.procs import free_port
+from hal import env
+from hal.integrations import vllm_internals
 from hal.integrations.vllm import BACKEND_NAME, TRANSPORTS, HalInitInfo, dtype_name
-from hal.sync import Sender, SyncConfig, SyncError, SyncMetrics
-from hal.sync.config import default_bucket_bytes
+from hal.procs import free_port
+from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics
 from hal.sync.errors import PeerError
+from hal.sync.header import init_proof
 from hal.sync.source import as_source
+
+logger = logging.getLogger(__name__)
+
+# What an engine holding some tensors of a failed sync and old ones for the rest reports
+# as its weight version, followed by the last version it held completely.
+INCONSISTENT_PREFIX = "inconsistent:"
 
 
 class Engine(Protocol):
@@ -44,6 +58,7 @@ class Engine(Protocol):
     def start_weight_update(self) -> None: ...
     def update_weights(self, update_info: dict[str, Any]) -> None: ...
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+    def update_weight_version(self, weight_version: str) -> None: ...
     def get_weight_version(self) -> str: ...
     def reset_prefix_cache(self) -> None: ...
     def shutdown_weight_transfer_engine(self) -> None: ...
@@ -73,6 +88,9 @@ class OfflineEngine:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self.llm.update_weight_version(weight_version)
 
     def get_weight_version(self) -> str:
         return self.llm.get_weight_version()
@@ -109,8 +127,12 @@ class ExtensionEngine:
         self.llm.collective_rpc("hal_update", kwargs={"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if weight_version is not None:
+            self.update_weight_version(weight_version)
+
+    def update_weight_version(self, weight_version: str) -> None:
         setter = getattr(self.llm, "update_weight_version", None)
-        if weight_version is not None and callable(setter):
+        if callable(setter):
             setter(weight_version)
 
     def get_weight_version(self) -> str:
@@ -176,6 +198,9 @@ class HttpEngine:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._request("POST", "finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
 
+    def update_weight_version(self, weight_version: str) -> None:
+        self._request("POST", "update_weight_version", {"new_version": weight_version})
+
     def get_weight_version(self) -> str:
         return self._request("GET", "weight_info")["weight_version"]
 
@@ -196,6 +221,8 @@ class SyncResult:
     metrics: SyncMetrics
     """The sender's metrics (bytes, buckets, transfer and pack time)."""
     engine_versions: dict[str, str] = field(default_factory=dict)
+    resent: bool = False
+    """The first attempt failed on the trainer's side and this is the resend's result."""
 
     @property
     def gib_per_s(self) -> float:
@@ -223,42 +250,43 @@ def _keep_stdout() -> Iterator[None]:
             os.close(saved)
 
 
-class _Call:
-    """Run one engine call in a daemon thread; `result(timeout)` re-raises its error."""
+def _in_thread(what: str, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
+    """Run one engine call in a daemon thread; its `concurrent.futures.Future`.
 
-    def __init__(self, what: str, fn: Callable[[], Any]) -> None:
-        self.what = what
-        self._error: BaseException | None = None
-        self._value: Any = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"hal-{what}", daemon=True)
-        self._thread.start()
+    Not a ThreadPoolExecutor: its worker threads are joined at interpreter exit, so an
+    engine call that never returns (a dead server) would hang the trainer's exit.
+    """
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
-    def _run(self, fn: Callable[[], Any]) -> None:
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
         try:
-            self._value = fn()
+            future.set_result(fn())
         except BaseException as exc:  # noqa: BLE001 - surfaced by result()
-            self._error = exc
+            future.set_exception(exc)
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
+    threading.Thread(target=run, name=f"hal-{what}", daemon=True).start()
+    return future
 
-    def wait(self, timeout: float) -> None:
-        self._thread.join(timeout)
 
-    def result(self, timeout: float) -> Any:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise PeerError(f"{self.what} did not return within {timeout:.0f} s")
-        if self._error is not None:
-            raise self._error
-        return self._value
+def _result(future: "concurrent.futures.Future[Any]", what: str, timeout: float) -> Any:
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise PeerError(f"{what} did not return within {timeout:.0f} s") from None
 
 
 class WeightSync:
     """Drives hal syncs from this (trainer) process into `engines`.
 
     The trainer is rank 0 of one group that joins it with every worker of every engine;
-    the group's collective backend is `hal.current().dist_backend`.
+    the group's collective backend is `hal.current().dist_backend`. `config` is passed to
+    the `Sender` as given (bucket size from free memory and the largest tensor when it
+    says None). `token` (default: `VERL_HAL_SYNC_TOKEN`) is proven to engines started
+    with one. After a sync that failed on the trainer's side (its source raised, a pack
+    failed) and left some engine holding part of it, the sync is sent again up to
+    `resend_after_failure` times (0: raise the first failure as it is).
     """
 
     def __init__(
@@ -270,6 +298,8 @@ class WeightSync:
         master_port: int | None = None,
         timeout_s: float = 120.0,
         transport: str = "auto",
+        token: str | None = None,
+        resend_after_failure: int = 1,
     ) -> None:
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {transport!r}")
@@ -278,17 +308,26 @@ class WeightSync:
         names = [e.name for e in engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
+        if isinstance(resend_after_failure, bool) or not isinstance(resend_after_failure, int) or resend_after_failure < 0:
+            raise ValueError(f"resend_after_failure must be an int >= 0, got {resend_after_failure!r}")
+        if config is not None and not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         self.engines = list(engines)
-        self.config = config or SyncConfig()
+        self.config = config if config is not None else SyncConfig()
         self.master_address = master_address
         self.master_port = master_port
         self.timeout_s = timeout_s
         self.transport = transport
         """"auto": "ipc" when every engine is on this node and the backend shares memory
         between processes (`supports_ipc`), else "broadcast"."""
+        self.token = token if token is not None else env.sync_token()
+        self.resend_after_failure = resend_after_failure
         self._group: Any = None
         self._sender: Sender | None = None
+        self._ranks: dict[str, range] = {}
         self.version: int | None = None
+        self.inconsistent: set[str] = set()
+        """Engines holding part of a failed sync (some tensors new, some old), by name."""
 
     @property
     def world_size(self) -> int:
@@ -300,25 +339,15 @@ class WeightSync:
             self._init()
 
     def _init(self) -> None:
-        from datetime import timedelta
-
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
         if self._group is not None:
             raise RuntimeError("WeightSync.init called twice")
+        vllm_internals.require_supported_vllm()
         backend = hal.current()
-        bucket_bytes = self.config.bucket_bytes or default_bucket_bytes(backend)
-        self.config = SyncConfig(
-            bucket_bytes=bucket_bytes,
-            bypass_cpu=self.config.bypass_cpu,
-            wire_dtype=self.config.wire_dtype,
-            verify=self.config.verify,
-            timeout_s=self.config.timeout_s,
-        )
         if self.transport == "auto":
             local = all(getattr(e, "same_node", False) for e in self.engines)
             self.transport = "ipc" if local and backend.supports_ipc else "broadcast"
         port = self.master_port or free_port(self.master_address)
+        proof = None if self.token is None else init_proof(self.token, address=self.master_address, port=port, world_size=self.world_size)
         calls = []
         offset = 1
         for engine in self.engines:
@@ -327,47 +356,61 @@ class WeightSync:
                 master_port=port,
                 rank_offset=offset,
                 world_size=self.world_size,
-                bucket_bytes=bucket_bytes,
                 wire_dtype=dtype_name(self.config.wire_dtype),
-                verify=self.config.verify,
                 timeout_s=self.config.timeout_s,
                 transport=self.transport,
+                auth=proof,
             )
+            self._ranks[engine.name] = range(offset, offset + engine.num_workers)
             offset += engine.num_workers
             payload = asdict(info)
-            calls.append(_Call(f"{engine.name}: init_weight_transfer_engine", lambda e=engine, p=payload: e.init_weight_transfer_engine(p)))
-        group_call = _Call(
+            what = f"{engine.name}: init_weight_transfer_engine"
+            calls.append((what, _in_thread(what, lambda e=engine, p=payload: e.init_weight_transfer_engine(p))))
+        group_call = _in_thread(
             "trainer: join the weight-sync group",
-            lambda: stateless_init_torch_distributed_process_group(
-                self.master_address, port, 0, self.world_size, backend=backend.dist_backend,
-                timeout=timedelta(seconds=self.timeout_s),
+            lambda: vllm_internals.stateless_group(
+                self.master_address, port, 0, self.world_size, backend=backend.dist_backend, timeout_s=self.timeout_s
             ),
         )
-        # An engine that refuses (bad init info, already connected) fails fast instead of
-        # leaving the trainer in the rendezvous until the timeout.
+        # An engine that refuses (bad init info, a wrong token, already connected) fails
+        # fast instead of leaving the trainer in the rendezvous until the timeout.
         deadline = time.monotonic() + self.timeout_s
-        while not group_call.done():
-            for call in calls:
+        pending = {group_call, *(f for _, f in calls)}
+        while not group_call.done() and time.monotonic() < deadline:
+            for what, call in calls:
                 if call.done():
-                    call.result(0)
-            if time.monotonic() > deadline:
-                break
-            group_call.wait(0.05)
+                    self._engine_result(call, what)
+            pending = concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)[1]
         try:
-            self._group = group_call.result(max(0.0, deadline - time.monotonic()))
+            self._group = _result(group_call, "trainer: join the weight-sync group", max(0.0, deadline - time.monotonic()))
         except Exception as exc:
-            for call in calls:
+            for what, call in calls:
                 if call.done():
-                    call.result(0)  # an engine-side error explains the failure better
+                    self._engine_result(call, what)  # an engine-side error explains the failure better
             raise PeerError(f"trainer could not join the weight-sync group at {self.master_address}:{port}: {exc}") from exc
-        for call in calls:
-            call.result(self.timeout_s)
-        self._sender = Sender(TRANSPORTS[self.transport](self._group, src=0), self.config)
+        for what, call in calls:
+            self._engine_result(call, what, self.timeout_s)
+        control = "cpu" if backend.dist_backend == "gloo" else backend.device()
+        self._sender = Sender(TRANSPORTS[self.transport](self._group, src=0, control_device=control), self.config, token=self.token)
+
+    @staticmethod
+    def _engine_result(call: "concurrent.futures.Future[Any]", what: str, timeout: float = 0.0) -> Any:
+        try:
+            return _result(call, what, timeout)
+        except SyncError:
+            raise
+        except Exception as exc:
+            if "AuthError" in f"{type(exc).__name__}: {exc}":  # through collective_rpc or HTTP the type is lost
+                raise AuthError(f"{what}: {exc}") from exc
+            raise
 
     def sync(self, source: Any, version: int) -> SyncResult:
         """Send `source` (a module, a hal source, a dict or list of pairs) as `version`.
 
-        Returns when every engine serves the new weights and reports `version`.
+        Returns when every engine serves the new weights and reports `version`. Raises the
+        sync's `SyncError` otherwise, after resending a trainer-side failure that left an
+        engine inconsistent (see the class doc); `self.inconsistent` then names the engines
+        that hold part of it, and they report `inconsistent:<version>` as weight version.
         """
         if self._sender is None:
             raise RuntimeError("WeightSync.sync before init()")
@@ -375,35 +418,67 @@ class WeightSync:
             raise TypeError(f"version must be an int (the trainer step), got {version!r}")
         source = as_source(source)
         start = time.perf_counter()
-        for engine in self.engines:
-            engine.start_weight_update()
-        calls = [
-            _Call(f"{e.name}: update_weights", lambda e=e: e.update_weights({"version": version})) for e in self.engines
-        ]
-        try:
-            metrics = self._sender.send(source, version=version)
-        except SyncError as exc:
-            # the engines fail the same sync; their message is usually the precise one
-            errors = []
-            for call in calls:
-                try:
-                    call.result(self.timeout_s)
-                except BaseException as engine_exc:  # noqa: BLE001
-                    errors.append(f"{call.what}: {engine_exc}")
-            if errors:
-                raise type(exc)(f"{exc} | " + " | ".join(errors)) from exc
-            raise
-        for call in calls:
-            call.result(self.timeout_s)
+        attempt = 0
+        while True:
+            try:
+                metrics = self._sync_once(source, version)
+                break
+            except SyncError as exc:
+                if attempt < self.resend_after_failure and exc.trainer_side and self.inconsistent:
+                    attempt += 1
+                    logger.warning(
+                        "hal sync of version %d failed on the trainer and left %s inconsistent; sending it again (%d of %d): %s",
+                        version, sorted(self.inconsistent), attempt, self.resend_after_failure, exc,
+                    )
+                    continue
+                raise
         versions = {}
         for engine in self.engines:
             engine.finish_weight_update(str(version))
             # KV computed with the old weights must not be reused (prefix caching)
             engine.reset_prefix_cache()
             versions[engine.name] = engine.get_weight_version()
-        seconds = time.perf_counter() - start
         self.version = version
-        return SyncResult(version=version, seconds=seconds, metrics=metrics, engine_versions=versions)
+        self.inconsistent.clear()
+        return SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
+
+    def _sync_once(self, source: Any, version: int) -> SyncMetrics:
+        for engine in self.engines:
+            engine.start_weight_update()
+        calls = [
+            (f"{e.name}: update_weights", _in_thread(f"{e.name}-update", lambda e=e: e.update_weights({"version": version})))
+            for e in self.engines
+        ]
+        try:
+            metrics = self._sender.send(source, version=version)
+        except SyncError as exc:
+            # the engines fail the same sync; their message is usually the precise one
+            problems = []
+            for what, call in calls:
+                try:
+                    _result(call, what, self.timeout_s)
+                except BaseException as engine_exc:  # noqa: BLE001
+                    problems.append(f"{what}: {engine_exc}")
+            self._mark_inconsistent(exc)
+            if problems:
+                raise type(exc)(f"{exc} | " + " | ".join(problems), reports=exc.reports, my_rank=exc.my_rank) from exc
+            raise
+        for what, call in calls:
+            _result(call, what, self.timeout_s)
+        return metrics
+
+    def _mark_inconsistent(self, exc: SyncError) -> None:
+        """Record, and make each engine report, that it holds part of a failed sync."""
+        ranks = set(exc.inconsistent_ranks)
+        for engine in self.engines:
+            if not ranks.intersection(self._ranks.get(engine.name, ())):
+                continue
+            self.inconsistent.add(engine.name)
+            label = f"{INCONSISTENT_PREFIX}{'none' if self.version is None else self.version}"
+            try:
+                engine.update_weight_version(label)
+            except Exception as version_exc:  # noqa: BLE001 - the sync's own error is the one to raise
+                logger.warning("engine %s: could not set its weight version to %r: %s", engine.name, label, version_exc)
 
     def close(self) -> None:
         """Release the group on both sides; the engines keep serving."""
@@ -418,9 +493,7 @@ class WeightSync:
             sender.transport.close()
         if group is not None:
             try:
-                from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-                stateless_destroy_torch_distributed_process_group(group)
+                vllm_internals.destroy_stateless_group(group)
             except Exception:  # noqa: BLE001
                 pass
 
@@ -463,6 +536,11 @@ class _ClientEngine:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.client.finish_weight_update(weight_version)
 
+    def update_weight_version(self, weight_version: str) -> None:
+        update = getattr(self.client, "update_weight_version", None)
+        if callable(update):
+            update(weight_version)
+
     def get_weight_version(self) -> str:
         get = getattr(self.client, "get_weight_version", None)
         return get() if callable(get) else ""
@@ -489,6 +567,8 @@ class HalTrainerInitInfo(_TrainerInitInfo):
     bucket_bytes: int | None = None
     verify: bool = False
     timeout_s: float = 120.0
+    token: str | None = None
+    """The engines' sync token (default: `VERL_HAL_SYNC_TOKEN`)."""
 
 
 class HalTrainerWeightTransferEngine(_TrainerEngine):
@@ -510,6 +590,7 @@ class HalTrainerWeightTransferEngine(_TrainerEngine):
         driver = WeightSync(
             [_ClientEngine(client, init_info.num_workers)],
             config=SyncConfig(bucket_bytes=init_info.bucket_bytes, verify=init_info.verify, timeout_s=init_info.timeout_s),
+            token=init_info.token,
             master_address=init_info.master_address,
             master_port=init_info.master_port,
             timeout_s=init_info.timeout_s,
@@ -519,7 +600,8 @@ class HalTrainerWeightTransferEngine(_TrainerEngine):
 
     def send_weights(self, version: int | None = None) -> SyncResult:
         """One full sync; `version` defaults to one more than the last."""
-        assert self.sync_driver is not None
+        if self.sync_driver is None:
+            raise RuntimeError("hal trainer weight transfer: not initialised; create it with trainer_init()")
         self.step = self.step + 1 if version is None else version
         return self.sync_driver.sync(_VllmSourceAdapter.wrap(self.source), self.step)
 

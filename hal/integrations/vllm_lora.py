@@ -68,15 +68,15 @@ from typing import Any, Sequence
 
 import torch
 
+from hal.integrations import vllm_internals
 from hal.integrations.vllm import (
     HalInitInfo,
     HalUpdateInfo,
     HalWeightTransferEngine,
-    _WholeLayerReceiver,
     dtype_from_name,
     register_engine,
 )
-from hal.sync import SpecMismatchError, SyncConfig, TensorSource, TensorSpec
+from hal.sync import Receiver, SpecMismatchError, SyncConfig, TensorSource, TensorSpec
 from hal.sync.lora import (
     BaseWeightTracker,
     LoraSyncDecision,
@@ -147,23 +147,6 @@ class HalLoraInitInfo(HalInitInfo):
             raise ValueError("HalLoraInitInfo.lora_name must not be empty")
 
 
-class _AdapterCompleteReceiver(_WholeLayerReceiver):
-    """A receiver that refuses, before anything is applied, a sync carrying part of the
-    adapter, or (as the base engine's) part of a base layer."""
-
-    adapter_names: frozenset[str] = frozenset()
-
-    def validate(self, specs: list[TensorSpec]) -> None:
-        super().validate(specs)
-        sent = {spec.name for spec in specs} & self.adapter_names
-        if sent and sent != self.adapter_names:
-            missing = sorted(self.adapter_names - sent)
-            more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-            raise SpecMismatchError(
-                f"the sync carries {len(sent)} of the adapter's {len(self.adapter_names)} tensors; missing {missing[:3]}{more}"
-            )
-
-
 class HalLoraWeightTransferEngine(HalWeightTransferEngine):
     """Worker side of "hal-lora": base tensors by layerwise reload; the adapter checked, then published for vLLM's LoRA loader."""
 
@@ -181,7 +164,7 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
 
     # ---- init ---------------------------------------------------------------------
     def _lora_manager(self) -> Any:
-        manager = getattr(self._default_model, "lora_manager", None)
+        manager = vllm_internals.lora_manager(self)
         if manager is None:
             raise RuntimeError(
                 "hal-lora weight transfer: the engine has no LoRA manager; start vLLM with enable_lora=True "
@@ -193,7 +176,8 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
         # Join the trainer's group first: a refused adapter then fails the trainer's init
         # with this worker's error at once, instead of leaving it waiting for the rendezvous.
         super().init_transfer_engine(init_info)
-        assert self._receiver is not None
+        if self._receiver is None:
+            raise RuntimeError("hal-lora weight transfer: the base engine did not initialise its receiver")
         base = list(self._receiver.specs.values())
         dtype = dtype_from_name(init_info.wire_dtype) or self.model_config.dtype
         try:
@@ -207,31 +191,37 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
         except BaseException:
             self.shutdown()  # leave no half-initialised group behind
             raise
-        receiver = _AdapterCompleteReceiver(self._receiver.transport, base + lora, init_info.sync_config())
-        receiver.adapter_names = frozenset(s.name for s in lora)
-        receiver.layer_of = self._layer_of
-        self._receiver = receiver
-        self._adapter_names = receiver.adapter_names
+        self._adapter_names = frozenset(s.name for s in lora)
+        self._receiver = Receiver(
+            self._receiver.transport, base + lora, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate
+        )
         self._lora_info = init_info
         logger.info(
             "hal-lora weight transfer: adapter %r (id %d, r=%s) with %d tensors, %d base tensors",
             init_info.lora_name, init_info.lora_int_id, init_info.lora_config["r"], len(lora), len(base),
         )
 
-    def _peft_helper(self, lora_config: dict[str, Any]) -> Any:
-        from vllm.lora.peft_helper import PEFTHelper
+    def validate(self, specs: list[TensorSpec]) -> None:
+        """As the base engine (whole layers), and refuse a sync carrying part of the adapter."""
+        super().validate(specs)
+        sent = {spec.name for spec in specs} & self._adapter_names
+        if sent and sent != self._adapter_names:
+            missing = sorted(self._adapter_names - sent)
+            more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise SpecMismatchError(
+                f"the sync carries {len(sent)} of the adapter's {len(self._adapter_names)} tensors; missing {missing[:3]}{more}"
+            )
 
+    def _peft_helper(self, lora_config: dict[str, Any]) -> Any:
         text_config = self.model_config.hf_config.get_text_config()
         config = dict(lora_config)
         config["vllm_max_position_embeddings"] = getattr(text_config, "max_position_embeddings", None)
-        return PEFTHelper.from_dict(config)
+        return vllm_internals.peft_helper(config)
 
     @staticmethod
     def _check_supported(specs: list[TensorSpec], manager: Any) -> None:
         """Every targeted module must be one vLLM applies LoRA to (its loader checks the same on disk)."""
-        expected: set[str] = set()
-        for module in manager.supported_lora_modules:
-            expected.update(manager.packed_modules_mapping.get(module, [module]))
+        expected = vllm_internals.lora_target_modules(manager)
         unsupported = sorted({s.name.split(".lora_")[0] for s in specs if s.name.split(".lora_")[0].rsplit(".", 1)[-1] not in expected})
         if unsupported:
             raise ValueError(
@@ -255,7 +245,7 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
             self._publish(tensors)
             self.adapter_version = self.version
 
-    def _apply_bucket(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         base = []
         for name, tensor in pairs:
             if name in self._adapter_names:
@@ -263,33 +253,25 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
             else:
                 base.append((name, tensor))
         if base:
-            super()._apply_bucket(base)
+            super().apply(base)
         if self._pending and len(self._pending) == len(self._adapter_names):
             # Build it as vLLM will: a bad adapter fails this sync on every rank, before it is published.
             self._built = self._build(self._pending)
 
     def _build(self, tensors: dict[str, torch.Tensor]) -> Any:
-        from vllm.lora.lora_model import LoRAModel
-
         info = self._lora_info
-        assert info is not None
+        if info is None:
+            raise RuntimeError("hal-lora weight transfer: not initialised; call init_weight_transfer_engine first")
         manager = self._lora_manager()
-        model = manager.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        lora = LoRAModel.from_lora_tensors(
-            lora_model_id=info.lora_int_id,
+        lora = vllm_internals.build_lora_model(
+            manager,
+            lora_id=info.lora_int_id,
             tensors=dict(tensors),
             peft_helper=self._peft_helper(info.lora_config),
-            device="cpu",
             dtype=self.vllm_config.lora_config.lora_dtype,
-            model_vocab_size=self.model_config.get_vocab_size(),
-            weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
-            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+            vocab_size=self.model_config.get_vocab_size(),
         )
-        for check in ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"):
-            fn = getattr(manager, check, None)
-            if callable(fn):
-                fn(lora)
+        vllm_internals.validate_lora_model(manager, lora)
         return lora
 
     def _publish(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -305,7 +287,8 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
         from safetensors.torch import save_file
 
         info = self._lora_info
-        assert info is not None
+        if info is None:
+            raise RuntimeError("hal-lora weight transfer: not initialised; call init_weight_transfer_engine first")
         directory = info.adapter_dir
         os.makedirs(directory, exist_ok=True)
         tag = f".{os.getpid()}.{self.group_rank(info)}.tmp"  # workers of one engine may share the directory
@@ -322,7 +305,7 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
 
     def loaded_adapter_ids(self) -> list[int]:
         """The LoRA ids vLLM's manager holds on this worker (loaded on first use after each update)."""
-        return sorted(self._lora_manager().list_adapters())
+        return vllm_internals.loaded_lora_ids(self._lora_manager())
 
 
 # ---- trainer side --------------------------------------------------------------------------

@@ -8,6 +8,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from hal.integrations import vllm_internals
+
 
 @contextlib.contextmanager
 def in_process_llm(model_dir: str | Path, *, backend: str = "hal", **overrides: Any) -> Iterator[Any]:
@@ -36,5 +38,5 @@ def in_process_llm(model_dir: str | Path, *, backend: str = "hal", **overrides: 
     finally:
         if llm is not None:
             with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+                vllm_internals.shutdown_llm(llm)
         env.undo()

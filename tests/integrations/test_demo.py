@@ -30,3 +30,17 @@ def test_demo_runs_syncs_every_step_and_writes_plot_and_json(tmp_path):
     assert set(steps[0]) == {"step", "reward", "sync_seconds", "engine_version", "outputs_match"}
     assert (out / "demo.png").stat().st_size > 0
     assert "reward" in proc.stdout and "match" in proc.stdout
+
+
+def test_demo_model_options_parse_and_match_tiny_model():
+    from hal.cli import build_parser
+    from hal.demo import ARCHITECTURES
+    from hal.integrations.tiny_model import ARCHITECTURES as TINY_ARCHITECTURES
+
+    assert ARCHITECTURES == TINY_ARCHITECTURES
+    args = build_parser().parse_args(["demo", "--tied", "--arch", "qwen2"])
+    assert (args.tied, args.arch) == (True, "qwen2")
+    args = build_parser().parse_args(["demo"])
+    assert (args.tied, args.arch) == (False, "llama")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--arch", "gpt2"])

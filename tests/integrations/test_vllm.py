@@ -75,11 +75,12 @@ def test_plugin_registers_backend_in_both_factories():
     load_general_plugins()
     register()  # idempotent
     register()
-    assert "hal" in WeightTransferEngineFactory._registry
-    assert "hal" in WeightTransferTrainerFactory._registry
+    from hal.integrations import vllm_internals
     from hal.integrations.vllm import HalWeightTransferEngine
 
-    assert WeightTransferEngineFactory._registry["hal"]() is HalWeightTransferEngine
+    assert vllm_internals.registered(WeightTransferEngineFactory, "hal")
+    assert vllm_internals.registered(WeightTransferTrainerFactory, "hal")
+    assert vllm_internals.registered_class(WeightTransferEngineFactory, "hal") is HalWeightTransferEngine
 
 
 def test_sync_then_engine_greedy_equals_transformers(engine):

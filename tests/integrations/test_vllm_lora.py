@@ -149,7 +149,9 @@ def lose_engine_weights(llm) -> None:
     noise = [(s.name, torch.randn(s.shape, generator=gen).to(s.dtype)) for s in checkpoint_specs(model_dir, torch.float32)]
 
     def scramble(worker) -> None:
-        worker.model_runner.reload_weights(weights_iterator=iter(noise))
+        from hal.integrations import vllm_internals
+
+        vllm_internals.reload_weights(worker, iter(noise))
 
     llm.collective_rpc(scramble)
     llm.reset_prefix_cache()
@@ -161,7 +163,9 @@ def test_engine_supports_lora_and_the_hal_lora_backend_is_registered(engine):
 
     from hal.integrations.vllm_lora import BACKEND_NAME, HalLoraWeightTransferEngine
 
-    assert WeightTransferEngineFactory._registry[BACKEND_NAME]() is HalLoraWeightTransferEngine
+    from hal.integrations import vllm_internals
+
+    assert vllm_internals.registered_class(WeightTransferEngineFactory, BACKEND_NAME) is HalLoraWeightTransferEngine
     assert llm.llm_engine.vllm_config.lora_config is not None
 
 
@@ -270,7 +274,7 @@ def test_partial_or_misshapen_adapter_is_refused_and_old_adapter_kept(engine):
 def test_init_info_refuses_adapters_the_engine_cannot_take():
     from hal.integrations.vllm_lora import HalLoraInitInfo
 
-    common = dict(master_address="127.0.0.1", master_port=1, bucket_bytes=1 << 20, adapter_dir="/tmp/hal-lora-test")
+    common = dict(master_address="127.0.0.1", master_port=1, adapter_dir="/tmp/hal-lora-test")
     ok = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
     HalLoraInitInfo(**common, lora_config=ok)
     with pytest.raises(NotImplementedError, match="rank_pattern"):
