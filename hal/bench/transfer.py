@@ -344,7 +344,7 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
     transport_cls = getattr(transports, transport_name)
     transport = transport_cls(group=None, src=SENDER)
     if ctx.config.trace:
-        _trace_calls(transport, ctx.trace, ("prepare", "exchange_header", "agree", "send_segment", "wait_sent", "recv_status", "recv_segment", "wait_segment", "release", "finish"))
+        _trace_calls(transport, ctx.trace, ("prepare", "exchange_header", "agree", "send_segment", "send_failure", "wait_sent", "receive_segments", "finish"))
     sync_config = SyncConfig(bucket_bytes=ctx.config.bucket_bytes, timeout_s=ctx.config.collective_timeout_s)
     names = [p.name for p in ctx.params]
 
@@ -367,8 +367,6 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
 
     specs = [TensorSpec(p.name, tuple(p.shape), p.dtype) for p in ctx.params]
     receiver = Receiver(transport, specs, timeout_s=ctx.config.collective_timeout_s, backend=backend)
-    if ctx.config.trace:
-        _trace_calls(receiver, ctx.trace, ("_arrived",))  # private: profiling only
     destination = dict(zip(names, ctx.tensors))
     apply: Any
     if target == "copy_into":

@@ -70,6 +70,11 @@ def add_arguments(parser: Any) -> None:
         help="--engine vllm: where to build (or reuse) the 0.63 GiB benchmark model; default a directory under the system temp dir",
     )
     parser.add_argument(
+        "--vllm-tied", action="store_true",
+        help="--engine vllm: tie lm_head to embed_tokens (as Qwen2.5 0.5B-3B, Llama 3.2 do); the model has one "
+        "vocab-sized matrix fewer, and every hal sync also checks that the engine's tied head was refreshed",
+    )
+    parser.add_argument(
         "--vllm-in-process", action="store_true",
         help="--engine vllm: run vLLM's engine core and worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
     )
@@ -113,13 +118,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file, save, save_file
 
+    from dataclasses import replace
+
     from hal.integrations.tiny_model import BENCH_SPEC, build_tiny_llama
     from hal.integrations.vllm_client import OfflineEngine, WeightSync
     from hal.sync import SyncConfig, TensorSource
 
-    model_dir = Path(args.vllm_model_dir or Path(tempfile.gettempdir()) / "hal-bench-vllm-model")
-    print(f"[bench vllm] model {BENCH_SPEC.nbytes_fp32() / GIB:.2f} GiB fp32 in {model_dir}", flush=True)
-    build_tiny_llama(model_dir, BENCH_SPEC)
+    tied = bool(getattr(args, "vllm_tied", False))
+    spec = replace(BENCH_SPEC, tie_word_embeddings=True) if tied else BENCH_SPEC
+    default_dir = Path(tempfile.gettempdir()) / ("hal-bench-vllm-model-tied" if tied else "hal-bench-vllm-model")
+    model_dir = Path(args.vllm_model_dir or default_dir)
+    print(f"[bench vllm] model {spec.nbytes_fp32() / GIB:.2f} GiB fp32{' (tied embeddings)' if tied else ''} in {model_dir}", flush=True)
+    build_tiny_llama(model_dir, spec)
     (checkpoint,) = sorted(model_dir.glob("*.safetensors"))
     weights_a = load_file(str(checkpoint))
     gen = torch.Generator().manual_seed(1)
@@ -173,6 +183,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result = s.sync(TensorSource(next_weights().items()), version=next_version())
         if result.engine_versions[engine.name] != str(result.version):
             raise RuntimeError(f"engine reports version {result.engine_versions} after sync {result.version}")
+        if tied and llm.collective_rpc("bench_refreshed_tied") != [["lm_head"]]:
+            raise RuntimeError("the engine did not refresh its tied lm_head after the sync")
         worker = llm.collective_rpc("bench_last_metrics")[0]  # after the timed part
         metrics.append({"sender": result.metrics.as_dict(), "receiver": worker})
         return result.seconds

@@ -12,6 +12,7 @@ reference times need inside the worker process:
 - `bench_floor_recv(nbytes)`: receive one flat `nbytes` broadcast on the hal group (the
   trainer times the matching send): the transport floor for the same bytes.
 - `bench_last_metrics()`: the hal receiver's metrics of the last sync on this worker.
+- `bench_refreshed_tied()`: the tied modules the hal engine refreshed after its last update.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class BenchWorkerExtension(HalWorkerExtension):
         group.broadcast([buf], opts).wait()
         hal.current().synchronize()
         return time.perf_counter() - start
+
+    def bench_refreshed_tied(self) -> list[str]:
+        """The tied modules the native hal engine refreshed after its last update."""
+        return list(self._native_engine().refreshed_tied)
 
     def bench_last_metrics(self) -> dict[str, Any] | None:
         metrics = getattr(self._native_engine(), "last_metrics", None)

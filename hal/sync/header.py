@@ -139,14 +139,16 @@ class SyncHeader:
             raise HeaderError(f"header field 'specs': expected a tuple of TensorSpec, got {_describe(self.specs)}")
         if len(self.specs) > MAX_SPECS:
             raise HeaderError(f"header field 'specs': {len(self.specs)} tensors, at most {MAX_SPECS} are allowed")
-        seen: set[str] = set()
-        for i, spec in enumerate(self.specs):
-            if not isinstance(spec, TensorSpec):
-                raise HeaderError(f"header field 'specs[{i}]': expected a TensorSpec, got {_describe(spec)}")
-            _check_spec(i, spec.name, spec.shape, spec.dtype)
-            if spec.name in seen:
-                raise HeaderError(f"header field 'specs[{i}]': name {_quote(spec.name)} appears twice")
-            seen.add(spec.name)
+        if self.specs is not _validated.specs:  # every sync of a job sends the same tensors: check them once
+            seen: set[str] = set()
+            for i, spec in enumerate(self.specs):
+                if not isinstance(spec, TensorSpec):
+                    raise HeaderError(f"header field 'specs[{i}]': expected a TensorSpec, got {_describe(spec)}")
+                _check_spec(i, spec.name, spec.shape, spec.dtype)
+                if spec.name in seen:
+                    raise HeaderError(f"header field 'specs[{i}]': name {_quote(spec.name)} appears twice")
+                seen.add(spec.name)
+            _validated.remember(None, self.specs)
         _check_int("bucket_bytes", self.bucket_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES)
         if self.segment_bytes is not None:
             _check_int("segment_bytes", self.segment_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES, "an int or null")
@@ -298,7 +300,8 @@ def check_init_proof(token: str | None, proof: str | None, *, address: str, port
     if proof is None:
         raise AuthError("the trainer presented no token, but this engine requires one (set VERL_HAL_SYNC_TOKEN on the trainer)")
     expected = init_proof(token, address=address, port=port, world_size=world_size)
-    if not isinstance(proof, str) or not hmac.compare_digest(expected, proof):
+    # isascii first: compare_digest raises TypeError on a non-ASCII str, which is no refusal
+    if not isinstance(proof, str) or not proof.isascii() or not hmac.compare_digest(expected, proof):
         raise AuthError("the trainer's token does not match this engine's (VERL_HAL_SYNC_TOKEN differs)")
 
 
@@ -356,12 +359,52 @@ def _spec_problem(name: Any, shape: Any, dtype: Any) -> str | None:
     return None
 
 
+class _LastSpecs:
+    """The last spec tuple that passed every check, and the JSON list it was decoded from.
+
+    Every sync of a training job carries the same tensors, and checking a few hundred of
+    them costs milliseconds per sync; a list equal to the last one decoded (compared as
+    plain JSON values, so nothing hostile gets past) reuses its checked tuple.
+    """
+
+    def __init__(self) -> None:
+        self.raw: list | None = None
+        self.specs: tuple[TensorSpec, ...] | None = None
+
+    def remember(self, raw: list | None, specs: tuple[TensorSpec, ...]) -> None:
+        if raw is not None or self.specs is not specs:
+            self.raw = raw
+        self.specs = specs
+
+
+_validated = _LastSpecs()
+
+
 def _decode_specs(raw: Any) -> tuple[TensorSpec, ...]:
+    if _validated.raw is not None and type(raw) is list and raw == _validated.raw and _same_types(raw, _validated.raw):
+        return _validated.specs  # type: ignore[return-value]
+    specs = _decode_new_specs(raw)
+    _validated.remember(raw, specs)
+    return specs
+
+
+def _same_types(a: list, b: list) -> bool:
+    """`==` treats True as 1 and 1.0 as 1: equal lists must also hold values of equal types."""
+    for x, y in zip(a, b):
+        if type(x[1]) is not list or type(y[1]) is not list:
+            return False
+        if any(type(d) is not int for d in x[1]) or type(x[0]) is not str or type(x[2]) is not str:
+            return False
+    return True
+
+
+def _decode_new_specs(raw: Any) -> tuple[TensorSpec, ...]:
     if not isinstance(raw, list):
         raise HeaderError(f"header field 'specs': expected a list of [name, shape, dtype], got {_describe(raw)}")
     if len(raw) > MAX_SPECS:
         raise HeaderError(f"header field 'specs': {len(raw)} tensors, at most {MAX_SPECS} are allowed")
     specs = []
+    seen: set[str] = set()
     for i, entry in enumerate(raw):
         if not isinstance(entry, list) or len(entry) != 3:
             raise HeaderError(f"header field 'specs[{i}]': expected [name, shape, dtype], got {_describe(entry)}")
@@ -373,6 +416,9 @@ def _decode_specs(raw: Any) -> tuple[TensorSpec, ...]:
             shape = tuple(shape)
         # checked before TensorSpec sees them: it would coerce true to 1 and 2.5 to 2
         _check_spec(i, name, shape, torch_dtype)
+        if name in seen:
+            raise HeaderError(f"header field 'specs[{i}]': name {_quote(name)} appears twice")
+        seen.add(name)
         specs.append(TensorSpec(name, shape, torch_dtype))
     return tuple(specs)
 

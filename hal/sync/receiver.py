@@ -147,8 +147,9 @@ class Receiver:
         header, plan, report = self._check_header(payload, sink)
         where = f"sync of version {header.version}" if header is not None else "sync"
         errors.raise_if_any(transport.agree(report, "header check"), rank, where)
-        assert header is not None and plan is not None  # every rank agreed there was no error
-        transport.prepare(self.backend, plan.max_bucket_nbytes)
+        if header is None or plan is None:  # every rank agreed there was no error, so this cannot happen
+            raise errors.SyncError(f"rank {rank}: the header check passed on every rank but this one kept no plan")
+        transport.prepare(self.backend, plan)
         multi_piece = {p.spec.name for b in plan.buckets for p in b.pieces if not p.is_whole}
         for name in set(self._reassembly) - multi_piece:  # the layout changed: drop what it no longer needs
             del self._reassembly[name]
@@ -234,28 +235,17 @@ class _Delivery:
             self.error = errors.report_exception(exc, sender=False)
 
     def run(self) -> None:
-        transport, timer = self.transport, self.timer
-        pending: tuple[Bucket, int, Segment, bool] | None = None
-        for bucket in self.plan.buckets:
-            for j, segment in enumerate(bucket.segments):
-                with timer("transfer"):
-                    status = transport.recv_status(bucket.index, j, segment.stop - segment.start)
-                if status.failed:
-                    self.sender_failed = True
-                    break
-                into = self._landing(bucket, segment, status)
-                landed = transport.recv_segment(bucket.index, j, segment.start, segment.stop, into)
-                if into is not None and not landed:
-                    self._not_in_place(bucket, segment)
-                if pending is not None:
-                    self._complete(*pending)
-                pending = (bucket, j, segment, landed)
-            if self.sender_failed:
-                break
-        if pending is not None:
-            self._complete(*pending)
-        with timer("transfer"):
-            transport.finish()
+        """Take every segment through the transport, which orders the steps (see
+        `Transport.receive_segments`); a FAILED status from the sender ends it early."""
+        with self.timer("transfer"):
+            self.sender_failed = self.transport.receive_segments(self._land, self._complete)
+            self.transport.finish()
+        # the time inside _complete is applying, not waiting for the wire
+        self.timer.add("transfer", -(self.timer.get("apply") or 0.0))
+
+    def _land(self, k: int, j: int, status: SegmentStatus) -> torch.Tensor | None:
+        bucket = self.plan.buckets[k]
+        return self._landing(bucket, bucket.segments[j], status)
 
     def _landing(self, bucket: Bucket, segment: Segment, status: SegmentStatus) -> torch.Tensor | None:
         """Where a segment lands: the bytes of a destination, or None (the transport's buffer).
@@ -287,17 +277,10 @@ class _Delivery:
         self.touched = True
         return kernels.as_bytes(dest)[piece.tensor_offset + lo : piece.tensor_offset + hi]
 
-    def _not_in_place(self, bucket: Bucket, segment: Segment) -> None:
-        # the transport keeps bytes in its own buffer (shared memory): copy them instead
-        name = bucket.pieces[segment.parts[0][0]].spec.name
-        self.in_place[name] = False
-        self.landing.discard(name)
-
-    def _complete(self, bucket: Bucket, j: int, segment: Segment, landed: bool) -> None:
-        k = bucket.index
-        with self.timer("transfer"):
-            self.transport.wait_segment(k, j)
-        last_of_bucket = segment is bucket.segments[-1]
+    def _complete(self, k: int, j: int, landed: bool) -> None:
+        bucket = self.plan.buckets[k]
+        segment = bucket.segments[j]
+        last_of_bucket = j == len(bucket.segments) - 1
         completed: Pairs = []
         try:
             with self.timer("apply"):
@@ -314,8 +297,6 @@ class _Delivery:
             raise
         except Exception as exc:  # noqa: BLE001 - reported at the agreement; the protocol goes on
             self._fail(exc)
-        if last_of_bucket:
-            self.transport.release(k)
 
     def _arrived(self, bucket: Bucket, segment: Segment, landed: bool) -> Pairs:
         """The tensors this segment completes, each as (name, where its bytes are now)."""

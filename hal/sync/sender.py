@@ -61,7 +61,9 @@ class Sender:
 
     def _wire_specs(self, metadata: list[TensorSpec]) -> list[TensorSpec]:
         wire = self.config.wire_dtype
-        return [TensorSpec(s.name, s.shape, wire_dtype_for(s.dtype, wire)) for s in metadata]
+        if wire is None:
+            return metadata
+        return [s if (d := wire_dtype_for(s.dtype, wire)) is s.dtype else TensorSpec(s.name, s.shape, d) for s in metadata]
 
     def send(self, source: Any, *, version: int) -> SyncMetrics:
         """Send every tensor of `source` as weight version `version`; returns this sync's metrics.
@@ -96,7 +98,7 @@ class Sender:
         )
         transport.exchange_header(header.encode())
         errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, where)
-        transport.prepare(self.backend, plan.max_bucket_nbytes)
+        transport.prepare(self.backend, plan)
         if not self.config.bypass_cpu:
             self._ensure_staging(plan.max_bucket_nbytes)
 

@@ -29,11 +29,10 @@ send/recv pairs are traits of the collective library, looked up by its name
 
 from __future__ import annotations
 
-import collections
 import datetime
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +40,7 @@ import torch.distributed as dist
 from hal.backend import Backend, Event
 from hal.sync.errors import HeaderError, PeerError, RankReport
 from hal.sync.header import MAX_HEADER_BYTES
+from hal.sync.plan import BucketPlan
 
 # Largest status report one rank contributes to an agreement (its error message, JSON).
 MAX_REPORT_BYTES = 8192
@@ -89,6 +89,12 @@ class SegmentStatus:
         return status
 
 
+# land(bucket, segment, status) -> where its bytes should go, or None for the transport's buffer
+Land = Callable[[int, int, SegmentStatus], "torch.Tensor | None"]
+# complete(bucket, segment, landed) once the segment's bytes are here
+Complete = Callable[[int, int, bool], None]
+
+
 class Transport:
     """Control messages plus bucket buffers, over one process group (see the module doc)."""
 
@@ -120,6 +126,7 @@ class Transport:
         self._traits: Any = None
         self._slots: list[torch.Tensor] = []
         self._capacity = 0
+        self._order: list[tuple[int, int, int, int]] = []  # (bucket, segment, start, nbytes) of this sync, in order
 
     @property
     def is_sender(self) -> bool:
@@ -210,12 +217,16 @@ class Transport:
         """The segment size buckets travel in on this transport (the plan is cut accordingly)."""
         return requested
 
-    def prepare(self, backend: Backend, nbytes: int) -> None:
-        """Make sure both bucket buffers hold at least `nbytes` (every rank calls this with the same value)."""
+    def prepare(self, backend: Backend, plan: BucketPlan) -> None:
+        """Get ready for one sync laid out by `plan` (every rank calls this with the same
+        plan): both bucket buffers hold at least its largest bucket, and the transport
+        knows the order its segments travel in."""
         from hal.backends.collectives import collective_traits
 
         self._backend = backend
         self._traits = collective_traits(self.dist_backend or backend.dist_backend)
+        self._order = [(b.index, j, seg.start, seg.stop - seg.start) for b in plan.buckets for j, seg in enumerate(b.segments)]
+        nbytes = plan.max_bucket_nbytes
         if nbytes > self._capacity:
             self._allocate(backend, nbytes)
             self._capacity = nbytes
@@ -245,29 +256,26 @@ class Transport:
         raise NotImplementedError
 
     def send_failure(self, k: int, j: int) -> None:
-        """Tell every receiver that segment j of bucket k, and everything after it, will not come."""
+        """Tell every receiver that segment j of bucket k, and everything after it, will not
+        come; what was announced before it still arrives."""
         raise NotImplementedError
 
     def wait_sent(self, k: int) -> None:
         """Block until the transport is done with the memory of bucket k's segments."""
         raise NotImplementedError
 
-    def recv_status(self, k: int, j: int, nbytes: int) -> SegmentStatus:
-        """Block until the sender's status of segment j of bucket k (`nbytes` long) is here."""
-        raise NotImplementedError
+    def receive_segments(self, land: Land, complete: Complete) -> bool:
+        """Run this sync's receiving side; returns True when the sender announced a failure.
 
-    def recv_segment(self, k: int, j: int, start: int, stop: int, into: torch.Tensor | None) -> bool:
-        """Start receiving segment j of bucket k (bytes `[start, stop)` of the bucket).
-        `into`, when given, is where the caller would like the bytes; returns True if they
-        land there, False if they land in `buffer(k)[start:stop]`."""
+        For each segment, in the plan's order: once its status is here, a transport that can
+        receive into a caller's tensor asks `land(k, j, status)` where the bytes should go
+        (a tensor, or None for its buffer); once they are here, `complete(k, j, landed)` is
+        called (`landed`: they are in that tensor, else in `buffer(k)`), and after the last
+        segment of a bucket the buffer is the transport's again. Each transport orders these steps so its wire
+        stays busy; nothing of a segment whose status is FAILED, or of anything after it,
+        is landed or completed.
+        """
         raise NotImplementedError
-
-    def wait_segment(self, k: int, j: int) -> None:
-        """Block until the oldest segment posted (segment j of bucket k) has arrived."""
-        raise NotImplementedError
-
-    def release(self, k: int) -> None:
-        """The receiver is done with bucket k's buffer."""
 
     def finish(self) -> None:
         """End of a sync's data phase on this rank: drain what is outstanding."""
@@ -285,7 +293,14 @@ class BroadcastTransport(Transport):
     single receiver on a library whose traits favour it (gloo), the transfers are
     send/recv pairs instead of broadcasts: gloo pays about 1 ms per broadcast here,
     which a sync of ~100 transfers feels, and a send/recv pair does not
-    (docs/benchmarks.md). Statuses and data travel in one order on every rank.
+    (docs/benchmarks.md).
+
+    Statuses travel one segment ahead of the data: the order on every rank is S0 S1 D0
+    S2 D1 ... (status s+1 before the bytes of segment s). A receiver thus knows where
+    segment s+1 lands, and posts its receive, the moment segment s has arrived, and the
+    wire does not wait a round trip per segment (docs/benchmarks.md, session 3). The
+    sender keeps the bytes of the last segment it was given until it has sent the next
+    status (or the FAILED status, or finishes).
     """
 
     name = "broadcast"
@@ -294,13 +309,16 @@ class BroadcastTransport(Transport):
     def __init__(self, group: Any = None, **kwargs: Any) -> None:
         super().__init__(group, **kwargs)
         self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # sends per bucket, with the memory they read
-        self._posted: collections.deque[tuple[int, int, Any]] = collections.deque()  # receives, oldest first
+        self._held: tuple[int, int, torch.Tensor] | None = None  # the sender's next data send, behind the next status
+        self._status_ahead: tuple[Any, torch.Tensor] | None = None  # the next status's receive: (work, words)
+        self._cursor = 0  # the receiver's next status, as an index into _order
         self.point_to_point = False  # decided in prepare(), the same on every rank
         self._peer = 1 - self.src  # the other rank, when there are two
 
-    def prepare(self, backend: Backend, nbytes: int) -> None:
-        super().prepare(backend, nbytes)
+    def prepare(self, backend: Backend, plan: BucketPlan) -> None:
+        super().prepare(backend, plan)
         self.point_to_point = self.world_size == 2 and self._traits.point_to_point_for_one_receiver
+        self._held, self._status_ahead, self._cursor = None, None, 0
 
     def _transfer(self, tensor: torch.Tensor, what: str) -> Any:
         if not self.point_to_point:
@@ -318,45 +336,81 @@ class BroadcastTransport(Transport):
         else:
             ready.synchronize()  # the library reads memory from the host: the pack must be done
 
+    # ---- sender ----------------------------------------------------------------------
+    def _send(self, k: int, tensor: torch.Tensor, what: str) -> None:
+        self._pending.setdefault(k, []).append((self._transfer(tensor, what), tensor))
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            k, j, data = self._held
+            self._held = None
+            self._send(k, data, f"bucket {k} segment {j}")
+
     def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool) -> None:
         self._order_after(ready)
-        status = self._status(SegmentStatus.DIRECT if direct else SegmentStatus.OK, k, j, data.numel())
-        what = f"bucket {k} segment {j}"
-        sends = self._pending.setdefault(k, [])
-        sends.append((self._transfer(status, f"{what} status"), status))
-        sends.append((self._transfer(data, what), data))
+        self._send(k, self._status(SegmentStatus.DIRECT if direct else SegmentStatus.OK, k, j, data.numel()), f"bucket {k} segment {j} status")
+        self._flush()  # the previous segment's bytes, now that this status is ahead of them
+        self._held = (k, j, data)
 
     def send_failure(self, k: int, j: int) -> None:
-        status = self._status(SegmentStatus.FAILED, k, j, 0)
-        self._wait(self._transfer(status, f"bucket {k} segment {j} failure"), f"bucket {k} segment {j} failure")
+        self._send(k, self._status(SegmentStatus.FAILED, k, j, 0), f"bucket {k} segment {j} failure")
+        self._flush()  # the previous segment was announced OK: its bytes are owed
+        for bucket in sorted(self._pending):
+            self.wait_sent(bucket)
 
     def wait_sent(self, k: int) -> None:
+        if self._held is not None and self._held[0] == k:
+            self._flush()
         for work, _memory in self._pending.pop(k, ()):
             self._wait(work, f"bucket {k}")
 
-    def recv_status(self, k: int, j: int, nbytes: int) -> SegmentStatus:
-        words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
-        what = f"bucket {k} segment {j} status"
-        self._wait(self._transfer(words, what), what)
-        return SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
+    # ---- receiver --------------------------------------------------------------------
+    def receive_segments(self, land: Land, complete: Complete) -> bool:
+        """Statuses one ahead of the bytes; the bytes of segment s+1 are posted before
+        segment s is completed, so the wire is busy while the caller applies it."""
+        pending: tuple[int, int, bool, Any] | None = None
+        for k, j, start, nbytes in self._order:
+            status = self._recv_status(k, j, nbytes)
+            if status.failed:
+                if pending is not None:
+                    self._complete(pending, complete)
+                return True
+            into = land(k, j, status)
+            target = self.buffer(k)[start : start + nbytes] if into is None else into
+            work = self._transfer(target, f"bucket {k} segment {j}")
+            if pending is not None:
+                self._complete(pending, complete)
+            pending = (k, j, into is not None, work)
+        if pending is not None:
+            self._complete(pending, complete)
+        return False
 
-    def recv_segment(self, k: int, j: int, start: int, stop: int, into: torch.Tensor | None) -> bool:
-        target = self.buffer(k)[start:stop] if into is None else into
-        self._posted.append((k, j, self._transfer(target, f"bucket {k} segment {j}")))
-        return into is not None
-
-    def wait_segment(self, k: int, j: int) -> None:
-        posted_k, posted_j, work = self._posted.popleft()
-        if (posted_k, posted_j) != (k, j):
-            raise PeerError(f"{self.name}: waited for bucket {k} segment {j}, but the oldest receive posted is bucket {posted_k} segment {posted_j}")
+    def _complete(self, pending: tuple[int, int, bool, Any], complete: Complete) -> None:
+        k, j, landed, work = pending
         self._wait(work, f"bucket {k} segment {j}")
+        complete(k, j, landed)
+
+    def _post_status(self, index: int) -> None:
+        k, j, _, _ = self._order[index]
+        words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
+        self._status_ahead = (self._transfer(words, f"bucket {k} segment {j} status"), words)
+
+    def _recv_status(self, k: int, j: int, nbytes: int) -> SegmentStatus:
+        if self._status_ahead is None:
+            self._post_status(self._cursor)
+        work, words = self._status_ahead
+        self._status_ahead = None
+        self._wait(work, f"bucket {k} segment {j} status")
+        status = SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
+        self._cursor += 1
+        if not status.failed and self._cursor < len(self._order):
+            self._post_status(self._cursor)  # ahead of this segment's bytes, as the sender sends it
+        return status
 
     def finish(self) -> None:
+        self._flush()
         for k in sorted(self._pending):
             self.wait_sent(k)
-        while self._posted:
-            k, j, _ = self._posted[0]
-            self.wait_segment(k, j)
 
 
 class IpcTransport(Transport):
@@ -421,20 +475,29 @@ class IpcTransport(Transport):
     def wait_sent(self, k: int) -> None:
         if k in self._announced:
             self._announced.remove(k)
-            self._allreduce(torch.zeros(1, device=self.control_device), f"bucket {k} released")
+            self._release(k)
 
-    def recv_status(self, k: int, j: int, nbytes: int) -> SegmentStatus:
-        words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
-        self._signal(words, f"bucket {k} ready")
-        return SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
+    def receive_segments(self, land: Land, complete: Complete) -> bool:
+        """Bucket k is applied while the sender packs bucket k+1: the receivers' release of
+        bucket k-1 is announced right after the ready signal of bucket k, which is the
+        order the sender waits in (ready k, then released k-1 before packing k+1)."""
+        released: int | None = None  # applied, its release not yet announced
+        for k, j, _, nbytes in self._order:
+            words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
+            self._signal(words, f"bucket {k} ready")
+            status = SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
+            if released is not None:
+                self._release(released)
+                released = None
+            if status.failed:
+                return True
+            complete(k, j, False)  # the bytes are in the shared buffer already: nothing lands elsewhere
+            released = k
+        if released is not None:
+            self._release(released)
+        return False
 
-    def recv_segment(self, k: int, j: int, start: int, stop: int, into: torch.Tensor | None) -> bool:
-        return False  # the bytes are in the shared buffer already
-
-    def wait_segment(self, k: int, j: int) -> None:
-        pass
-
-    def release(self, k: int) -> None:
+    def _release(self, k: int) -> None:
         self._allreduce(torch.zeros(1, device=self.control_device), f"bucket {k} released")
 
     def finish(self) -> None:

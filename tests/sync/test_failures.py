@@ -220,14 +220,17 @@ def pack_and_checksum_worker(rank, world, fail_pack_after):
     except SyncError as exc:
         out["pack"] = (type(exc).__name__, classify(held), receiver.consistent)
     if rank == 2:  # corrupt bucket 5 once it arrived: buckets 0-4 complete the embedding and more
-        real_wait = t.wait_segment
+        real_receive = t.receive_segments
 
-        def corrupt(k, j):
-            real_wait(k, j)
-            if k == 5 and j == 0:
-                t.buffer(5)[0] ^= 0xFF
+        def corrupting(land, complete):
+            def corrupt(k, j, landed):
+                if k == 5 and j == 0:
+                    t.buffer(5)[0] ^= 0xFF
+                complete(k, j, landed)
 
-        t.wait_segment = corrupt
+            return real_receive(land, corrupt)
+
+        t.receive_segments = corrupting
     held = {n: x.clone() for n, x in weights(1)}
     try:
         receiver.receive(copy_into(held))

@@ -603,3 +603,16 @@ def test_auth_survives_the_wire():
     with pytest.raises(AuthError):
         check_auth(header, TOKEN + "x")
 
+
+
+def test_the_checked_specs_reused_across_syncs_cannot_be_smuggled_past():
+    """Decoding reuses the last checked spec list when the next one is equal; equal must
+    mean equal as JSON values of the same types (True == 1 and 1.0 == 1 in Python)."""
+    good = small_header()
+    assert SyncHeader.decode(good.encode()).specs == good.specs
+    assert SyncHeader.decode(small_header(version=8).encode()).specs is SyncHeader.decode(good.encode()).specs
+    for bad in (True, 8.0):
+        obj = wire_object(good)
+        obj["specs"][0][1][0] = bad  # [8, 4] -> [true, 4] / [8.0, 4]
+        with pytest.raises(HeaderError, match=r"specs\[0\]"):
+            SyncHeader.decode(encode_object(obj))

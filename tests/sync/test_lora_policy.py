@@ -105,10 +105,13 @@ def test_decision(has_adapter, adapter_merged, sleep_level, free_cache_engine, b
     assert decide_lora_sync(**kwargs) == decision  # pure
 
 
-def test_decision_is_frozen():
+def test_decision_is_frozen_and_keyword_only():
     d = decide_lora_sync(has_adapter=True, adapter_merged=False, sleep_level=1, free_cache_engine=True, base_sent=True)
     with pytest.raises(AttributeError):
         d.send_base = True  # type: ignore[misc]
+    with pytest.raises(TypeError):  # three booleans in a row are too easy to swap
+        LoraSyncDecision(True, False, False, "positional")  # type: ignore[misc]
+    assert LoraSyncDecision(send_base=True, send_adapter=False, send_merged=False, reason="r").parts == ("base",)
 
 
 def test_reasons_name_the_cause():

@@ -116,8 +116,15 @@ class RecordingTransport(BroadcastTransport):
         super().__init__(*a, **kw)
         self.buckets: list[bytes] = []
 
-    def release(self, k):
-        self.buckets.append(bytes(self.buffer(k).numpy()))
+    def receive_segments(self, land, complete):
+        last = {k: j for k, j, _, _ in self._order}
+
+        def recording(k, j, landed):
+            complete(k, j, landed)
+            if j == last[k]:
+                self.buckets.append(bytes(self.buffer(k).numpy()))
+
+        return super().receive_segments(land, recording)
 
 
 SEGMENT = 4096  # the smallest allowed: the 16 KiB pieces travel in segments of their own
@@ -192,14 +199,10 @@ class TransferLog(BroadcastTransport):
         super().__init__(*a, **kw)
         self.addresses: list[int] = []
 
-    def send_segment(self, k, j, start, data, **kwargs):
-        self.addresses.append(data.data_ptr())
-        super().send_segment(k, j, start, data, **kwargs)
-
-    def recv_segment(self, k, j, start, stop, into):
-        landed = super().recv_segment(k, j, start, stop, into)
-        self.addresses.append(into.data_ptr() if landed else self.buffer(k)[start:stop].data_ptr())
-        return landed
+    def _transfer(self, tensor, what):
+        if "status" not in what and "failure" not in what:  # the bytes of a segment
+            self.addresses.append(tensor.data_ptr())
+        return super()._transfer(tensor, what)
 
 
 def _holding(tensors, addresses):
@@ -355,11 +358,14 @@ def test_one_receiver_rejecting_stops_every_rank():
 class CorruptingTransport(BroadcastTransport):
     """Flips the first byte of bucket 2 once it has arrived."""
 
-    def wait_segment(self, k, j):
-        super().wait_segment(k, j)
-        if k == 2 and not getattr(self, "flipped", False):
-            self.buffer(2)[0] ^= 0xFF
-            self.flipped = True
+    def receive_segments(self, land, complete):
+        def corrupting(k, j, landed):
+            if k == 2 and not getattr(self, "flipped", False):
+                self.buffer(2)[0] ^= 0xFF
+                self.flipped = True
+            complete(k, j, landed)
+
+        return super().receive_segments(land, corrupting)
 
 
 def corruption_worker(rank, world, verify):
