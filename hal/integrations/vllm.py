@@ -367,12 +367,21 @@ class HalWorkerExtension:
         engine.update_weights(update_info)
         return engine.version
 
+    def _connected_engine(self) -> HalWeightTransferEngine:
+        """The hal engine a trainer is connected to: vLLM's native one (`backend="hal"`)
+        when it is initialised, else this extension's own."""
+        native = getattr(self, "weight_transfer_engine", None)
+        if isinstance(native, HalWeightTransferEngine) and native._receiver is not None:
+            return native
+        return self._hal_engine()
+
     def hal_version(self) -> int | None:
         return self._hal_engine().version
 
     def hal_state(self) -> dict[str, Any]:
-        """This worker's `version`, `consistent` and `torn` (see `HalWeightTransferEngine.state`)."""
-        return self._hal_engine().state()
+        """This worker's `version`, `consistent` and `torn` (see `HalWeightTransferEngine.state`)
+        for the connection in use: vLLM's native hal engine when initialised, else this extension's."""
+        return self._connected_engine().state()
 
     def hal_shutdown(self) -> None:
         engine = getattr(self, "_hal_weight_engine", None)

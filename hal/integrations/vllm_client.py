@@ -333,6 +333,13 @@ class WeightSync:
     def world_size(self) -> int:
         return 1 + sum(e.num_workers for e in self.engines)
 
+    @property
+    def sender(self) -> Sender:
+        """The hal `Sender` this sync drives (after `init`): it holds `self.config` itself."""
+        if self._sender is None:
+            raise RuntimeError("WeightSync.sender before init()")
+        return self._sender
+
     def init(self) -> None:
         """Join every engine's workers into one group with this process (once)."""
         with _keep_stdout():
@@ -400,7 +407,10 @@ class WeightSync:
         except SyncError:
             raise
         except Exception as exc:
-            if "AuthError" in f"{type(exc).__name__}: {exc}":  # through collective_rpc or HTTP the type is lost
+            # Through collective_rpc or HTTP the type is lost: vLLM's worker processes pass on
+            # only the message, and every init refusal (check_init_proof) names the variable.
+            text = f"{type(exc).__name__}: {exc}"
+            if "AuthError" in text or env.VERL_HAL_SYNC_TOKEN in text:
                 raise AuthError(f"{what}: {exc}") from exc
             raise
 

@@ -45,13 +45,15 @@ Compare verl, which ships the tensors inside a `LoRARequest` subclass through a 
 call and patches the worker's `_load_adapter`; here the tensors come through hal's
 receiver (any transport, any backend) and nothing in vLLM is patched.
 
-Registration: importing this module registers the "hal-lora" backend in vLLM's engine
-factory (`register()`, idempotent). The engine's worker processes learn it by importing
-the module too: pass `worker_extension_cls="hal.integrations.vllm_lora.HalLoraWorkerExtension"`
-(needed when the workers run in child processes, vLLM's default; in single-process mode,
-`VLLM_ENABLE_V1_MULTIPROCESSING=0`, importing it in the trainer is enough). A
-`vllm.general_plugins` entry point (`"hal.integrations.vllm_lora:register"`) would make the
-extension unnecessary; pyproject.toml does not declare one yet.
+Registration: an installed verl-hal declares the `vllm.general_plugins` entry point
+`hal_lora_weight_transfer = "hal.integrations.vllm_lora:register"` (pyproject.toml), and
+vLLM runs general plugins in every process it starts (API server, engine core, workers),
+so every process knows "hal-lora" without user code. Importing this module also registers
+it (`register()`, idempotent; an import-time side effect on purpose, for a checkout that is
+not installed). `worker_extension_cls="hal.integrations.vllm_lora.HalLoraWorkerExtension"`
+adds the worker-side queries (`hal_lora_loaded_adapter_ids`, `hal_lora_adapter_version`)
+reachable through `collective_rpc`; importing it in a worker process registers the
+backend there too.
 
 Nothing here is specific to a device: the group and synchronisation come from
 `hal.current()`, as in the "hal" engine.

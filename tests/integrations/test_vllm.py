@@ -34,7 +34,7 @@ def engine(tmp_path_factory):
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny"), TinyModelSpec(seed=1))
     with in_process_llm(model_dir, worker_extension_cls="hal.integrations.vllm.HalWorkerExtension") as llm:
-        sync = WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60)
+        sync = WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10, segment_bytes=64 << 10), timeout_s=60)
         try:
             sync.init()
             yield llm, sync, load_trainer_model(model_dir), model_dir
@@ -222,3 +222,88 @@ def test_partial_layer_is_refused_before_anything_is_applied(engine):
     layer0 = [(n, p.detach()) for n, p in model.named_parameters() if n.startswith("model.layers.0.")]
     sync.sync(TensorSource(layer0), version=current + 1)
     assert_engine_matches(llm, model)
+
+
+# ---- the user's config, failures part-way, resends -----------------------------------------
+class FailsOnce(TensorSource):
+    """The trainer's weights, raising at `fail_at` on the first `failures` iterations."""
+
+    def __init__(self, pairs, fail_at: str, failures: int = 1) -> None:
+        super().__init__(pairs)
+        self.fail_at, self.failures = fail_at, failures
+
+    def __iter__(self):
+        for name, tensor in self.pairs:
+            if name == self.fail_at and self.failures > 0:
+                self.failures -= 1
+                raise RuntimeError(f"trainer gather failed at {name}")
+            yield name, tensor
+
+
+def test_the_users_config_reaches_the_sender_unchanged(engine):
+    _, sync, _, _ = engine
+    assert sync.sender.config is sync.config  # not rebuilt: segment size, wire dtype, bucket size as given
+    assert sync.config.bucket_bytes == 256 << 10 and sync.config.segment_bytes == 64 << 10
+
+
+def test_a_trainer_failure_part_way_is_reported_then_resent(engine):
+    llm, sync, model, _ = engine
+    from hal.integrations.vllm_client import INCONSISTENT_PREFIX
+    from hal.sync import SourceError
+
+    current = current_version(llm, sync, model)
+    perturb(model, seed=80, scale=0.2)
+    pairs = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    late = "model.layers.1.mlp.down_proj.weight"  # layer 0 and more arrive and are applied first
+    sync.resend_after_failure = 0
+    try:
+        with pytest.raises(SourceError, match=f"trainer gather failed at {late}") as failure:
+            sync.sync(FailsOnce(pairs, late), version=current + 1)
+    finally:
+        sync.resend_after_failure = 1
+    assert failure.value.trainer_side and failure.value.inconsistent_ranks == [1]
+    assert sync.inconsistent == {"llm"}
+    assert llm.get_weight_version() == f"{INCONSISTENT_PREFIX}{current}"
+    (state,) = llm.collective_rpc("hal_state")
+    assert state == {"version": current, "consistent": False, "torn": []}
+    engine_greedy(llm, PROMPTS, MAX_TOKENS)  # whole layers: the engine still serves
+
+    # by default the same failure is sent again, once, and the engine ends up exact
+    result = sync.sync(FailsOnce(pairs, late), version=current + 1)
+    assert result.resent and result.engine_versions == {"llm": str(current + 1)}
+    assert sync.inconsistent == set()
+    assert llm.collective_rpc("hal_state") == [{"version": current + 1, "consistent": True, "torn": []}]
+    assert_engine_matches(llm, model)
+
+
+def test_a_failure_at_the_first_tensor_leaves_the_engine_consistent_and_is_not_resent(engine):
+    llm, sync, model, _ = engine
+    from hal.sync import SourceError
+
+    current = current_version(llm, sync, model)
+    serving = assert_engine_matches(llm, model)
+    first = next(n for n, _ in model.named_parameters())
+    source = FailsOnce([(n, p.detach() + 0.5) for n, p in model.named_parameters()], first, failures=2)
+    with pytest.raises(SourceError):  # nothing landed: no engine is inconsistent, nothing to resend
+        sync.sync(source, version=current + 1)
+    assert source.failures == 1  # tried once
+    assert llm.get_weight_version() == str(current) and sync.inconsistent == set()
+    assert llm.collective_rpc("hal_state") == [{"version": current, "consistent": True, "torn": []}]
+    assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
+
+
+def test_an_unsupported_vllm_fails_in_one_line(monkeypatch):
+    from hal.integrations import vllm_internals
+
+    assert vllm_internals.require_supported_vllm().startswith("0.32")
+    vllm_internals.vllm_version.cache_clear()
+    monkeypatch.setattr("vllm.__version__", "0.40.1")
+    try:
+        with pytest.raises(vllm_internals.UnsupportedVllmError) as refused:
+            vllm_internals.require_supported_vllm()
+        message = str(refused.value)
+        assert "\n" not in message and "0.32.x" in message and "0.40.1 is installed" in message
+        with pytest.raises(vllm_internals.UnsupportedVllmError):
+            vllm_internals.initialize_layerwise_reload(torch.nn.Linear(2, 2))
+    finally:
+        vllm_internals.vllm_version.cache_clear()

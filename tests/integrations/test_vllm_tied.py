@@ -174,3 +174,29 @@ def test_tiny_model_stamp_covers_architecture_and_tying(tmp_path):
     assert built(TinyModelSpec(architecture="qwen2", tie_word_embeddings=True)) == ("Qwen2ForCausalLM", True)
     with pytest.raises(ValueError, match="architecture"):
         TinyModelSpec(architecture="gpt2")
+
+
+# ---- through hal's own engine: the refresh is wired into every update --------------------------
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("architecture", "tied"), CASES)
+def test_hal_engine_keeps_tied_and_untied_models_exact_over_three_syncs(tmp_path, architecture, tied):
+    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.sync import SyncConfig
+
+    spec = TinyModelSpec(architecture=architecture, tie_word_embeddings=tied, seed=7)
+    model_dir = build_tiny_model(tmp_path / "model", spec)
+    model = load_trainer_model(model_dir)
+    with in_process_llm(model_dir) as llm:
+        engine, hf = greedy_pair(llm, model)
+        assert engine == hf, f"at start: engine greedy {engine} != transformers greedy {hf}"
+        outputs = [engine]
+        with WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60) as sync:
+            for version in (1, 2, 3):
+                perturb(model, seed=1000 + version)
+                sync.sync(model, version=version)
+                engine, hf = greedy_pair(llm, model)
+                where = f"sync {version} ({architecture}, tied={tied})"
+                assert engine == hf, f"{where}: engine greedy {engine} != transformers greedy {hf}"
+                assert llm.collective_rpc(_is_tied) == [tied], f"{where}: the tie changed"
+                outputs.append(engine)
+        assert len({json.dumps(o) for o in outputs}) == len(outputs), "every sync should change greedy output"
