@@ -325,6 +325,7 @@ class WeightSync:
         self._group: Any = None
         self._sender: Sender | None = None
         self._ranks: dict[str, range] = {}
+        self._connected: set[str] = set()  # engines whose init returned: only those are shut down by close()
         self.version: int | None = None
         self.inconsistent: set[str] = set()
         """Engines holding part of a failed sync (some tensors new, some old), by name."""
@@ -395,8 +396,9 @@ class WeightSync:
                 if call.done():
                     self._engine_result(call, what)  # an engine-side error explains the failure better
             raise PeerError(f"trainer could not join the weight-sync group at {self.master_address}:{port}: {exc}") from exc
-        for what, call in calls:
+        for (what, call), engine in zip(calls, self.engines):
             self._engine_result(call, what, self.timeout_s)
+            self._connected.add(engine.name)
         control = "cpu" if backend.dist_backend == "gloo" else backend.device()
         self._sender = Sender(TRANSPORTS[self.transport](self._group, src=0, control_device=control), self.config, token=self.token)
 
@@ -495,6 +497,9 @@ class WeightSync:
         group, sender = self._group, self._sender
         self._group, self._sender = None, None
         for engine in self.engines:
+            if engine.name not in self._connected:
+                continue  # never connected to us (a refused init): it may serve another trainer
+            self._connected.discard(engine.name)
             try:
                 engine.shutdown_weight_transfer_engine()
             except Exception:  # noqa: BLE001 - best effort at teardown

@@ -13,8 +13,8 @@ node). Where the specs come from, cheapest first:
   shapes without a byte of parameter memory (imports transformers, so not for a worker
   that must stay free of it).
 
-`copy_into(tensors)` makes a `Receiver` apply callable that copies each received view
-into a tensor of a name → tensor mapping (an engine's weights), through the backend.
+`copy_into(tensors)` is the `Sink` that writes each received tensor into a tensor of a
+name → tensor mapping (an engine's weights); the receiver does the writing.
 
     specs = specs_from_safetensors("/ckpt/model.safetensors")
     weights = allocate(specs)                      # or the engine's own parameters

@@ -23,7 +23,7 @@ from hal import kernels
 from hal.backend import Backend
 from hal.sync import errors
 from hal.sync.config import SyncConfig, default_bucket_bytes, wire_dtype_for
-from hal.sync.header import SyncHeader, auth_proof
+from hal.sync.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
 from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec
 from hal.sync.source import as_source
@@ -87,15 +87,7 @@ class Sender:
         plan = self.plans.get(wire_specs, self.bucket_bytes, self.config.verify, transport.segment_bytes(self.config.segment_bytes))
         where = f"sync of version {version}"
 
-        header = SyncHeader(
-            version=version,
-            specs=plan.specs,
-            bucket_bytes=plan.bucket_bytes,
-            segment_bytes=plan.segment_bytes,
-            verify=plan.verify,
-            digest=plan.digest,
-            auth=None if self.token is None else auth_proof(self.token, version=version, digest=plan.digest),
-        )
+        header = SyncHeader.from_plan(plan, version=version, token=self.token)
         transport.exchange_header(header.encode())
         errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, where)
         transport.prepare(self.backend, plan)
