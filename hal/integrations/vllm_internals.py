@@ -103,16 +103,21 @@ def finalize_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None
 
 
 class _ComputedBufferWarningFilter(logging.Filter):
-    """Drops vLLM's "<layer>: Failed to load weights" for rotary embeddings.
+    """Drops vLLM's "<layer>: Failed to load weights" for layers that have nothing to load.
 
-    Their cos/sin cache is computed at start-up, never part of a checkpoint, so vLLM's
-    layerwise reload restores it and warns on every single update; the warning says
-    nothing about the weights that were sent.
+    A rotary embedding's cos/sin cache is computed at start-up, never part of a
+    checkpoint; a tied `ParallelLMHead` shares `embed_tokens`' weight and has no
+    checkpoint tensor of its own (the hal engine refreshes what vLLM derived from it,
+    `refresh_tied_weights`). vLLM's layerwise reload restores both and warns on every
+    single update; the warning says nothing about the weights that were sent (a sync
+    that misses a tensor the engine expects is refused before anything is applied).
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        return not (record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith("RotaryEmbedding"))
+        return not (
+            record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith(("RotaryEmbedding", "ParallelLMHead"))
+        )
 
 
 # The logger of vLLM's layerwise reload (a module path, so private).
