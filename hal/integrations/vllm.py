@@ -49,7 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 import hal
 from hal import env
 from hal.integrations import vllm_internals
-from hal.sync import AuthError, Receiver, SpecMismatchError, SyncMetrics, TensorSpec
+from hal.sync import Receiver, SpecMismatchError, SyncMetrics, TensorSpec
 from hal.sync.header import check_init_proof
 from hal.sync.transport import BroadcastTransport, IpcTransport
 

@@ -17,14 +17,13 @@ from hal.sync import (
     Receiver,
     Sender,
     SpecMismatchError,
-    StaleVersionError,
     SyncConfig,
     SyncError,
     TensorSource,
     TensorSpec,
 )
 from hal.sync.rollout import allocate, copy_into
-from tests.multiproc import RankError, run_group
+from tests.multiproc import run_group
 
 pytestmark = pytest.mark.multiprocess
 
