@@ -2,12 +2,13 @@
 
 A transport owns its data path. The sender hands it segments (`send_segment`), each
 either a range of the bucket buffer the transport gave it to pack into (`buffer(k)`) or
-a tensor's own bytes; receivers ask for each segment's status (`recv_status`) and then
-for its bytes (`recv_segment`), offering a place to land them; the transport says
-whether they landed there or in its own buffer. What differs between transports (bytes
-on the wire or in shared memory, whether a receive can be posted into a caller's
-tensor, how sends are ordered after the packs) lives in their methods, not in flags
-the sender and receiver branch on.
+a tensor's own bytes. A receiver hands it two callbacks (`receive_segments(land,
+complete)`): where it would like a segment's bytes once their status is known, and what
+to do once they are here; the transport runs the loop in the order its wire needs and
+says whether the bytes landed where asked or in its own buffer. What differs between
+transports (bytes on the wire or in shared memory, whether a receive can be posted into
+a caller's tensor, how sends are ordered after the packs, how far statuses run ahead)
+lives in their methods, not in flags the sender and receiver branch on.
 
 **Every segment is preceded by a status** (`SegmentStatus`, four int64 words): OK, OK
 and "the rest of this tensor comes straight from its memory" (DIRECT), or FAILED. A
