@@ -54,3 +54,17 @@ VERL_HAL_SYNC_TOKEN = "VERL_HAL_SYNC_TOKEN"
 def sync_token() -> str | None:
     """The sync token, or None when unset or empty."""
     return os.environ.get(VERL_HAL_SYNC_TOKEN) or None
+
+
+# Which node this process is on, for transports that cross the network once per node
+# (`hal.sync.HierarchicalTransport`): ranks with equal keys share memory. Default: the host
+# name. Set it to give processes on one machine different keys (tests, benchmarks), or to
+# one key for hosts that share memory some other way.
+VERL_HAL_NODE = "VERL_HAL_NODE"
+
+
+def node_key() -> str:
+    """This process's node key: VERL_HAL_NODE, else the host name."""
+    import socket
+
+    return os.environ.get(VERL_HAL_NODE) or socket.gethostname()

@@ -26,6 +26,7 @@ from hal.sync.errors import (
     SyncError,
 )
 from hal.sync.header import SyncHeader
+from hal.sync.hierarchy import HierarchicalTransport
 from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import BucketPlan, PlanCache, TensorSpec, build_plan
 from hal.sync.receiver import Receiver
@@ -33,6 +34,7 @@ from hal.sync.rollout import CopyInto, copy_into
 from hal.sync.sender import Sender
 from hal.sync.sink import Sink, as_sink
 from hal.sync.source import ModuleSource, TensorSource, WeightSource, as_source
+from hal.sync.trainer import TrainerSync
 from hal.sync.transport import BroadcastTransport, IpcTransport, SegmentStatus, Transport
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "ChecksumMismatchError",
     "CopyInto",
     "HeaderError",
+    "HierarchicalTransport",
     "IpcTransport",
     "ModuleSource",
     "PeerError",
@@ -59,6 +62,7 @@ __all__ = [
     "SyncMetrics",
     "TensorSource",
     "TensorSpec",
+    "TrainerSync",
     "Transport",
     "WeightSource",
     "as_sink",

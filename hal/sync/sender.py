@@ -14,7 +14,7 @@ receiver stops before landing anything of that segment (docs/design.md, "Failure
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -73,6 +73,12 @@ class Sender:
         side's source or a pack failed. The error's `reports` say which receivers were left
         holding part of the sync (`inconsistent_ranks`).
         """
+        return self._send(source, version)
+
+    def _send(self, source: Any, version: int, gate: Callable[[errors.SyncError | None], None] | None = None) -> SyncMetrics:
+        """`send`, with `gate(header_error)` called once the receivers' verdict on the header
+        is known, before any tensor is gathered (`TrainerSync` tells the other trainer
+        ranks there whether to gather); a gate that raises stops the sync there."""
         if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
             raise ValueError(f"version must be a non-negative int below 2**63 (e.g. the global step), got {version!r}")
         start = time.perf_counter()
@@ -88,13 +94,31 @@ class Sender:
         where = f"sync of version {version}"
 
         header = SyncHeader.from_plan(plan, version=version, token=self.token)
-        transport.exchange_header(header.encode())
-        errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, where)
+        try:
+            transport.exchange_header(header.encode())
+            errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, where)
+        except errors.SyncError as exc:
+            if gate is not None:
+                gate(exc)
+            raise
+        gate_error: errors.SyncError | None = None
+        if gate is not None:
+            try:
+                gate(None)
+            except errors.SyncError as exc:
+                gate_error = exc
         transport.prepare(self.backend, plan)
         if not self.config.bypass_cpu:
             self._ensure_staging(plan.max_bucket_nbytes)
 
-        failure = self._send_buckets(plan, iter(source), timer)
+        if gate_error is None:
+            failure = self._send_buckets(plan, iter(source), timer)
+        else:  # the receivers wait for a first segment: tell them none comes
+            failure = gate_error
+            first = next(((b.index, j) for b in plan.buckets for j, _ in enumerate(b.segments)), None)
+            if first is not None:
+                transport.send_failure(*first)
+            transport.finish()
         report = errors.RankReport(sender=True)
         if failure is not None:
             failure = errors.SourceError(f"{type(failure).__name__}: {failure}") if not isinstance(failure, errors.SyncError) else failure

@@ -96,44 +96,22 @@ Land = Callable[[int, int, SegmentStatus], "torch.Tensor | None"]
 Complete = Callable[[int, int, bool], None]
 
 
-class Transport:
-    """Control messages plus bucket buffers, over one process group (see the module doc)."""
+class GroupChannel:
+    """Small control collectives over one process group, each bounded by `timeout_s`, with
+    errors that say which rank and what: the agreement every rank of a sync ends with,
+    used by transports (over the sync group) and by `TrainerSync` (over the trainer's group).
+    """
 
-    name: ClassVar[str] = "transport"
+    name: ClassVar[str] = "group"
 
-    def __init__(
-        self,
-        group: Any = None,
-        *,
-        src: int = 0,
-        control_device: str | torch.device = "cpu",
-        timeout_s: float = 60.0,
-        dist_backend: str | None = None,
-    ) -> None:
+    def __init__(self, group: Any = None, *, control_device: str | torch.device = "cpu", timeout_s: float = 60.0) -> None:
         self.group = group if group is not None else _default_group()
         self.rank = self.group.rank()
         self.world_size = self.group.size()
-        if not 0 <= src < self.world_size:
-            raise ValueError(f"src={src} is not a rank of a group of size {self.world_size}")
-        if self.world_size < 2:
-            raise ValueError(f"a sync group needs the sender and at least one receiver; this group has {self.world_size} rank")
-        self.src = src
         self.control_device = torch.device(control_device)
         self.timeout_s = timeout_s
-        """Longest wait for any one transfer or agreement; set by `Sender` / `Receiver`."""
-        self.dist_backend = dist_backend
-        """The group's collective library ("gloo", ...); None: the device backend's `dist_backend`."""
-        self._backend: Backend | None = None
-        self._traits: Any = None
-        self._slots: list[torch.Tensor] = []
-        self._capacity = 0
-        self._order: list[tuple[int, int, int, int]] = []  # (bucket, segment, start, nbytes) of this sync, in order
+        """Longest wait for any one transfer or agreement."""
 
-    @property
-    def is_sender(self) -> bool:
-        return self.rank == self.src
-
-    # ---- collectives with timeouts and clear errors ---------------------------------
     def _timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
 
@@ -145,15 +123,6 @@ class Transport:
         if ok is False:
             raise PeerError(f"{self.name}: {what} timed out on rank {self.rank} after {self.timeout_s} s")
 
-    def _broadcast(self, tensor: torch.Tensor, what: str) -> Any:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = self.src
-        opts.timeout = self._timeout()
-        try:
-            return self.group.broadcast([tensor], opts)
-        except RuntimeError as exc:
-            raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
-
     def _allreduce(self, tensor: torch.Tensor, what: str) -> None:
         opts = dist.AllreduceOptions()
         opts.timeout = self._timeout()
@@ -162,28 +131,6 @@ class Transport:
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
         self._wait(work, what)
-
-    def _broadcast_bytes(self, payload: bytes | None, limit: int, what: str) -> bytes:
-        """The sender's `payload` on every rank. Its length travels first; a length over
-        `limit` fails every rank alike (each sees the same length) before the payload moves."""
-        n = len(payload) if self.is_sender and payload is not None else 0
-        size = torch.tensor([n], dtype=torch.int64, device=self.control_device)
-        self._wait(self._broadcast(size, f"{what} size"), f"{what} size")
-        n = int(size.item())
-        if not 0 <= n <= limit:
-            raise HeaderError(f"{what} of {n} bytes announced by rank {self.src}; the limit is {limit} bytes")
-        if self.is_sender:
-            data = torch.frombuffer(bytearray(payload or b""), dtype=torch.uint8).to(self.control_device) if n else torch.empty(0, dtype=torch.uint8)
-        else:
-            data = torch.empty(n, dtype=torch.uint8, device=self.control_device)
-        if n:
-            self._wait(self._broadcast(data, what), what)
-        return bytes(payload or b"") if self.is_sender else data.cpu().numpy().tobytes()
-
-    def exchange_header(self, payload: bytes | None) -> bytes:
-        """The sender's encoded header on every rank (the receivers decode it themselves:
-        nothing that came over the wire is unpickled)."""
-        return self._broadcast_bytes(payload, MAX_HEADER_BYTES, "header")
 
     def agree(self, report: RankReport, what: str = "status") -> list[RankReport]:
         """Every rank's report, on every rank, so that all stop together.
@@ -212,6 +159,71 @@ class Transport:
         self._allreduce(rows, what)
         rows = rows.cpu()
         return [RankReport.decode(rows[r, :n].numpy().tobytes().decode(errors="replace"), flags[r]) for r, n in enumerate(sizes)]
+
+
+class Transport(GroupChannel):
+    """Control messages plus bucket buffers, over one process group (see the module doc)."""
+
+    name: ClassVar[str] = "transport"
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        src: int = 0,
+        control_device: str | torch.device = "cpu",
+        timeout_s: float = 60.0,
+        dist_backend: str | None = None,
+    ) -> None:
+        super().__init__(group, control_device=control_device, timeout_s=timeout_s)
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src={src} is not a rank of a group of size {self.world_size}")
+        if self.world_size < 2:
+            raise ValueError(f"a sync group needs the sender and at least one receiver; this group has {self.world_size} rank")
+        self.src = src
+        self.dist_backend = dist_backend
+        """The group's collective library ("gloo", ...); None: the device backend's `dist_backend`."""
+        self._backend: Backend | None = None
+        self._traits: Any = None
+        self._slots: list[torch.Tensor] = []
+        self._capacity = 0
+        self._order: list[tuple[int, int, int, int]] = []  # (bucket, segment, start, nbytes) of this sync, in order
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == self.src
+
+    # ---- collectives with timeouts and clear errors ---------------------------------
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.src
+        opts.timeout = self._timeout()
+        try:
+            return self.group.broadcast([tensor], opts)
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
+
+    def _broadcast_bytes(self, payload: bytes | None, limit: int, what: str) -> bytes:
+        """The sender's `payload` on every rank. Its length travels first; a length over
+        `limit` fails every rank alike (each sees the same length) before the payload moves."""
+        n = len(payload) if self.is_sender and payload is not None else 0
+        size = torch.tensor([n], dtype=torch.int64, device=self.control_device)
+        self._wait(self._broadcast(size, f"{what} size"), f"{what} size")
+        n = int(size.item())
+        if not 0 <= n <= limit:
+            raise HeaderError(f"{what} of {n} bytes announced by rank {self.src}; the limit is {limit} bytes")
+        if self.is_sender:
+            data = torch.frombuffer(bytearray(payload or b""), dtype=torch.uint8).to(self.control_device) if n else torch.empty(0, dtype=torch.uint8)
+        else:
+            data = torch.empty(n, dtype=torch.uint8, device=self.control_device)
+        if n:
+            self._wait(self._broadcast(data, what), what)
+        return bytes(payload or b"") if self.is_sender else data.cpu().numpy().tobytes()
+
+    def exchange_header(self, payload: bytes | None) -> bytes:
+        """The sender's encoded header on every rank (the receivers decode it themselves:
+        nothing that came over the wire is unpickled)."""
+        return self._broadcast_bytes(payload, MAX_HEADER_BYTES, "header")
 
     # ---- buffers --------------------------------------------------------------------
     def segment_bytes(self, requested: int | None) -> int | None:

@@ -1,0 +1,324 @@
+"""Across nodes, the network crossed once per node: `HierarchicalTransport`.
+
+Ranks are grouped by node (`hal.env.node_key()`: VERL_HAL_NODE, else the host name). On
+every node but the sender's, one rank, the leader, receives each segment over the
+network; the other ranks of that node read it from the leader's buffer, which they map
+through the backend's IPC (shared-memory files on the CPU, device IPC handles on
+CUDA/NPU). On the sender's node the sender itself is the leader. So the bytes that cross
+the network per sync are one model per remote node, however many workers each node has:
+
+    sender ──net──► leader of node B ──shm──► other ranks of node B
+           ──net──► leader of node C ──shm──► other ranks of node C
+           ──shm──────────────────────────► other ranks of the sender's node
+
+Everything is point-to-point on the one sync group, with a tag per kind of message:
+statuses and bytes from the sender to each leader (statuses one segment ahead, as
+`BroadcastTransport` sends them), "segment s is in my buffer" from a leader to its node,
+and "done with bucket k" back, which is what lets a leader (or the sender) reuse a buffer.
+A FAILED status travels the same way, so nobody lands anything the sender did not pack.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hal import env
+from hal.backend import Backend, Event
+from hal.sync.errors import HeaderError, PeerError
+from hal.sync.plan import BucketPlan
+from hal.sync.transport import Complete, Land, SegmentStatus, Transport
+
+TAG_NET = 0x4B1  # sender -> remote leaders: statuses and bytes
+TAG_NODE = 0x4B2  # a leader -> the other ranks of its node: segment statuses
+TAG_RELEASE = 0x4B3  # a node's rank -> its leader: bucket released (or buffers mapped)
+TAG_HANDLES = 0x4B4  # a leader -> the other ranks of its node: its buffers' IPC handles
+MAX_NODE_KEY_BYTES = 256
+MAX_HANDLES_BYTES = 1 << 20
+_MAPPED = -1  # what a node's rank answers once it mapped its leader's new buffers
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLayout:
+    """Who is where: every rank's node, each node's leader, and the sender."""
+
+    nodes: tuple[str, ...]
+    """The node key of each rank of the sync group."""
+    src: int
+
+    def leader_of(self, rank: int) -> int:
+        """The rank that receives for `rank`'s node: the sender on its own node, else the node's lowest rank."""
+        node = self.nodes[rank]
+        if node == self.nodes[self.src]:
+            return self.src
+        return min(r for r, n in enumerate(self.nodes) if n == node)
+
+    @property
+    def remote_leaders(self) -> list[int]:
+        """Leaders of the nodes other than the sender's: the ranks the network carries the bytes to."""
+        return sorted({self.leader_of(r) for r in range(len(self.nodes)) if self.nodes[r] != self.nodes[self.src]})
+
+    def served_by(self, leader: int) -> list[int]:
+        """The ranks that read `leader`'s buffers (its node, but itself and the sender)."""
+        return [r for r in range(len(self.nodes)) if r not in (leader, self.src) and self.leader_of(r) == leader]
+
+
+class HierarchicalTransport(Transport):
+    """The network once per node, shared memory within a node (see the module doc).
+
+    `node` overrides this rank's node key (default `hal.env.node_key()`); the keys are
+    exchanged at construction, so every rank of the group must construct it together.
+    `network_bytes` counts, on the sender, the segment bytes it sent over the network.
+    """
+
+    name = "hierarchical"
+
+    def __init__(self, group: Any = None, *, node: str | None = None, **kwargs: Any) -> None:
+        super().__init__(group, **kwargs)
+        key = node if node is not None else env.node_key()
+        if not isinstance(key, str) or not key or len(key.encode()) > MAX_NODE_KEY_BYTES:
+            raise ValueError(f"node key must be a non-empty string of at most {MAX_NODE_KEY_BYTES} bytes, got {key!r}")
+        self.layout = NodeLayout(tuple(k.decode() for k in self._gather_bytes(key.encode(), MAX_NODE_KEY_BYTES, "node keys")), self.src)
+        self.leader = self.layout.leader_of(self.rank)
+        self.serves = self.layout.served_by(self.rank) if self.leader == self.rank else []
+        self.remote_leaders = self.layout.remote_leaders if self.is_sender else []
+        self.network_bytes = 0
+        self._sends: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # by bucket: works and the memory they read
+        self._held: tuple[int, int, torch.Tensor] | None = None  # the bytes behind the next status, to remote leaders
+        self._forwarded: list[int] = []  # buckets this rank told its node about and whose release it awaits
+        self._told: list[tuple[int, Any, torch.Tensor]] = []  # (bucket, work, status) sent to the node, not yet waited
+        self._status_ahead: tuple[Any, torch.Tensor] | None = None
+        self._cursor = 0
+
+    # ---- point to point with deadlines ---------------------------------------------------
+    def _send_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        try:
+            return self.group.send([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} to rank {peer} failed on rank {self.rank}: {exc}") from exc
+
+    def _recv_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        try:
+            return self.group.recv([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} from rank {peer} failed on rank {self.rank}: {exc}") from exc
+
+    def _gather_bytes(self, payload: bytes, limit: int, what: str) -> list[bytes]:
+        """Every rank's `payload` (at most `limit` bytes), on every rank."""
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.control_device)
+        sizes[self.rank] = len(payload)
+        self._allreduce(sizes, f"{what} lengths")
+        lengths = [int(n) for n in sizes.cpu().tolist()]
+        if any(not 0 < n <= limit for n in lengths):
+            raise PeerError(f"{self.name}: {what}: a rank announced a length outside 1..{limit}: {lengths}")
+        rows = torch.zeros(self.world_size, max(lengths), dtype=torch.uint8)
+        rows[self.rank, : len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        rows = rows.to(self.control_device)
+        self._allreduce(rows, what)
+        rows = rows.cpu()
+        return [rows[r, :n].numpy().tobytes() for r, n in enumerate(lengths)]
+
+    # ---- buffers: shared with the node when this rank serves it --------------------------
+    def prepare(self, backend: Backend, plan: BucketPlan) -> None:
+        super().prepare(backend, plan)
+        self._held, self._status_ahead, self._cursor = None, None, 0
+
+    def _allocate(self, backend: Backend, nbytes: int) -> None:
+        if self.serves:
+            if not backend.supports_ipc:
+                raise PeerError(f"{self.name}: backend {backend.name!r} cannot share buffers within a node (supports_ipc is False)")
+            old, self._slots = self._slots, [backend.empty_shared(nbytes) for _ in range(2)]
+            payload = json.dumps([backend.export_ipc(s) for s in self._slots]).encode()
+            size = torch.tensor([len(payload)], dtype=torch.int64, device=self.control_device)
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.control_device)
+            works = [w for peer in self.serves for w in (self._send_p2p(size, peer, TAG_HANDLES, "buffer handles"), self._send_p2p(data, peer, TAG_HANDLES, "buffer handles"))]
+            for w in works:
+                self._wait(w, "buffer handles")
+            for peer in self.serves:  # every rank of the node mapped the new buffers before the old go
+                self._expect_release(peer, _MAPPED, "buffer mapping")
+            for s in old:
+                backend.release_shared(s)
+        elif self.leader != self.rank:
+            size = torch.zeros(1, dtype=torch.int64, device=self.control_device)
+            self._wait(self._recv_p2p(size, self.leader, TAG_HANDLES, "buffer handles"), "buffer handles")
+            n = int(size.item())
+            if not 0 < n <= MAX_HANDLES_BYTES:
+                raise HeaderError(f"{self.name}: rank {self.leader} announced buffer handles of {n} bytes")
+            data = torch.empty(n, dtype=torch.uint8, device=self.control_device)
+            self._wait(self._recv_p2p(data, self.leader, TAG_HANDLES, "buffer handles"), "buffer handles")
+            try:
+                handles = json.loads(data.cpu().numpy().tobytes())
+                if not isinstance(handles, list) or len(handles) != 2:
+                    raise ValueError("expected a list of two handles")
+                self._slots = [backend.import_ipc(h) for h in handles]
+            except (ValueError, TypeError, RecursionError, OSError) as exc:
+                raise PeerError(f"{self.name}: rank {self.rank} could not map rank {self.leader}'s buffers: {exc}") from None
+            self._send_release(_MAPPED)
+        else:
+            super()._allocate(backend, nbytes)
+
+    def _send_release(self, k: int) -> None:
+        word = torch.tensor([k], dtype=torch.int64, device=self.control_device)
+        self._wait(self._send_p2p(word, self.leader, TAG_RELEASE, f"bucket {k} release"), f"bucket {k} release")
+
+    def _expect_release(self, peer: int, k: int, what: str) -> None:
+        word = torch.zeros(1, dtype=torch.int64, device=self.control_device)
+        self._wait(self._recv_p2p(word, peer, TAG_RELEASE, what), what)
+        if int(word.item()) != k:
+            raise PeerError(f"{self.name}: expected rank {peer} to release bucket {k}, it released {int(word.item())}: out of step")
+
+    def _collect_releases(self, upto: int) -> None:
+        """Wait until every rank this one serves is done with every forwarded bucket <= `upto`,
+        bucket by bucket: a rank takes bucket k's statuses, then releases k, then takes k+1's."""
+        while True:
+            k = min([b for b in self._forwarded[:1]] + [t[0] for t in self._told[:1]], default=None)
+            if k is None or k > upto:
+                return
+            while self._told and self._told[0][0] == k:
+                _, work, _status = self._told.pop(0)
+                self._wait(work, f"bucket {k} status to the node")
+            if self._forwarded and self._forwarded[0] == k:
+                self._forwarded.pop(0)
+                for peer in self.serves:
+                    self._expect_release(peer, k, f"bucket {k} release")
+
+    def _tell_node(self, code: int, k: int, j: int, nbytes: int) -> None:
+        """Tell the ranks this one serves that segment j of bucket k is in its buffer (or FAILED)."""
+        if not self.serves:
+            return
+        status = self._status(code, k, j, nbytes)
+        for peer in self.serves:  # not waited here: a rank of the node may still be reading the last segment
+            self._told.append((k, self._send_p2p(status, peer, TAG_NODE, f"bucket {k} segment {j} status"), status))
+        if code != SegmentStatus.FAILED and (not self._forwarded or self._forwarded[-1] != k):
+            self._forwarded.append(k)
+
+    # ---- sender ----------------------------------------------------------------------------
+    def _send_net(self, k: int, tensor: torch.Tensor, what: str) -> None:
+        for leader in self.remote_leaders:
+            self._sends.setdefault(k, []).append((self._send_p2p(tensor, leader, TAG_NET, what), tensor))
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            k, j, data = self._held
+            self._held = None
+            self._send_net(k, data, f"bucket {k} segment {j}")
+            self.network_bytes += data.numel() * len(self.remote_leaders)
+
+    def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool) -> None:
+        if self._traits.follows_streams and not self.serves:
+            self._backend.current_stream().wait_event(ready)
+        else:
+            ready.synchronize()  # host-side signals follow: the bytes must be there
+        if self.serves and data.numel():  # (the Sender waited for bucket k-2's release before packing k)
+            dst = self.buffer(k)[start : start + data.numel()]
+            if data.data_ptr() != dst.data_ptr():  # bytes from a tensor's own memory: the node reads the buffer
+                stream = self._backend.current_stream()
+                self._backend.copy_(dst, data, stream=stream)
+                stream.synchronize()
+        self._tell_node(SegmentStatus.OK, k, j, data.numel())
+        status = self._status(SegmentStatus.DIRECT if direct else SegmentStatus.OK, k, j, data.numel())
+        self._send_net(k, status, f"bucket {k} segment {j} status")
+        self._flush()
+        self._held = (k, j, data)
+
+    def send_failure(self, k: int, j: int) -> None:
+        self._send_net(k, self._status(SegmentStatus.FAILED, k, j, 0), f"bucket {k} segment {j} failure")
+        self._flush()
+        self._tell_node(SegmentStatus.FAILED, k, j, 0)
+        self.finish()
+
+    def wait_sent(self, k: int) -> None:
+        if self._held is not None and self._held[0] == k:
+            self._flush()
+        for work, _memory in self._sends.pop(k, ()):
+            self._wait(work, f"bucket {k}")
+        self._collect_releases(k)
+
+    # ---- receivers -------------------------------------------------------------------------
+    def receive_segments(self, land: Land, complete: Complete) -> bool:
+        if self.leader == self.rank:
+            return self._receive_as_leader(land, complete)
+        return self._receive_from_leader(complete)
+
+    def _post_status(self, index: int) -> None:
+        k, j, _, _ = self._order[index]
+        words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
+        self._status_ahead = (self._recv_p2p(words, self.src, TAG_NET, f"bucket {k} segment {j} status"), words)
+
+    def _net_status(self, k: int, j: int, nbytes: int) -> SegmentStatus:
+        if self._status_ahead is None:
+            self._post_status(self._cursor)
+        work, words = self._status_ahead
+        self._status_ahead = None
+        self._wait(work, f"bucket {k} segment {j} status")
+        status = SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
+        self._cursor += 1
+        if not status.failed and self._cursor < len(self._order):
+            self._post_status(self._cursor)  # ahead of this segment's bytes, as the sender sends it
+        return status
+
+    def _receive_as_leader(self, land: Land, complete: Complete) -> bool:
+        """A node's leader: from the sender over the network, statuses one ahead; each
+        segment is announced to the node once it is in this rank's buffer."""
+        pending: tuple[int, int, int, bool, Any] | None = None
+
+        def finish(p: tuple[int, int, int, bool, Any]) -> None:
+            k, j, nbytes, landed, work = p
+            self._wait(work, f"bucket {k} segment {j}")
+            self._tell_node(SegmentStatus.OK, k, j, nbytes)  # the node reads while this rank applies
+            complete(k, j, landed)
+
+        first_of_bucket = {k: j for k, j, _, _ in reversed(self._order)}
+        for k, j, start, nbytes in self._order:
+            status = self._net_status(k, j, nbytes)
+            if status.failed:
+                if pending is not None:
+                    finish(pending)
+                self._tell_node(SegmentStatus.FAILED, k, j, 0)
+                return True
+            if self.serves and j == first_of_bucket[k] and k >= 2:
+                self._collect_releases(k - 2)  # the node is done with what this buffer held
+            into = None if self.serves else land(k, j, status)
+            target = self.buffer(k)[start : start + nbytes] if into is None else into
+            work = self._recv_p2p(target, self.src, TAG_NET, f"bucket {k} segment {j}")
+            if pending is not None:
+                finish(pending)
+            pending = (k, j, nbytes, into is not None, work)
+        if pending is not None:
+            finish(pending)
+        return False
+
+    def _receive_from_leader(self, complete: Complete) -> bool:
+        """Another rank of a node: every segment from the leader's buffer, once it says so."""
+        last_of_bucket = {k: j for k, j, _, _ in self._order}
+        started: int | None = None  # the bucket read from and not yet released
+        for k, j, _, nbytes in self._order:
+            words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
+            self._wait(self._recv_p2p(words, self.leader, TAG_NODE, f"bucket {k} segment {j} status"), f"bucket {k} segment {j} status")
+            status = SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
+            if status.failed:
+                if started is not None:
+                    self._send_release(started)
+                return True
+            started = k
+            complete(k, j, False)
+            if j == last_of_bucket[k]:
+                self._send_release(k)
+                started = None
+        return False
+
+    def finish(self) -> None:
+        self._flush()
+        for k in sorted(self._sends):
+            for work, _memory in self._sends.pop(k):
+                self._wait(work, f"bucket {k}")
+        self._collect_releases(max([-1, *self._forwarded, *(k for k, _, _ in self._told)]))
+
+    def close(self) -> None:
+        if self.serves and self._backend is not None:
+            for s in self._slots:
+                self._backend.release_shared(s)
+        super().close()

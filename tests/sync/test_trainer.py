@@ -1,0 +1,169 @@
+"""A sharded trainer: two FSDP2 ranks in lockstep, one sending, into two receivers.
+
+Four spawned processes on gloo: trainer ranks 0 and 1 hold `fully_shard` shards of one
+model (their own process group), rank 0 also sends to engine workers 2 and 3 over a
+separate sync group. Three syncs with an Adam step between them; every receiver must
+hold the trainer's full weights bit for bit after each. Failures: a receiver that dies
+mid-sync, and a trainer rank whose source declares other tensors, fail every rank within
+the timeout and leave no process behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hal.sync import BroadcastTransport, ModuleSource, Receiver, SyncConfig, SyncError, TensorSpec, copy_into
+from hal.sync.trainer import TrainerSync
+from tests.multiproc import run_group
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT_S = 10.0
+BUCKET = 32 * 1024
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(300, 32),  # 38 KiB: larger than a bucket
+        torch.nn.Linear(32, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 32, bias=False),
+    )
+
+
+def engine_specs() -> list[TensorSpec]:
+    return [TensorSpec.of(n, p.detach()) for n, p in make_model().named_parameters()]
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16] for n, t in tensors.items()}
+
+
+def groups(rank: int) -> tuple[object, object]:
+    """(trainer group of ranks 0-1, sync group of ranks 0, 2, 3); every rank creates both."""
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    trainer = dist.new_group([0, 1], timeout=timeout)
+    sync = dist.new_group([0, 2, 3], timeout=timeout)
+    return trainer, sync
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data, as data parallelism does
+    ids = torch.randint(0, 300, (8, 5), generator=g)
+    loss = model(ids).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def fsdp_worker(rank, world, scenario):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    trainer_group, sync_group = groups(rank)
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=8192, timeout_s=TIMEOUT_S)
+    if rank in (0, 1):
+        model = make_model()
+        mesh = DeviceMesh.from_group(trainer_group, "cpu")
+        for layer in (model[0], model[1], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        trainer = TrainerSync(
+            transport=BroadcastTransport(sync_group, src=0) if rank == 0 else None, config=config, trainer_group=trainer_group
+        )
+        results = []
+        for version in (1, 2, 3):
+            train_step(model, optimizer, rank, version)
+            source = ModuleSource(model)
+            if scenario == "mismatch" and rank == 1:
+                source = ModuleSource(model, rename=lambda n: None if n == "3.weight" else n)  # one tensor fewer
+            start = time.monotonic()
+            try:
+                metrics = trainer.sync(source, version=version)
+                outcome = ("ok", metrics.tensors)
+            except SyncError as exc:
+                outcome = (type(exc).__name__, str(exc)[:300])
+            full = {n: p.full_tensor() for n, p in model.named_parameters()}  # every trainer rank, in lockstep
+            results.append((outcome, digest(full), time.monotonic() - start))
+            if scenario != "ok":
+                break
+        return results
+    # ranks 2 and 3: engine workers of the sync group, never in the trainer's group
+    receiver = Receiver(BroadcastTransport(sync_group, src=0), engine_specs(), timeout_s=TIMEOUT_S)
+    weights = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in engine_specs()}
+    results = []
+    for _ in (1, 2, 3):
+        start = time.monotonic()
+        sink = copy_into(weights)
+        if scenario == "receiver_dies" and rank == 3:
+            real_apply = sink.apply
+
+            def die(pairs, real_apply=real_apply):
+                real_apply(pairs)
+                os._exit(7)  # a worker lost mid-sync
+
+            sink.apply = die
+        try:
+            receiver.receive(sink)
+            outcome = ("ok", receiver.version)
+        except SyncError as exc:
+            outcome = (type(exc).__name__, str(exc)[:300])
+        results.append((outcome, digest(weights), time.monotonic() - start))
+        if scenario != "ok":
+            break
+    return results
+
+
+def test_fsdp2_trainer_in_lockstep_syncs_bit_exact_into_two_receivers():
+    trainer0, trainer1, engine2, engine3 = run_group(fsdp_worker, 4, args=("ok",), timeout=240, collective_timeout=TIMEOUT_S)
+    for step in range(3):
+        (sent, tensors), full, _ = trainer0[step]
+        assert sent == "ok" and tensors == len(engine_specs())
+        assert trainer1[step][0] == ("ok", len(engine_specs()))  # the follower iterated the same tensors
+        assert trainer1[step][1] == full  # both trainer ranks gathered the same full weights
+        for engine in (engine2, engine3):
+            assert engine[step][0] == ("ok", step + 1)
+            assert engine[step][1] == full, f"sync {step + 1}: the engine does not hold the trainer's weights"
+    assert trainer0[0][1] != trainer0[1][1] != trainer0[2][1]  # the optimizer moved the weights each step
+
+
+def test_a_receiver_lost_mid_sync_fails_every_rank_within_the_timeout():
+    results = run_group(fsdp_worker, 4, args=("receiver_dies",), timeout=240, collective_timeout=TIMEOUT_S, allow_failure=True)
+    trainer0, trainer1, engine2, engine3 = results
+    assert "died" in engine3 or "exit code 7" in engine3, engine3  # the lost worker
+    for name, rank_results in (("sender", trainer0), ("follower", trainer1), ("other receiver", engine2)):
+        (kind, message), _, seconds = rank_results[0]
+        assert kind == "PeerError", f"{name}: {kind}: {message}"
+        assert seconds < 3 * TIMEOUT_S, f"{name} took {seconds:.1f} s"
+
+
+def test_trainer_ranks_whose_sources_differ_are_refused_before_any_gather():
+    trainer0, trainer1, engine2, engine3 = run_group(fsdp_worker, 4, args=("mismatch",), timeout=240, collective_timeout=TIMEOUT_S)
+    for rank_results in (trainer0, trainer1, engine2, engine3):
+        (kind, message), _, _ = rank_results[0]
+        assert kind == "SpecMismatchError", message
+    assert "trainer rank 1's source declares other tensors" in trainer0[0][0][1]
+    for engine in (engine2, engine3):
+        assert set(engine[0][1].values()) == set(digest({s.name: torch.zeros(s.shape) for s in engine_specs()}).values())
+
+
+def test_a_trainer_without_a_sending_rank_is_refused_on_every_rank():
+    results = run_group(_no_sender_worker, 2, timeout=60)
+    assert all("exactly one trainer rank must hold the sync transport, found 0" in r for r in results), results
+
+
+def _no_sender_worker(rank, world):
+    try:
+        TrainerSync(transport=None, config=SyncConfig(timeout_s=TIMEOUT_S))
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
