@@ -38,6 +38,7 @@ from hal.integrations.vllm import BACKEND_NAME, TRANSPORTS, HalInitInfo, dtype_n
 from hal.procs import free_port
 from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics
 from hal.sync.errors import PeerError
+from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
 from hal.sync.header import init_proof
 from hal.sync.source import as_source
 
@@ -374,11 +375,12 @@ class WeightSync:
             payload = asdict(info)
             what = f"{engine.name}: init_weight_transfer_engine"
             calls.append((what, _in_thread(what, lambda e=engine, p=payload: e.init_weight_transfer_engine(p))))
+        # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
+        # workers use to join, would listen on every interface: hal.sync.group)
+        spec = SyncGroupSpec(address=self.master_address, port=port, world_size=self.world_size)
         group_call = _in_thread(
             "trainer: join the weight-sync group",
-            lambda: vllm_internals.stateless_group(
-                self.master_address, port, 0, self.world_size, backend=backend.dist_backend, timeout_s=self.timeout_s
-            ),
+            lambda: join_sync_group(spec, 0, backend=backend.dist_backend, timeout_s=self.timeout_s),
         )
         # An engine that refuses (bad init info, a wrong token, already connected) fails
         # fast instead of leaving the trainer in the rendezvous until the timeout.
@@ -508,7 +510,7 @@ class WeightSync:
             sender.transport.close()
         if group is not None:
             try:
-                vllm_internals.destroy_stateless_group(group)
+                destroy_sync_group(group)
             except Exception:  # noqa: BLE001
                 pass
 

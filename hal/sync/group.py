@@ -1,0 +1,234 @@
+"""The sync group: trainer rank 0 and every engine worker, outside c10d's registry.
+
+A group made here leaves each process's default process group (a trainer's FSDP group)
+alone, and its rendezvous listens only where it is told: rank 0 serves the store on a
+socket it bound to `SyncGroupSpec.address` (torch's own TCPStore server listens on every
+interface, whatever host it is given: measured), and gloo's listener goes on a loopback
+address when the group is one node's. It uses the rendezvous layout of vLLM's
+`stateless_init_torch_distributed_process_group`, so a trainer joining here and vLLM
+workers joining with vLLM's helper (the hal engine does) meet in one group.
+
+    spec = SyncGroupSpec.create(world_size=1 + workers)           # on the trainer's side
+    group = join_sync_group(spec, rank, timeout_s=60)             # every rank, concurrently
+    transport = BroadcastTransport(group, src=0)
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from hal.backend import Backend
+from hal.procs import free_port
+from hal.sync.errors import PeerError
+
+LOOPBACK = "127.0.0.1"
+
+
+def _is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncGroupSpec:
+    """Where the sync group meets: rank 0 (the trainer's sender) serves the rendezvous.
+
+    Made once by the trainer side and handed to every actor of the group (it pickles).
+    """
+
+    address: str
+    """Where rank 0's rendezvous store listens (that address only) and every rank connects.
+    127.0.0.1 when every rank is on one node; the trainer rank 0's node address otherwise."""
+    port: int
+    """TCP port of the rendezvous store."""
+    world_size: int
+    """Ranks in the group: the sender (rank 0) and every receiving engine worker."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.address, str) or not self.address.strip():
+            raise ValueError(f"SyncGroupSpec.address must be a non-empty host, got {self.address!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"SyncGroupSpec.port must be a TCP port (1..65535), got {self.port!r}")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 2:
+            raise ValueError(f"SyncGroupSpec.world_size must be an int of at least 2 (a sender and a receiver), got {self.world_size!r}")
+
+    @classmethod
+    def create(cls, world_size: int, *, address: str = LOOPBACK) -> SyncGroupSpec:
+        """A spec on a port of `address` that was free a moment ago (call it on rank 0's node).
+
+        The port is only reserved once rank 0 joins: should something take it in between,
+        rank 0's `join_sync_group` fails at once, naming it, and a new spec is the remedy.
+        """
+        return cls(address=address, port=free_port(address), world_size=world_size)
+
+    @property
+    def init_method(self) -> str:
+        """`tcp://<address>:<port>`: also the prefix of every key the group keeps in the store."""
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"tcp://{host}:{self.port}"
+
+
+def join_sync_group(
+    spec: SyncGroupSpec,
+    rank: int,
+    *,
+    backend: Backend | str | None = None,
+    timeout_s: float = 60.0,
+    bind_address: str | None = None,
+) -> Any:
+    """Join the sync group as `rank`; returns the group hal's transports speak to.
+
+    Every rank of `spec` calls this (concurrently: it returns once all have joined). The
+    group is a torch.distributed c10d backend object (`torch.distributed.ProcessGroupGloo`
+    or the class named after the collective library) created outside c10d's registry: it
+    leaves this process's default process group (a trainer's FSDP group) alone, and
+    `torch.distributed.broadcast(..., group=...)` does not accept it; hal's transports call
+    its methods. `backend`: the collective library's name ("gloo", ...) or a hal Backend
+    whose `dist_backend` to use; None: `hal.current().dist_backend`. Every rank must name
+    the same library.
+
+    Rank 0 serves the rendezvous store on `spec.address` only. A gloo rank's own listener
+    goes on `bind_address`: by default `spec.address` when that is a loopback address (a
+    one-node group), else where gloo puts it by default (the address the host name
+    resolves to, or GLOO_SOCKET_IFNAME): pass the node's address across nodes (in a Ray
+    actor, `ray.util.get_node_ip_address()`). Other libraries pick their interface from
+    their own variables (NCCL_SOCKET_IFNAME, HCCL_IF_IP); `bind_address` is refused for them.
+
+    Raises PeerError when the other ranks do not all arrive within `timeout_s` (which is
+    also the group's default timeout for every collective).
+    """
+    if not isinstance(spec, SyncGroupSpec):
+        raise TypeError(f"spec must be a SyncGroupSpec, got {type(spec).__name__}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.world_size:
+        raise ValueError(f"rank {rank!r} is not a rank of a sync group of world_size {spec.world_size}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    library = _library_name(backend)
+    if library == "gloo":
+        if bind_address is None and _is_loopback(spec.address):
+            bind_address = spec.address
+    elif bind_address is not None:
+        raise ValueError(
+            f"bind_address applies to gloo only; collective library {library!r} chooses its "
+            f"interface from its own environment variables"
+        )
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    where = f"sync group {spec.init_method} (world_size {spec.world_size}), rank {rank}"
+    try:
+        store = _rendezvous_store(spec, rank, timeout)
+        # vLLM's stateless helper keeps its keys under this prefix: either side may use it.
+        prefixed = dist.PrefixStore(spec.init_method, store)
+        if library == "gloo":
+            return _gloo_group(prefixed, rank, spec.world_size, timeout, bind_address)
+        return _library_class(library)(prefixed, rank, spec.world_size, timeout)
+    except PeerError:
+        raise
+    except (RuntimeError, TimeoutError) as exc:  # torch's DistStoreError and gloo's errors are RuntimeErrors
+        raise PeerError(f"{where}: could not join within {timeout_s:g} s: {type(exc).__name__}: {exc}") from exc
+
+
+def _library_name(backend: Backend | str | None) -> str:
+    if backend is None:
+        import hal
+
+        return hal.current().dist_backend
+    if isinstance(backend, Backend):
+        return backend.dist_backend
+    if isinstance(backend, str) and backend.strip():
+        return backend.strip().lower()
+    raise TypeError(f"backend must be a collective library name, a hal Backend or None, got {backend!r}")
+
+
+def _rendezvous_store(spec: SyncGroupSpec, rank: int, timeout: datetime.timedelta) -> Any:
+    """Rank 0 serves the store on a socket it bound to `spec.address` (torch's own
+    TCPStore server listens on every interface, whatever host it is given: measured);
+    the others connect to it."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        return dist.TCPStore(spec.address, spec.port, spec.world_size, False, timeout)
+    fd = _listening_socket(spec.address, spec.port)
+    ours = os.fstat(fd)
+    try:
+        # The store owns the descriptor from here on: it closes it when the store is freed,
+        # and also when its constructor fails (measured: waiting for the other ranks timed out).
+        return dist.TCPStore(spec.address, spec.port, spec.world_size, True, timeout, master_listen_fd=fd)
+    except BaseException:
+        # Close it only if it is still our socket: the number may already be someone else's.
+        try:
+            still = os.fstat(fd)
+        except OSError:
+            still = None
+        if still is not None and (still.st_dev, still.st_ino) == (ours.st_dev, ours.st_ino):
+            os.close(fd)
+        raise
+
+
+def _listening_socket(address: str, port: int) -> int:
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"sync group address {address!r} does not resolve: {exc}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen()
+    except OSError as exc:
+        sock.close()
+        raise PeerError(
+            f"sync group rank 0 cannot listen on {address}:{port}: {exc} "
+            f"(taken since the SyncGroupSpec was made? make a new spec)"
+        ) from None
+    return sock.detach()
+
+
+def _gloo_group(store: Any, rank: int, size: int, timeout: datetime.timedelta, bind_address: str | None) -> Any:
+    import torch.distributed as dist
+
+    if bind_address is None:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    # Private names, here only: the constructor that takes a device needs ProcessGroupGloo's
+    # `_Options` (its `_devices`, `_timeout`); torch offers no public way to put gloo's
+    # listener on one address (GLOO_SOCKET_IFNAME takes an interface name, process-wide).
+    # `create_device` is public. tests/integrations/test_ray.py checks these still exist.
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_address)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _library_class(library: str) -> Any:
+    """torch.distributed names each library's backend class `ProcessGroup<NAME>`; a plugin
+    library's class appears there once its package is imported. Each takes (store, rank,
+    size, timeout)."""
+    import torch.distributed as dist
+
+    name = "ProcessGroup" + library.upper()
+    cls = getattr(dist, name, None)
+    if cls is None:
+        raise ValueError(f"collective library {library!r}: torch.distributed has no {name} here (is its package imported?)")
+    return cls
+
+
+def destroy_sync_group(group: Any) -> None:
+    """Shut down a group from `join_sync_group` (or vLLM's stateless helper).
+
+    Its sockets (the rendezvous store on rank 0, gloo's listener and connections) close
+    when the last reference to the group goes: drop the transport, Sender or Receiver
+    that holds it as well. Safe to call twice.
+    """
+    shutdown = getattr(group, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
