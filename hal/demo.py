@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tie lm_head to embed_tokens (tie_word_embeddings), like Qwen2.5 0.5B-3B, Qwen3 0.6B-4B, Llama 3.2",
     )
     parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="the distributed job: 2 FSDP2 trainer actors and a TP=2 vLLM engine actor on a loopback-only Ray "
+        "(needs the [ray] extra); outputs go to <out-dir>/ray",
+    )
+    parser.add_argument(
         "--in-process",
         action="store_true",
         help="run vLLM's engine core and worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); faster start",
@@ -152,7 +158,7 @@ def reinforce_step(model: Any, optimizer: Any, prompts: list[list[int]], complet
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def write_plot(path: Path, steps: list[dict[str, Any]], model_name: str = "Llama") -> None:
@@ -177,6 +183,12 @@ def write_plot(path: Path, steps: list[dict[str, Any]], model_name: str = "Llama
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "ray", False):
+        if args.tied or args.in_process:
+            raise ValueError("--ray runs its own engine actor: --tied and --in-process do not apply")
+        from hal.demo_ray import main as ray_main
+
+        return ray_main(args)
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
     if args.in_process:

@@ -41,6 +41,7 @@ from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_syn
 
 __all__ = [
     "ActorScope",
+    "RayEngine",
     "LOOPBACK",
     "SyncGroupSpec",
     "actor_env",
@@ -393,3 +394,51 @@ def _wait_exited(pid: int, deadline: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+
+
+# ---- an engine actor, seen as a WeightSync engine -------------------------------------------
+class RayEngine:
+    """A Ray actor handle that serves vLLM's weight-update API, as `WeightSync` drives an
+    engine (`hal.integrations.vllm_client.Engine`): every call is a remote call, waited for.
+
+    The actor holds the `vllm.LLM` and exposes `init_weight_transfer_engine(init_info)`,
+    `start_weight_update()`, `update_weights(update_info)`, `finish_weight_update(version)`,
+    `update_weight_version(version)`, `get_weight_version()`, `reset_prefix_cache()` and
+    `shutdown_weight_transfer_engine()` (the demo's `EngineActor` does). `same_node` says
+    whether its workers share the trainer's node (shared-memory transport possible).
+    """
+
+    def __init__(self, actor: Any, *, name: str, num_workers: int, same_node: bool = False, timeout_s: float = 300.0) -> None:
+        self.actor = actor
+        self.name = name
+        self.num_workers = num_workers
+        self.same_node = same_node
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, *args: Any) -> Any:
+        ray = _import_ray()
+        return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout_s)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self._call("update_weight_version", weight_version)
+
+    def get_weight_version(self) -> str:
+        return self._call("get_weight_version")
+
+    def reset_prefix_cache(self) -> None:
+        self._call("reset_prefix_cache")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("shutdown_weight_transfer_engine")

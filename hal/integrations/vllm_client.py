@@ -39,6 +39,7 @@ from hal.procs import free_port
 from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics
 from hal.sync.errors import PeerError
 from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.sync.trainer import TrainerSync
 from hal.sync.header import init_proof
 from hal.sync.source import as_source
 
@@ -301,6 +302,7 @@ class WeightSync:
         transport: str = "auto",
         token: str | None = None,
         resend_after_failure: int = 1,
+        trainer_group: Any = None,
     ) -> None:
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {transport!r}")
@@ -323,6 +325,12 @@ class WeightSync:
         between processes (`supports_ipc`), else "broadcast"."""
         self.token = token if token is not None else env.sync_token()
         self.resend_after_failure = resend_after_failure
+        self.trainer_group = trainer_group
+        """The sharded trainer's own group, when the trainer is several ranks: this process is
+        its sending rank, and every other rank calls `TrainerSync(transport=None, ...).sync`
+        with the same source and version in lockstep (docs/topologies.md)."""
+        self._trainer: TrainerSync | None = None
+        self._attempt = 0
         self._group: Any = None
         self._sender: Sender | None = None
         self._ranks: dict[str, range] = {}
@@ -402,7 +410,12 @@ class WeightSync:
             self._engine_result(call, what, self.timeout_s)
             self._connected.add(engine.name)
         control = "cpu" if backend.dist_backend == "gloo" else backend.device()
-        self._sender = Sender(TRANSPORTS[self.transport](self._group, src=0, control_device=control), self.config, token=self.token)
+        transport = TRANSPORTS[self.transport](self._group, src=0, control_device=control)
+        if self.trainer_group is not None:
+            self._trainer = TrainerSync(transport=transport, config=self.config, trainer_group=self.trainer_group, token=self.token)
+            self._sender = self._trainer.sender
+        else:
+            self._sender = Sender(transport, self.config, token=self.token)
 
     @staticmethod
     def _engine_result(call: "concurrent.futures.Future[Any]", what: str, timeout: float = 0.0) -> Any:
@@ -432,14 +445,14 @@ class WeightSync:
             raise TypeError(f"version must be an int (the trainer step), got {version!r}")
         source = as_source(source)
         start = time.perf_counter()
-        attempt = 0
+        attempt = self._attempt = 0
         while True:
             try:
                 metrics = self._sync_once(source, version)
                 break
             except SyncError as exc:
-                if attempt < self.resend_after_failure and exc.trainer_side and self.inconsistent:
-                    attempt += 1
+                if self._resends(exc):
+                    attempt = self._attempt = attempt + 1
                     logger.warning(
                         "hal sync of version %d failed on the trainer and left %s inconsistent; sending it again (%d of %d): %s",
                         version, sorted(self.inconsistent), attempt, self.resend_after_failure, exc,
@@ -456,6 +469,11 @@ class WeightSync:
         self.inconsistent.clear()
         return SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
 
+    def _resends(self, exc: SyncError) -> bool:
+        """Whether a failed attempt is sent again: the trainer's own failure that left an
+        engine holding part of it, with attempts left."""
+        return self._attempt < self.resend_after_failure and exc.trainer_side and bool(exc.inconsistent_ranks)
+
     def _sync_once(self, source: Any, version: int) -> SyncMetrics:
         for engine in self.engines:
             engine.start_weight_update()
@@ -464,7 +482,10 @@ class WeightSync:
             for e in self.engines
         ]
         try:
-            metrics = self._sender.send(source, version=version)
+            if self._trainer is not None:
+                metrics = self._trainer.sync(source, version=version, resend=self._resends)
+            else:
+                metrics = self._sender.send(source, version=version)
         except SyncError as exc:
             # the engines fail the same sync; their message is usually the precise one
             problems = []

@@ -30,6 +30,11 @@ class SyncError(RuntimeError):
         return sorted(r for r, rep in self.reports.items() if rep.inconsistent)
 
     @property
+    def resend_follows(self) -> bool:
+        """The sending trainer rank sends this sync again (`TrainerSync`'s agreement)."""
+        return any(rep.sender and rep.resend for rep in self.reports.values())
+
+    @property
     def trainer_side(self) -> bool:
         """True when the sending rank itself failed (its source raised, a pack failed)."""
         return any(rep.sender and rep.error for rep in self.reports.values())
@@ -89,10 +94,12 @@ class RankReport:
     kind: str = "error"
     sender: bool = False
     inconsistent: bool = False
+    resend: bool = False
+    """From the sending trainer rank to the others (`TrainerSync`): the same sync follows again."""
 
     @property
     def flags(self) -> int:
-        return int(self.sender) | int(self.inconsistent) << 1
+        return int(self.sender) | int(self.inconsistent) << 1 | int(self.resend) << 2
 
     def encode(self) -> str:
         """The error as JSON, or "" for none."""
@@ -103,9 +110,9 @@ class RankReport:
     @classmethod
     def decode(cls, text: str | None, flags: int = 0) -> "RankReport":
         """A report from another rank; anything malformed becomes an error report saying so."""
-        sender, inconsistent = bool(flags & 1), bool(flags & 2)
+        sender, inconsistent, resend = bool(flags & 1), bool(flags & 2), bool(flags & 4)
         if not text:
-            return cls(sender=sender, inconsistent=inconsistent)
+            return cls(sender=sender, inconsistent=inconsistent, resend=resend)
         try:
             raw = json.loads(text)
             if not isinstance(raw, dict) or set(raw) != {"e", "k"}:
@@ -114,8 +121,8 @@ class RankReport:
             if not isinstance(error, str) or not isinstance(kind, str):
                 raise ValueError("bad field types")
         except (ValueError, RecursionError) as exc:
-            return cls(error=f"unreadable status report ({exc}): {text[:200]!r}", kind="peer", sender=sender, inconsistent=inconsistent)
-        return cls(error=error[:_MAX_MESSAGE], kind=kind if kind in _KINDS else "error", sender=sender, inconsistent=inconsistent)
+            return cls(error=f"unreadable status report ({exc}): {text[:200]!r}", kind="peer", sender=sender, inconsistent=inconsistent, resend=resend)
+        return cls(error=error[:_MAX_MESSAGE], kind=kind if kind in _KINDS else "error", sender=sender, inconsistent=inconsistent, resend=resend)
 
 
 def kind_of(exc: BaseException) -> str:
@@ -125,9 +132,9 @@ def kind_of(exc: BaseException) -> str:
     return "error"
 
 
-def report_exception(exc: BaseException, *, sender: bool, inconsistent: bool = False) -> RankReport:
+def report_exception(exc: BaseException, *, sender: bool, inconsistent: bool = False, resend: bool = False) -> RankReport:
     message = str(exc) if isinstance(exc, SyncError) else f"{type(exc).__name__}: {exc}"
-    return RankReport(error=message, kind=kind_of(exc), sender=sender, inconsistent=inconsistent)
+    return RankReport(error=message, kind=kind_of(exc), sender=sender, inconsistent=inconsistent, resend=resend)
 
 
 def raise_if_any(reports: "list[RankReport]", my_rank: int, what: str) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -162,20 +162,29 @@ class TrainerSync:
             )
         return senders[0]
 
-    def sync(self, source: Any, *, version: int) -> SyncMetrics:
+    def sync(self, source: Any, *, version: int, resend: Callable[[errors.SyncError], bool] | None = None) -> SyncMetrics:
         """Sync `source` as `version` from this rank's side; the same call on every trainer rank.
 
         Returns the sender's metrics on the sending rank, and this rank's (gather time,
         tensors) on the others. Raises the same `SyncError` subclass on every trainer
         rank (and every receiver) when the sync fails anywhere.
+
+        `resend(error)`, on the sending rank, decides after a failed attempt whether the
+        same sync is sent again (`WeightSync` does after a trainer-side failure that left an
+        engine inconsistent); the other ranks learn it at the agreement and iterate again.
+        On the sending rank the error is raised either way and the caller sends again.
         """
         if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
             raise ValueError(f"version must be a non-negative int below 2**63 (e.g. the global step), got {version!r}")
-        lockstep = _Lockstep(as_source(source))
         where = f"sync of version {version}"
         if self.sender is not None:
-            return self._send(lockstep, version, where)
-        return self._follow(lockstep, version, where)
+            return self._send(_Lockstep(as_source(source)), version, where, resend)
+        while True:
+            try:
+                return self._follow(_Lockstep(as_source(source)), version, where)
+            except errors.SyncError as exc:
+                if not exc.resend_follows:
+                    raise
 
     # ---- the agreements over the trainer group ------------------------------------------------
     def _gate(self, lockstep: _Lockstep, header_error: errors.SyncError | None, where: str) -> None:
@@ -196,7 +205,9 @@ class TrainerSync:
             )
         errors.raise_if_any(self.channel.agree(report, "trainer header"), self.rank, where)
 
-    def _send(self, lockstep: _Lockstep, version: int, where: str) -> SyncMetrics:
+    def _send(
+        self, lockstep: _Lockstep, version: int, where: str, resend: Callable[[errors.SyncError], bool] | None
+    ) -> SyncMetrics:
         gated = stopped = False
 
         def gate(header_error: errors.SyncError | None) -> None:
@@ -226,7 +237,11 @@ class TrainerSync:
             own = lockstep.drain()  # keep the others' gathers matched to the end
             if own is not None and failure is None:
                 failure = errors.SourceError(f"{type(own).__name__}: {own}")
-            report = RankReport(sender=True) if failure is None else errors.report_exception(failure, sender=True)
+            if failure is None:
+                report = RankReport(sender=True)
+            else:
+                again = isinstance(failure, errors.SyncError) and resend is not None and resend(failure)
+                report = errors.report_exception(failure, sender=True, resend=again)
             reports = self.channel.agree(report, "trainer status")
             if failure is None:
                 errors.raise_if_any(reports, self.rank, where)

@@ -147,7 +147,7 @@ class GroupChannel:
         rows_head = head.cpu().tolist()
         sizes = [int(n) for n, _ in rows_head]
         flags = [int(f) for _, f in rows_head]
-        if any(not 0 <= n <= MAX_REPORT_BYTES for n in sizes) or any(not 0 <= f < 4 for f in flags):
+        if any(not 0 <= n <= MAX_REPORT_BYTES for n in sizes) or any(not 0 <= f < 8 for f in flags):
             raise PeerError(f"{self.name}: {what}: a rank announced a malformed report {rows_head}")
         width = max(sizes)
         if width == 0:

