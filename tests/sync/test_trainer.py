@@ -167,3 +167,65 @@ def _no_sender_worker(rank, world):
     except ValueError as exc:
         return str(exc)
     return "accepted"
+
+
+def resend_worker(rank, world):
+    """Ranks 0-1 a trainer (plain tensors), rank 2 a receiver; the sender's first attempt
+    fails part-way and it sends again; the other trainer rank follows without being told
+    anything but what the agreement says."""
+    from tests.sync.test_failures import FailingSource, weights
+
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    trainer_group = dist.new_group([0, 1], timeout=timeout)
+    sync_group = dist.new_group([0, 2], timeout=timeout)
+    config = SyncConfig(bucket_bytes=16 * 1024, segment_bytes=4096, timeout_s=TIMEOUT_S)
+    if rank in (0, 1):
+        trainer = TrainerSync(transport=BroadcastTransport(sync_group, src=0) if rank == 0 else None, config=config, trainer_group=trainer_group)
+        if rank == 1:
+            source = TensorSourceCounting(weights(2))
+            metrics = trainer.sync(source, version=2)  # iterates twice, returns once
+            return metrics.tensors, source.passes
+        source = FailingSource(weights(2), "layers.1.b")
+        try:
+            trainer.sync(source, version=2, resend=lambda exc: exc.trainer_side and bool(exc.inconsistent_ranks))
+            return "no failure"
+        except SyncError as exc:
+            first = type(exc).__name__
+        source.fail_at = None  # the cause went away: send again
+        trainer.sync(source, version=2)
+        return first
+    from tests.sync.test_failures import classify, specs
+
+    receiver = Receiver(BroadcastTransport(sync_group, src=0), specs(), timeout_s=TIMEOUT_S, version=1)
+    held = {n: t.clone() for n, t in weights(1)}
+    outcomes = []
+    for _ in range(2):
+        try:
+            receiver.receive(copy_into(held))
+            outcomes.append(("ok", receiver.consistent))
+        except SyncError as exc:
+            outcomes.append((type(exc).__name__, receiver.consistent))
+    return outcomes, set(classify(held).values()), receiver.version
+
+
+class TensorSourceCounting:
+    """A source that counts its passes (the follower's view of a resend)."""
+
+    def __init__(self, pairs):
+        self.pairs = list(pairs)
+        self.passes = 0
+
+    def metadata(self):
+        return [TensorSpec.of(n, t) for n, t in self.pairs]
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(self.pairs)
+
+
+def test_a_resend_decided_by_the_sender_is_followed_by_the_other_trainer_ranks():
+    sender, follower, (outcomes, held, version) = run_group(resend_worker, 3, timeout=120, collective_timeout=TIMEOUT_S)
+    assert sender == "SourceError"
+    assert follower == (8, 2)  # the follower's one call iterated for both attempts and returned once
+    assert outcomes == [("SourceError", False), ("ok", True)]
+    assert held == {"new"} and version == 2
