@@ -10,6 +10,15 @@ read-in-place variants) on synthetic weights from hal.bench.presets. The JSON ho
 {"preset", "results": [{"method", "seconds", "gib_per_s", "ratio_to_floor",
 "peak_extra_bytes", ...}, ...]} plus the configuration and per-sync metrics.
 
+    hal bench --receivers 3                       # 1 sender + 3 receivers, all on one node
+    hal bench --receivers 4 --nodes 2 --methods floor,floor_leaders,hal_bucketed,hal_hier
+
+`--receivers K` spawns K receiver processes (the floor becomes one flat broadcast to all
+K); `--nodes N` spreads them over N simulated nodes (VERL_HAL_NODE per process) for
+`hal_hier`. Each result then also carries "network_bytes_per_sync",
+"ratio_to_floor_leaders", "peak_extra_bytes_per_rank", "cpu_s_per_rank" and
+"verified_ranks"; the report "receivers", "nodes", "processes", "pids", "node_keys".
+
 `--engine vllm` hands the parsed arguments to `hal.bench.vllm_engine.run(args)`, which
 returns a dict; that module is imported only then (it needs vllm). If it defines
 `add_arguments(parser)`, its options are declared here too.
@@ -30,7 +39,7 @@ _VLLM_MODULE = "hal.bench.vllm_engine"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hal.bench.transfer import ALL_METHODS
+    from hal.bench.transfer import ALL_METHODS, METHODS, SHM_METHODS, TOPOLOGY_METHODS
 
     parser.add_argument("--engine", choices=ENGINES, default="transfer", help="transfer: process-to-process benchmark (default); vllm: into a live vLLM engine")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="synthetic weight set (default: qwen2.5-0.5b)")
@@ -45,9 +54,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--methods",
-        type=comma_list(ALL_METHODS, "method"),
-        default=ALL_METHODS,
-        help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all)",
+        type=comma_list(METHODS, "method"),
+        default=None,
+        help=f"comma-separated subset of {','.join(METHODS)} (default: {','.join(ALL_METHODS)}; with --receivers >= 2 "
+        f"or --nodes >= 2 also {','.join(TOPOLOGY_METHODS)}, and with --nodes >= 2 without {','.join(SHM_METHODS)}: "
+        "shared memory needs every rank on one node)",
+    )
+    parser.add_argument(
+        "--receivers",
+        type=_positive_int,
+        default=1,
+        help="receiver processes (default: 1); the benchmark spawns 1 + K processes on one gloo group, and `floor` "
+        "becomes one flat broadcast to all K. This 2-core machine holds about 2 busy processes per core.",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=_positive_int,
+        default=1,
+        help="simulated nodes the receivers are spread over, in contiguous blocks (default: 1): each receiver gets "
+        "VERL_HAL_NODE=node<i>, the sender 'trainer'. hal_hier then moves one model per node over the network and "
+        "floor_leaders broadcasts to one receiver per node. At most --receivers.",
     )
     parser.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads per benchmark process (default: 1; the two processes share the cores)")
     parser.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds before every benchmark process is killed (default: 300)")
@@ -80,11 +106,27 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
-    from hal.bench.transfer import TransferConfig, run_transfer
+    from hal.bench.transfer import default_methods, run_transfer
 
-    config = TransferConfig(
+    receivers, nodes = getattr(args, "receivers", 1), getattr(args, "nodes", 1)
+    if nodes > receivers:
+        raise SystemExit(f"hal bench: --nodes {nodes} needs at least as many --receivers (got {receivers})")
+    methods = tuple(args.methods) if args.methods is not None else default_methods(receivers, nodes)
+    try:
+        config = _transfer_config(args, methods, receivers, nodes)
+    except ValueError as exc:  # e.g. shared-memory methods on several simulated nodes
+        raise SystemExit(f"hal bench: {exc}") from None
+    return run_transfer(config)
+
+
+def _transfer_config(args: argparse.Namespace, methods: tuple[str, ...], receivers: int, nodes: int) -> Any:
+    from hal.bench.transfer import TransferConfig
+
+    return TransferConfig(
         preset=args.preset,
-        methods=tuple(args.methods),
+        methods=methods,
+        receivers=receivers,
+        nodes=nodes,
         repeats=args.repeats,
         warmup=args.warmup,
         bucket_bytes=_bucket_bytes(args),
@@ -93,7 +135,6 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
         threads=args.threads,
         trace=args.trace,
     )
-    return run_transfer(config)
 
 
 def _bucket_bytes(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""A PNG bar chart of a `hal bench` report: seconds per method, floor marked, GiB/s labelled."""
+"""A PNG bar chart of a `hal bench` report: seconds per method, floor marked, GiB/s labelled
+(and, with several receivers or nodes, the models each sync put on the network)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def plot_results(report: dict[str, Any], path: str) -> None:
     methods = [r["method"] for r in results]
     seconds = [float(r["seconds"]) for r in results]
     floor = next((r["seconds"] for r in results if r["method"] == "floor"), None)
+    topology = report.get("receivers", 1) > 1 or report.get("nodes", 1) > 1
 
     fig, ax = plt.subplots(figsize=(8, 0.55 * len(results) + 1.6))
     try:
@@ -28,6 +30,8 @@ def plot_results(report: dict[str, Any], path: str) -> None:
                 label += f", {r['gib_per_s']:.2f} GiB/s"
             if r.get("ratio_to_floor"):
                 label += f", {r['ratio_to_floor']:.2f}x"
+            if topology and r.get("network_bytes_per_sync") is not None and report.get("bytes"):
+                label += f", {r['network_bytes_per_sync'] / report['bytes']:.2f} models on the network"
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8,
                     bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
         if floor:
@@ -37,7 +41,8 @@ def plot_results(report: dict[str, Any], path: str) -> None:
         ax.set_xlim(0, max(seconds) * 1.6)
         ax.set_xlabel("seconds per sync (lower is better)")
         size = f"{report['bytes'] / 1024**3:.2f} GiB, " if "bytes" in report else ""
-        ax.set_title(f"hal bench: {report.get('preset', '?')} ({size}{report.get('timing', '')})", fontsize=10)
+        where = f", {report['receivers']} receivers on {report['nodes']} node(s)" if topology else ""
+        ax.set_title(f"hal bench: {report.get('preset', '?')} ({size}{report.get('timing', '')}{where})", fontsize=10)
         fig.tight_layout()
         fig.savefig(path, dpi=110, format="png")
     finally:

@@ -1,29 +1,37 @@
-"""The transfer benchmark: one sender process, one receiver process, gloo between them.
+"""The transfer benchmark: one sender process, K receiver processes (default 1), gloo between them.
 
 Weights live in host memory and hal's sync runs on the `cpu` backend whatever
 VERL_DEVICE says: this measures the same-node CPU path, where the floor is gloo over
 loopback. (Device-to-device NCCL/HCCL runs are not covered here.)
 
-Both processes are spawned fresh and joined by one gloo group that is created once and
-reused by every method (as a trainer-engine group would be). The parent process only
+All 1 + K processes are spawned fresh and joined by one gloo group that is created once
+and reused by every method (as a trainer-engine group would be). The parent process only
 waits, with a deadline: a rank that fails or outlives the deadline gets every rank
 killed, so no process is left behind.
 
-What each method must leave at the receiver is the same: every tensor's bytes in
+What each method must leave at every receiver is the same: every tensor's bytes in
 receiver-owned memory (a preallocated destination tensor per parameter).
 
-    floor          one broadcast of one flat tensor holding all the bytes; the weights
-                   and the destinations are views into those flat tensors, so nothing
-                   is packed or copied: the transport's floor.
+    floor          one broadcast of one flat tensor holding all the bytes, to all K
+                   receivers; the weights and the destinations are views into those flat
+                   tensors, so nothing is packed or copied: the transport's floor.
     per_tensor     one broadcast per parameter, straight into its destination (what most
                    trainers do today).
-    hal_bucketed   hal.sync's Sender/Receiver over BroadcastTransport into the receiver's
+    hal_bucketed   hal.sync's Sender/Receiver over BroadcastTransport (send/recv pairs for
+                   one receiver on gloo, broadcasts for two or more) into the receiver's
                    destinations through `copy_into` (hal's apply for preallocated
                    tensors): a tensor that travels in transfers of its own is sent
                    from the sender's tensor and received straight into its
                    destination; small tensors travel packed in buckets and are copied.
     hal_shm        the same over IpcTransport (same-node shared memory; every tensor is
-                   copied out of the shared slot).
+                   copied out of the shared slot). Not with --nodes >= 2: shared memory
+                   needs every rank on one node, which the simulated nodes deny.
+    hal_hier       the same over HierarchicalTransport: ranks grouped by node key
+                   (VERL_HAL_NODE, set per process: "trainer" for the sender, node<i> for
+                   the receivers: all on node0 without --nodes, else spread over N nodes in
+                   contiguous blocks). Per node one leader receives over the network, the
+                   others read its shared buffer; the sender's `network_bytes` must grow
+                   by exactly nodes x the sync's segment bytes per sync (checked).
     hal_bucketed_copy
                    hal_bucketed with an apply callable that copies every view (a
                    load_weights-style target that names no destinations).
@@ -32,13 +40,18 @@ receiver-owned memory (a preallocated destination tensor per parameter).
                    as many bytes as the model holds (through a 64 MiB scratch pair): where
                    a bucketed sync (one pack copy at the sender, one apply copy at the
                    receiver) would land if its copies overlapped the transfer perfectly.
+    floor_leaders  one flat broadcast to one receiver per node only (the hal_hier leaders,
+                   over a subgroup of the sender and the leaders): the network floor of
+                   the hierarchical path, run in the same rounds. With every receiver on
+                   one node it is the 1-receiver floor. Only the leaders hold the bytes
+                   (and are checked).
     *_read         the hal methods again with an apply callable that reads every byte of
                    the views (a sum of their 8-byte words) and copies nothing: what a
                    consumer that uses the bucket in place would pay. NOT comparable to
                    floor: nothing is left in receiver-owned memory afterwards.
 
 Timing: each repetition starts after a barrier; its time is the latest end minus the
-earliest start over both processes (`time.perf_counter`, CLOCK_MONOTONIC, shared by the
+earliest start over all processes (`time.perf_counter`, CLOCK_MONOTONIC, shared by the
 processes of a node). First every method, one after the other, creates its objects and
 runs its warm-up repetitions (at least one; memory is measured here, see below). Then
 the measured repetitions run in interleaved rounds: round r runs every method once,
@@ -46,12 +59,22 @@ starting at method r, so a burst of load from other work on the machine hits all
 alike. `seconds` is the median over rounds (the best is reported too); `ratio_to_floor`
 is the median over rounds of the method's time over the floor's time in the same round. After every repetition the
 receiver checks every byte of the destinations against the sender's (deterministic)
-pattern and clears them, both outside the timed region.
+pattern and clears them, both outside the timed region (every receiver that a method
+fills: `verified_ranks` in the JSON), and only once every rank has left it (a barrier),
+so that no receiver checks or clears its bytes while another still receives.
+
+Network bytes per sync (`network_bytes_per_sync`): what crossed the network (here gloo
+over loopback) in one sync: K models for the flat broadcasts (every receiver gets its
+bytes over a socket, however gloo routes them), K x the plan's segment bytes for
+BroadcastTransport, the nodes' leaders' count x model (or segment) bytes for
+floor_leaders, 0 for shared memory, and for hal_hier what the sender's
+HierarchicalTransport counted (`network_bytes`). Control messages are not counted.
 
 CPU: `time.process_time()` around each repetition in each process (all its threads, user
 and system, so gloo's socket copies count); the medians are reported as `sender_cpu_s` and
-`receiver_cpu_s`. On a machine with fewer free cores than busy threads, their sum divided
-by the cores bounds the time from below.
+`receiver_cpu_s` (the largest over the receivers), every rank's in `cpu_s_per_rank`. On
+a machine with fewer free cores than busy threads, their sum divided by the cores bounds
+the time from below.
 
 Memory: per process, the Linux resident-set high-water mark (VmHWM) is reset through
 /proc/self/clear_refs just before a method's objects (transports, senders, receivers) are
@@ -59,8 +82,9 @@ created (the baseline), and again after each warm-up repetition's verification; 
 largest `VmHWM - baseline` read right after a warm-up repetition is that process's peak
 extra memory: everything the method allocated and touched beyond the weights, the
 destinations (allocated and touched before any method runs) and the objects of the
-methods set up before it (alive from their setup to the end of the run). `peak_extra_bytes` is the larger of the
-two processes; both are reported. Pages of a shared-memory file count in the RSS of every
+methods set up before it (alive from their setup to the end of the run).
+`peak_extra_bytes` is the largest over the processes; every rank's is in
+`peak_extra_bytes_per_rank`. Pages of a shared-memory file count in the RSS of every
 process that touches them.
 """
 
@@ -91,9 +115,18 @@ READ_METHODS = ("hal_bucketed_read", "hal_shm_read")
 # The flat broadcast while each process copies a model-sized buffer: the best a bucketed
 # sync (one pack copy, one apply copy) could do if its copies overlapped perfectly.
 BOUND_METHODS = ("floor_with_copy",)
+# What a run with no --methods measures with one receiver on one node (unchanged since session 1).
 ALL_METHODS = CORE_METHODS + COPY_METHODS + READ_METHODS + BOUND_METHODS
+# Several receivers / nodes: the hierarchical transport, and the network floor it is held to
+# (one flat broadcast to one receiver per node). Added to the default when --receivers >= 2
+# or --nodes >= 2; any run may ask for them.
+TOPOLOGY_METHODS = ("hal_hier", "floor_leaders")
+# Shared memory needs every rank on one node: not with simulated nodes (--nodes >= 2).
+SHM_METHODS = ("hal_shm", "hal_shm_read")
+METHODS = ALL_METHODS + TOPOLOGY_METHODS
 
-SENDER, RECEIVER = 0, 1
+SENDER, RECEIVER = 0, 1  # RECEIVER: the first receiver (ranks 1..K receive)
+SENDER_NODE = "trainer"
 _PATTERN_PERIOD = 1_048_573  # a prime number of bytes: a tensor at a wrong offset does not match by accident
 
 
@@ -104,7 +137,13 @@ class TransferConfig:
     preset: str
     """A name from hal.bench.presets.PRESETS."""
     methods: tuple[str, ...] = ALL_METHODS
-    """Which methods, in the order they run."""
+    """Which methods, in the order they run (`default_methods(receivers, nodes)` is what
+    the CLI runs when none are named)."""
+    receivers: int = 1
+    """Receiver processes (ranks 1..K); the sender is rank 0."""
+    nodes: int = 1
+    """Simulated nodes the receivers are spread over (contiguous blocks, `node_keys`); the
+    sender is on a node of its own. 1: every receiver on one node."""
     repeats: int = 5
     """Measured repetitions per method; `seconds` is their median."""
     warmup: int = 1
@@ -128,11 +167,20 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
-        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
-            raise ValueError(f"methods: unknown {unknown}; valid: {', '.join(ALL_METHODS)}")
+            raise ValueError(f"methods: unknown {unknown}; valid: {', '.join(METHODS)}")
         if not self.methods:
             raise ValueError("methods: at least one method is needed")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods: listed twice: {list(self.methods)}")
+        if not isinstance(self.receivers, int) or self.receivers < 1:
+            raise ValueError(f"receivers must be at least 1, got {self.receivers!r}")
+        if not isinstance(self.nodes, int) or not 1 <= self.nodes <= self.receivers:
+            raise ValueError(f"nodes must be between 1 and receivers ({self.receivers}), got {self.nodes!r}")
+        shm = [m for m in self.methods if m in SHM_METHODS]
+        if self.nodes > 1 and shm:
+            raise ValueError(f"methods {shm} need every rank on one node (shared memory); not with nodes={self.nodes}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}")
         if self.warmup < 0:
@@ -143,6 +191,39 @@ class TransferConfig:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ValueError("timeout_s and collective_timeout_s must be positive")
+
+
+def default_methods(receivers: int = 1, nodes: int = 1) -> tuple[str, ...]:
+    """What runs when no methods are named: ALL_METHODS for one receiver on one node (as
+    always); with several receivers or nodes also TOPOLOGY_METHODS, and without the
+    shared-memory methods when the receivers are on several (simulated) nodes."""
+    if receivers == 1 and nodes == 1:
+        return ALL_METHODS
+    methods = ALL_METHODS + TOPOLOGY_METHODS
+    return tuple(m for m in methods if m not in SHM_METHODS) if nodes > 1 else methods
+
+
+def node_keys(receivers: int, nodes: int) -> list[str]:
+    """The VERL_HAL_NODE of every rank: the sender on a node of its own, the receivers
+    spread over `nodes` in contiguous blocks (4 receivers on 2 nodes: 2 and 2)."""
+    return [SENDER_NODE] + [f"node{r * nodes // receivers}" for r in range(receivers)]
+
+
+def node_leaders(receivers: int, nodes: int) -> list[int]:
+    """The lowest rank of each receivers' node: who gets the bytes over the network in
+    hal_hier (HierarchicalTransport's `leader_of`), and floor_leaders' receivers."""
+    keys = node_keys(receivers, nodes)
+    return sorted({min(r for r in range(1, len(keys)) if keys[r] == key) for key in keys[1:]})
+
+
+def plan_segment_bytes(params: list[Param], bucket_bytes: int) -> int:
+    """The bytes that travel in one hal sync of `params` (the sum of its plan's segments,
+    as a Sender with SyncConfig(bucket_bytes=bucket_bytes) cuts it: data and the padding
+    inside segments; no checksums)."""
+    from hal.sync import SyncConfig, build_plan
+
+    plan = build_plan(params, bucket_bytes, verify=False, segment_bytes=SyncConfig(bucket_bytes=bucket_bytes).segment_bytes)
+    return sum(seg.stop - seg.start for b in plan.buckets for seg in b.segments)
 
 
 # ---------------------------------------------------------------------------------------
@@ -284,6 +365,7 @@ class RankContext:
     step: int = 0
     metrics: list[dict[str, Any]] = field(default_factory=list)
     trace: list[tuple[str, Any, float, float]] = field(default_factory=list)
+    network: list[int] = field(default_factory=list)  # hal_hier, sender: bytes over the network per sync
 
     @property
     def is_sender(self) -> bool:
@@ -305,6 +387,21 @@ def _setup_per_tensor(ctx: RankContext) -> tuple[Callable[[], None], Callable[[]
     def run() -> None:
         for t in ctx.tensors:
             dist.broadcast(t, src=SENDER)
+
+    return run, lambda: None
+
+
+def _setup_floor_leaders(ctx: RankContext) -> tuple[Callable[[], None], Callable[[], None]]:
+    import torch.distributed as dist
+
+    # Every rank takes part in creating the subgroup (torch.distributed requires it);
+    # only its members broadcast.
+    members = [SENDER] + node_leaders(ctx.config.receivers, ctx.config.nodes)
+    group = dist.new_group(ranks=members, backend="gloo", timeout=datetime.timedelta(seconds=ctx.config.collective_timeout_s))
+
+    def run() -> None:
+        if ctx.rank in members:
+            dist.broadcast(ctx.flat, src=SENDER, group=group)
 
     return run, lambda: None
 
@@ -337,12 +434,15 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
     from hal.device import get_backend
     from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec, as_sink
     from hal.sync.rollout import copy_into
-    from hal.sync import transport as transports
+    from hal.sync import hierarchy, transport as transports
 
     backend = get_backend("cpu")  # host weights and gloo, whatever VERL_DEVICE says
 
-    transport_cls = getattr(transports, transport_name)
-    transport = transport_cls(group=None, src=SENDER)
+    transport_cls = getattr(transports, transport_name, None) or getattr(hierarchy, transport_name)
+    transport = transport_cls(group=None, src=SENDER)  # HierarchicalTransport reads VERL_HAL_NODE here
+    hierarchical = isinstance(transport, hierarchy.HierarchicalTransport)
+    if hierarchical:
+        _check_layout(ctx, transport)
     if ctx.config.trace:
         _trace_calls(transport, ctx.trace, ("prepare", "exchange_header", "agree", "send_segment", "send_failure", "wait_sent", "receive_segments", "finish"))
     sync_config = SyncConfig(bucket_bytes=ctx.config.bucket_bytes, timeout_s=ctx.config.collective_timeout_s)
@@ -354,10 +454,22 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
         if ctx.config.trace:
             _trace_calls(sender, ctx.trace, ("_pack",))  # private: profiling only, tolerated to vanish
 
+        # one model's segments per node: without --nodes every receiver is on one node
+        expected_network = ctx.config.nodes * plan_segment_bytes(ctx.params, ctx.config.bucket_bytes) if hierarchical else 0
+
         def run() -> None:
             ctx.step += 1
+            before = transport.network_bytes if hierarchical else 0
             metrics = sender.send(TensorSource(pairs), version=ctx.step)
             ctx.metrics.append(_metrics_dict(metrics))
+            if hierarchical:
+                sent = transport.network_bytes - before
+                ctx.network.append(sent)
+                if sent != expected_network:  # an int compare: nothing measurable inside the timed run
+                    raise RuntimeError(
+                        f"hal_hier: {sent} bytes crossed the network in sync {ctx.step}, expected nodes ({ctx.config.nodes}) "
+                        f"x the sync's segment bytes = {expected_network}"
+                    )
 
         def teardown() -> None:
             _close(sender)
@@ -411,6 +523,22 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
         _close(transport)
 
     return run, teardown
+
+
+def _check_layout(ctx: RankContext, transport: Any) -> None:
+    """HierarchicalTransport saw the nodes this benchmark set up: every rank's key, the
+    leaders, and (on the sender) one network peer per node."""
+    keys = node_keys(ctx.config.receivers, ctx.config.nodes)
+    leaders = node_leaders(ctx.config.receivers, ctx.config.nodes)
+    problems = []
+    if list(transport.layout.nodes) != keys:
+        problems.append(f"node keys {list(transport.layout.nodes)}, expected {keys}")
+    if ctx.is_sender and list(transport.remote_leaders) != leaders:
+        problems.append(f"remote leaders {list(transport.remote_leaders)}, expected {leaders}")
+    if not ctx.is_sender and transport.leader != min(r for r in range(1, len(keys)) if keys[r] == keys[ctx.rank]):
+        problems.append(f"rank {ctx.rank}'s leader is {transport.leader}")
+    if problems:
+        raise RuntimeError("hal_hier: " + "; ".join(problems))
 
 
 def _read_all(tensor: torch.Tensor) -> int:
@@ -467,10 +595,21 @@ SETUPS: dict[str, Callable[[RankContext], tuple[Callable[[], None], Callable[[],
     "hal_bucketed_copy": lambda ctx: _setup_hal(ctx, "BroadcastTransport", "copy"),
     "hal_bucketed_read": lambda ctx: _setup_hal(ctx, "BroadcastTransport", "read"),
     "hal_shm_read": lambda ctx: _setup_hal(ctx, "IpcTransport", "read"),
+    "hal_hier": lambda ctx: _setup_hal(ctx, "HierarchicalTransport", "copy_into"),
+    "floor_leaders": _setup_floor_leaders,
 }
 
-# Methods whose run leaves the receiver's destinations filled (and so can be verified).
-_FILLS_DESTINATIONS = {"floor", "floor_with_copy", "per_tensor", "hal_bucketed", "hal_shm", "hal_bucketed_copy"}
+# Methods whose run leaves every receiver's destinations filled (and so can be verified).
+_FILLS_DESTINATIONS = {"floor", "floor_with_copy", "per_tensor", "hal_bucketed", "hal_shm", "hal_bucketed_copy", "hal_hier"}
+
+
+def fills(method: str, rank: int, config: TransferConfig) -> bool:
+    """Whether `method` leaves every byte in `rank`'s destinations (then it is checked)."""
+    if rank == SENDER:
+        return False
+    if method == "floor_leaders":
+        return rank in node_leaders(config.receivers, config.nodes)
+    return method in _FILLS_DESTINATIONS
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,12 +620,15 @@ def _rank_main(rank: int, out: Any, port: int, config: TransferConfig) -> None:
     import torch.distributed as dist
 
     try:
+        # This process's simulated node, before any transport exists (HierarchicalTransport
+        # reads it at construction; the other methods ignore it).
+        os.environ["VERL_HAL_NODE"] = node_keys(config.receivers, config.nodes)[rank]
         torch.set_num_threads(config.threads)
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
-            world_size=2,
+            world_size=1 + config.receivers,
             timeout=datetime.timedelta(seconds=config.collective_timeout_s),
         )
         out.put((rank, "ok", _rank_body(rank, config)))
@@ -509,6 +651,7 @@ class _MethodState:
     starts: list[float] = field(default_factory=list)
     ends: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
+    verified: int = 0  # repetitions whose bytes this rank checked
 
 
 def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
@@ -527,7 +670,14 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
     tensors = _views(flat, params, offsets)
     base = RankContext(rank=rank, config=config, params=params, flat=flat, tensors=tensors)
     memory = PeakMemory()
-    report: dict[str, Any] = {"rank": rank, "total_bytes": total, "tensors": len(params), "methods": {}}
+    report: dict[str, Any] = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "node": os.environ.get("VERL_HAL_NODE"),
+        "total_bytes": total,
+        "tensors": len(params),
+        "methods": {},
+    }
     report["setup_wall_s"] = time.perf_counter() - began
 
     def one(method: str, state: _MethodState, label: str) -> tuple[float, float, float]:
@@ -538,9 +688,17 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
         state.run()
         t1 = time.perf_counter()
         c1 = time.process_time()
-        if rank == RECEIVER:
-            if config.verify and method in _FILLS_DESTINATIONS and not _matches_pattern(flat):
-                raise RuntimeError(f"{method}: {label}: parameter {_first_mismatch(flat, params, offsets)!r} arrived with wrong bytes")
+        # Every rank out of the timed region before any checks or clears its bytes: with
+        # several receivers, one that finished early would otherwise memcmp and zero
+        # 0.9 GiB on the shared cores while the others still receive.
+        dist.barrier()
+        if rank != SENDER:
+            if config.verify and fills(method, rank, config):
+                if not _matches_pattern(flat):
+                    raise RuntimeError(
+                        f"{method}: {label}: parameter {_first_mismatch(flat, params, offsets)!r} arrived with wrong bytes at rank {rank}"
+                    )
+                state.verified += 1
             flat.zero_()  # the next repetition must write every byte again
         return t0, t1, c1 - c0
 
@@ -582,6 +740,8 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
             "peak_extra_bytes": state.peak_extra,
             "cpu_s": state.cpu,
             "metrics": state.ctx.metrics,
+            "verified": state.verified,
+            "network_bytes": state.ctx.network,
         }
         if config.trace and state.ctx.trace:
             origin = state.starts[-1]
@@ -596,12 +756,12 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
 
 def _spawn_and_wait(config: TransferConfig) -> list[dict[str, Any]]:
     def role_failed(rank: int, text: str) -> None:
-        role = "sender" if rank == SENDER else "receiver"
+        role = "sender" if rank == SENDER else f"receiver {rank}" if config.receivers > 1 else "receiver"
         raise RuntimeError(f"hal bench: the {role} (rank {rank}) failed:\n{text}")
 
     try:
         return spawn_ranks(
-            _rank_main, 2, args=(free_port(), config), timeout_s=config.timeout_s, label="hal-bench-rank", on_failure=role_failed
+            _rank_main, 1 + config.receivers, args=(free_port(), config), timeout_s=config.timeout_s, label="hal-bench-rank", on_failure=role_failed
         )
     except TimeoutError as exc:
         raise TimeoutError(f"hal bench: {exc}") from None
@@ -612,12 +772,31 @@ def _median_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {k: float(statistics.median(r[k] for r in rows if k in r)) for k in keys}
 
 
+def network_bytes(method: str, config: TransferConfig, total: int, segment_bytes: int, measured: list[int]) -> tuple[int | None, str]:
+    """Bytes that crossed the network in one sync of `method`, and how they were counted
+    (see the module doc). `measured`: the sender's per-sync counts (hal_hier only)."""
+    k = config.receivers
+    if method == "hal_hier":
+        return (int(statistics.median(measured)) if measured else None), "measured: the sender's HierarchicalTransport.network_bytes"
+    if method in SHM_METHODS:
+        return 0, "0: shared memory (control messages only)"
+    if method == "floor_leaders":
+        return config.nodes * total, f"{config.nodes} leader(s) x model bytes"
+    if method.startswith("hal_"):  # BroadcastTransport
+        return k * segment_bytes, f"{k} receiver(s) x segment bytes"
+    return k * total, f"{k} receiver(s) x model bytes"
+
+
 def run_transfer(config: TransferConfig) -> dict[str, Any]:
     """Run the benchmark and return {"preset", "config", "results": [...]} (see module doc)."""
     began = time.perf_counter()
     reports = _spawn_and_wait(config)
     wall = time.perf_counter() - began
     total = reports[SENDER]["total_bytes"]
+    params = get_preset(config.preset).params()
+    segment_bytes = plan_segment_bytes(params, config.bucket_bytes)
+    receivers = range(1, 1 + config.receivers)
+    full = max(1, config.warmup) + config.repeats  # repetitions a verifying rank checks
     results = []
     per_round: dict[str, list[float]] = {}
     for method in config.methods:
@@ -627,8 +806,16 @@ def run_transfer(config: TransferConfig) -> dict[str, Any]:
             for starts, ends in zip(zip(*(m["starts"] for m in per_rank)), zip(*(m["ends"] for m in per_rank)))
         ]
         extras = [m["peak_extra_bytes"] for m in per_rank]
+        receiver_extras = extras[1:]
+        cpu = [statistics.median(m["cpu_s"]) for m in per_rank]
         seconds = statistics.median(times)
         per_round[method] = times
+        net, net_how = network_bytes(method, config, total, segment_bytes, per_rank[SENDER].get("network_bytes") or [])
+        trace: dict[str, Any] = {}
+        if "trace" in per_rank[SENDER]:
+            trace = {"trace": {"sender": per_rank[SENDER]["trace"], "receiver": per_rank[RECEIVER].get("trace", [])}}
+            if config.receivers > 1:
+                trace["trace"]["other_receivers"] = [per_rank[r].get("trace", []) for r in receivers if r != RECEIVER]
         results.append(
             {
                 "method": method,
@@ -639,35 +826,56 @@ def run_transfer(config: TransferConfig) -> dict[str, Any]:
                 "best_seconds": min(times),
                 "all_seconds": times,
                 "sender_peak_extra_bytes": extras[SENDER],
-                "receiver_peak_extra_bytes": extras[RECEIVER],
+                "receiver_peak_extra_bytes": None if None in receiver_extras else max(receiver_extras),
                 "leaves_receiver_owned_copy": method in _FILLS_DESTINATIONS,
-                "sender_cpu_s": statistics.median(per_rank[SENDER]["cpu_s"]),
-                "receiver_cpu_s": statistics.median(per_rank[RECEIVER]["cpu_s"]),
-                **({"trace": {"sender": per_rank[SENDER]["trace"], "receiver": per_rank[RECEIVER]["trace"]}} if "trace" in per_rank[SENDER] else {}),
+                "sender_cpu_s": cpu[SENDER],
+                "receiver_cpu_s": max(cpu[1:]),
+                **trace,
                 "sender_metrics": _median_metrics(per_rank[SENDER]["metrics"]),
                 "receiver_metrics": _median_metrics(per_rank[RECEIVER]["metrics"]),
+                # several receivers / nodes (also filled for one)
+                "ratio_to_floor_leaders": None,
+                "network_bytes_per_sync": net,
+                "network_bytes_how": net_how,
+                "network_bytes_all": per_rank[SENDER].get("network_bytes") or [],
+                "peak_extra_bytes_per_rank": extras,
+                "cpu_s_per_rank": cpu,
+                "verified_ranks": [r for r in receivers if per_rank[r].get("verified", 0) == full and fills(method, r, config)],
+                "receiver_metrics_per_rank": [_median_metrics(per_rank[r]["metrics"]) for r in receivers],
             }
         )
-    floor = per_round.get("floor")
+    floor, leaders = per_round.get("floor"), per_round.get("floor_leaders")
     for r in results:
         # The median of the per-round ratios: both times of a ratio come from the same round.
         r["ratio_to_floor"] = statistics.median(t / f for t, f in zip(per_round[r["method"]], floor)) if floor else None
-    preset = get_preset(config.preset)
+        if leaders:
+            r["ratio_to_floor_leaders"] = statistics.median(t / f for t, f in zip(per_round[r["method"]], leaders))
+    keys = node_keys(config.receivers, config.nodes)
     return {
         "preset": config.preset,
         "bytes": total,
-        "tensors": len(preset.params()),
+        "tensors": len(params),
         "config": {**{k: v for k, v in asdict(config).items() if k != "methods"}, "methods": list(config.methods)},
         "timing": f"median of {config.repeats} interleaved rounds after {max(1, config.warmup)} warm-up",
         "torch_threads_per_process": config.threads,
         "setup_wall_s": max(r["setup_wall_s"] for r in reports),
         "wall_s": wall,
         "results": results,
+        "receivers": config.receivers,
+        "nodes": config.nodes,
+        "processes": len(reports),
+        "pids": [r["pid"] for r in reports],
+        "node_keys": keys,
+        "node_leaders": node_leaders(config.receivers, config.nodes),
+        "segment_bytes_per_sync": segment_bytes,
     }
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The result table as text."""
+    """The result table as text (with network bytes and per-rank columns once there are
+    several receivers or nodes, or a topology method ran)."""
+    if report.get("receivers", 1) > 1 or report.get("nodes", 1) > 1 or any(r["method"] in TOPOLOGY_METHODS for r in report["results"]):
+        return _format_topology_table(report)
     lines = [
         f"preset {report['preset']}: {report['bytes'] / GIB:.3f} GiB in {report['tensors']} tensors; "
         f"bucket {report['config']['bucket_bytes'] / MIB:g} MiB; {report['timing']}; "
@@ -685,5 +893,37 @@ def format_table(report: dict[str, Any]) -> str:
             f"{r['method']:<18} {r['seconds']:>8.3f} {r['best_seconds']:>8.3f} {r['gib_per_s']:>7.2f} {ratio:>8} "
             f"{mib(r['peak_extra_bytes']):>15} {'(' + mib(r['sender_peak_extra_bytes']) + ' / ' + mib(r['receiver_peak_extra_bytes']) + ')':>14} "
             f"{r['sender_cpu_s']:>9.3f} / {r['receiver_cpu_s']:<8.3f}"
+        )
+    return "\n".join(lines)
+
+
+def _format_topology_table(report: dict[str, Any]) -> str:
+    def mib(v: int | None) -> str:
+        return "n/a" if v is None else f"{v / MIB:.0f}"
+
+    def ratio(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    k, n = report.get("receivers", 1), report.get("nodes", 1)
+    lines = [
+        f"preset {report['preset']}: {report['bytes'] / GIB:.3f} GiB in {report['tensors']} tensors; "
+        f"bucket {report['config']['bucket_bytes'] / MIB:g} MiB; {report['timing']}; "
+        f"{report['torch_threads_per_process']} torch thread(s) per process",
+        f"{k} receiver(s) on {n} node(s) {report.get('node_keys', [])[1:]} + the sender ({report.get('processes', k + 1)} processes); "
+        f"leaders {report.get('node_leaders')}; one sync's segment bytes {report.get('segment_bytes_per_sync', 0) / GIB:.3f} GiB",
+        f"{'method':<18} {'seconds':>8} {'best':>8} {'x floor':>8} {'x leaders':>9} {'net GiB':>8} {'models':>6} "
+        f"{'peak MiB':>8}  {'per rank (send, recv...)':<24} {'cpu s per rank':<24} verified",
+    ]
+    for r in report["results"]:
+        net = r.get("network_bytes_per_sync")
+        per_rank = "/".join(mib(v) for v in r.get("peak_extra_bytes_per_rank", []))
+        cpu = "/".join(f"{v:.2f}" for v in r.get("cpu_s_per_rank", []))
+        net_gib = "n/a" if net is None else f"{net / GIB:.3f}"
+        models = "n/a" if net is None else f"{net / report['bytes']:.2f}"
+        lines.append(
+            f"{r['method']:<18} {r['seconds']:>8.3f} {r['best_seconds']:>8.3f} {ratio(r['ratio_to_floor']):>8} "
+            f"{ratio(r.get('ratio_to_floor_leaders')):>9} {net_gib:>8} "
+            f"{models:>6} {mib(r['peak_extra_bytes']):>8}  {per_rank:<24} {cpu:<24} "
+            f"{','.join(map(str, r.get('verified_ranks', []))) or '-'}"
         )
     return "\n".join(lines)
