@@ -29,12 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from hal.demo import engine_greedy, random_prompts, reinforce_step, say, trainer_greedy, write_plot
+from hal.integrations.vllm_client import OfflineEngine
 
 TIMEOUT_S = 120.0
 
 
-class EngineActor:
-    """A vLLM engine with the hal weight-transfer backend (run as a Ray actor)."""
+class EngineActor(OfflineEngine):
+    """A vLLM engine with the hal weight-transfer backend (run as a Ray actor): vLLM's
+    weight-update API comes from `OfflineEngine`, which `RayEngine` calls remotely."""
 
     def __init__(self, model_dir: str, *, tensor_parallel: int, seed: int) -> None:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -55,10 +57,10 @@ class EngineActor:
             weight_transfer_config=WeightTransferConfig(backend="hal"),
             worker_extension_cls="hal.integrations.vllm.HalWorkerExtension",
         )
-        self.tensor_parallel = tensor_parallel
+        super().__init__(self.llm, name="engine", num_workers=tensor_parallel)
 
-    def num_workers(self) -> int:
-        return self.tensor_parallel
+    def worker_count(self) -> int:
+        return self.num_workers
 
     def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, seed: int) -> list[list[list[int]]]:
         from vllm import SamplingParams
@@ -72,31 +74,6 @@ class EngineActor:
 
     def worker_states(self) -> list[dict[str, Any]]:
         return self.llm.collective_rpc("hal_state")
-
-    # vLLM's weight-update API, as hal's WeightSync drives it (hal.integrations.ray.RayEngine)
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
-
-    def update_weight_version(self, weight_version: str) -> None:
-        self.llm.update_weight_version(weight_version)
-
-    def get_weight_version(self) -> str:
-        return self.llm.get_weight_version()
-
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
 
     def shutdown(self) -> None:
         from hal.integrations import vllm_internals
@@ -233,7 +210,7 @@ def main(args: argparse.Namespace) -> int:
             )
             for r in range(2)
         ]
-        workers = ray.get(engine.num_workers.remote(), timeout=600)
+        workers = ray.get(engine.worker_count.remote(), timeout=600)
         say(f"[demo --ray] engine actor (TP={workers}) and 2 FSDP2 trainer actors up after {time.perf_counter() - t0:.1f} s")
         ray.get([t.connect.remote(engine, workers) for t in trainers], timeout=TIMEOUT_S * 2)
         say(f"[demo --ray] sync group: trainer rank 0 + {workers} engine workers; trainer group: 2 FSDP2 ranks")

@@ -90,8 +90,6 @@ class HierarchicalTransport(Transport):
         self._held: tuple[int, int, torch.Tensor] | None = None  # the bytes behind the next status, to remote leaders
         self._forwarded: list[int] = []  # buckets this rank told its node about and whose release it awaits
         self._told: list[tuple[int, Any, torch.Tensor]] = []  # (bucket, work, status) sent to the node, not yet waited
-        self._status_ahead: tuple[Any, torch.Tensor] | None = None
-        self._cursor = 0
 
     # ---- point to point with deadlines ---------------------------------------------------
     def _send_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
@@ -124,7 +122,7 @@ class HierarchicalTransport(Transport):
     # ---- buffers: shared with the node when this rank serves it --------------------------
     def prepare(self, backend: Backend, plan: BucketPlan) -> None:
         super().prepare(backend, plan)
-        self._held, self._status_ahead, self._cursor = None, None, 0
+        self._held = None
 
     def _allocate(self, backend: Backend, nbytes: int) -> None:
         if self.serves:
@@ -243,22 +241,8 @@ class HierarchicalTransport(Transport):
             return self._receive_as_leader(land, complete)
         return self._receive_from_leader(complete)
 
-    def _post_status(self, index: int) -> None:
-        k, j, _, _ = self._order[index]
-        words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
-        self._status_ahead = (self._recv_p2p(words, self.src, TAG_NET, f"bucket {k} segment {j} status"), words)
-
-    def _net_status(self, k: int, j: int, nbytes: int) -> SegmentStatus:
-        if self._status_ahead is None:
-            self._post_status(self._cursor)
-        work, words = self._status_ahead
-        self._status_ahead = None
-        self._wait(work, f"bucket {k} segment {j} status")
-        status = SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
-        self._cursor += 1
-        if not status.failed and self._cursor < len(self._order):
-            self._post_status(self._cursor)  # ahead of this segment's bytes, as the sender sends it
-        return status
+    def _post_status_receive(self, words: torch.Tensor, what: str) -> Any:
+        return self._recv_p2p(words, self.src, TAG_NET, what)
 
     def _receive_as_leader(self, land: Land, complete: Complete) -> bool:
         """A node's leader: from the sender over the network, statuses one ahead; each
@@ -273,7 +257,7 @@ class HierarchicalTransport(Transport):
 
         first_of_bucket = {k: j for k, j, _, _ in reversed(self._order)}
         for k, j, start, nbytes in self._order:
-            status = self._net_status(k, j, nbytes)
+            status = self._status_one_ahead(k, j, nbytes)
             if status.failed:
                 if pending is not None:
                     finish(pending)

@@ -188,6 +188,8 @@ class Transport(GroupChannel):
         self._slots: list[torch.Tensor] = []
         self._capacity = 0
         self._order: list[tuple[int, int, int, int]] = []  # (bucket, segment, start, nbytes) of this sync, in order
+        self._status_ahead: tuple[Any, torch.Tensor] | None = None  # the next status's receive: (work, words)
+        self._cursor = 0  # the next status to receive, as an index into _order
 
     @property
     def is_sender(self) -> bool:
@@ -239,6 +241,7 @@ class Transport(GroupChannel):
         self._backend = backend
         self._traits = collective_traits(self.dist_backend or backend.dist_backend)
         self._order = [(b.index, j, seg.start, seg.stop - seg.start) for b in plan.buckets for j, seg in enumerate(b.segments)]
+        self._status_ahead, self._cursor = None, 0
         nbytes = plan.max_bucket_nbytes
         if nbytes > self._capacity:
             self._allocate(backend, nbytes)
@@ -259,6 +262,30 @@ class Transport(GroupChannel):
 
     def _status(self, code: int, k: int, j: int, nbytes: int) -> torch.Tensor:
         return SegmentStatus(code, k, j, nbytes).tensor(self.control_device)
+
+    # Receivers of transports whose sender sends statuses one segment ahead of the bytes
+    # (S0 S1 D0 S2 D1 ...): the receive of the next status is posted as soon as one arrives.
+    def _post_status_receive(self, words: torch.Tensor, what: str) -> Any:
+        """Post the receive of a status into `words` (per transport)."""
+        raise NotImplementedError
+
+    def _status_one_ahead(self, k: int, j: int, nbytes: int) -> SegmentStatus:
+        """The sender's status of segment j of bucket k, the next one in `_order`."""
+        if self._status_ahead is None:
+            self._post_status(self._cursor)
+        work, words = self._status_ahead
+        self._status_ahead = None
+        self._wait(work, f"bucket {k} segment {j} status")
+        status = SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
+        self._cursor += 1
+        if not status.failed and self._cursor < len(self._order):
+            self._post_status(self._cursor)  # ahead of this segment's bytes, as the sender sends it
+        return status
+
+    def _post_status(self, index: int) -> None:
+        k, j, _, _ = self._order[index]
+        words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
+        self._status_ahead = (self._post_status_receive(words, f"bucket {k} segment {j} status"), words)
 
     # ---- data plane: per transport ---------------------------------------------------
     def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool) -> None:
@@ -323,15 +350,13 @@ class BroadcastTransport(Transport):
         super().__init__(group, **kwargs)
         self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # sends per bucket, with the memory they read
         self._held: tuple[int, int, torch.Tensor] | None = None  # the sender's next data send, behind the next status
-        self._status_ahead: tuple[Any, torch.Tensor] | None = None  # the next status's receive: (work, words)
-        self._cursor = 0  # the receiver's next status, as an index into _order
         self.point_to_point = False  # decided in prepare(), the same on every rank
         self._peer = 1 - self.src  # the other rank, when there are two
 
     def prepare(self, backend: Backend, plan: BucketPlan) -> None:
         super().prepare(backend, plan)
         self.point_to_point = self.world_size == 2 and self._traits.point_to_point_for_one_receiver
-        self._held, self._status_ahead, self._cursor = None, None, 0
+        self._held = None
 
     def _transfer(self, tensor: torch.Tensor, what: str) -> Any:
         if not self.point_to_point:
@@ -383,7 +408,7 @@ class BroadcastTransport(Transport):
         segment s is completed, so the wire is busy while the caller applies it."""
         pending: tuple[int, int, bool, Any] | None = None
         for k, j, start, nbytes in self._order:
-            status = self._recv_status(k, j, nbytes)
+            status = self._status_one_ahead(k, j, nbytes)
             if status.failed:
                 if pending is not None:
                     self._complete(pending, complete)
@@ -403,22 +428,8 @@ class BroadcastTransport(Transport):
         self._wait(work, f"bucket {k} segment {j}")
         complete(k, j, landed)
 
-    def _post_status(self, index: int) -> None:
-        k, j, _, _ = self._order[index]
-        words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
-        self._status_ahead = (self._transfer(words, f"bucket {k} segment {j} status"), words)
-
-    def _recv_status(self, k: int, j: int, nbytes: int) -> SegmentStatus:
-        if self._status_ahead is None:
-            self._post_status(self._cursor)
-        work, words = self._status_ahead
-        self._status_ahead = None
-        self._wait(work, f"bucket {k} segment {j} status")
-        status = SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
-        self._cursor += 1
-        if not status.failed and self._cursor < len(self._order):
-            self._post_status(self._cursor)  # ahead of this segment's bytes, as the sender sends it
-        return status
+    def _post_status_receive(self, words: torch.Tensor, what: str) -> Any:
+        return self._transfer(words, what)
 
     def finish(self) -> None:
         self._flush()
