@@ -179,19 +179,30 @@ def ray_instance():
         pytest.skip("needs ray and psutil: pip install 'verl-hal[ray]'")
     import psutil
 
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}  # earlier tests' processes are not Ray's
     started = time.monotonic()
     hal_ray.init_loopback(num_cpus=2)
     import ray
 
     print(f"ray started in {time.monotonic() - started:.1f} s")
     yield ray
-    me = psutil.Process()
-    processes = me.children(recursive=True)
+    processes = [p for p in me.children(recursive=True) if p.pid not in before]
     ray.shutdown()
     _, alive = psutil.wait_procs(processes, timeout=30)
+    alive = [p for p in alive if _running(p)]  # an exited child not yet reaped is a zombie, not a survivor
     for process in alive:
         process.kill()
     assert not alive, f"processes Ray started survived its shutdown: {[p.pid for p in alive]}"
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _ray_processes() -> list[int]:
