@@ -117,3 +117,93 @@ def checksums_into(out: torch.Tensor, bucket: torch.Tensor, ranges: Sequence[tup
     """Write the checksum of each `(offset, nbytes)` range of `bucket` into `out[i]` (int64)."""
     for i, (offset, nbytes) in enumerate(ranges):
         out[i] = checksum(bucket[offset : offset + nbytes])
+
+
+# ---- delta encoding ------------------------------------------------------------------
+# A segment's new bytes against the bytes the receiver already holds (the baseline), in
+# words of `word` bytes (the smallest element size in the segment, so a changed element
+# is one or more whole words). Payload layouts (all offsets 8-aligned):
+#   INDICES: [count int64][count int32 word indices, padded to 8][count values]
+#   BITMASK: [count int64][ceil(words / 8) bytes, bit i = word i changed, padded to 8][count values]
+DENSE, INDICES, BITMASK = 0, 1, 2
+_WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def word_view(data: torch.Tensor, word: int) -> torch.Tensor:
+    """A flat uint8 tensor seen as integer words of `word` bytes (bit patterns: -0.0 differs from 0.0, NaN equals itself)."""
+    if word not in _WORD_DTYPES or data.numel() % word:
+        raise ValueError(f"word_view: {data.numel()} bytes are not whole words of {word} byte(s)")
+    return data.view(_WORD_DTYPES[word])
+
+
+def delta_sizes(words: int, changed: int, word: int) -> dict[int, int]:
+    """Payload bytes of each encoding of `changed` of `words` words (DENSE: the segment itself)."""
+    return {
+        DENSE: words * word,
+        INDICES: 8 + align_up(4 * changed, 8) + changed * word,
+        BITMASK: 8 + align_up(-(-words // 8), 8) + changed * word,
+    }
+
+
+def delta_encode(new: torch.Tensor, base: torch.Tensor, word: int) -> tuple[int, torch.Tensor | None, int]:
+    """(encoding, payload, changed words) of the flat uint8 `new` against `base`.
+
+    DENSE (payload None) when no encoding is smaller than the segment. The payload is a
+    fresh uint8 tensor on `new`'s device; nothing is written to `new` or `base`.
+    """
+    if new.numel() != base.numel():
+        raise ValueError(f"delta_encode: new has {new.numel()} bytes, base {base.numel()}")
+    if new.numel() == 0:
+        return DENSE, None, 0
+    a, b = word_view(new, word), word_view(base, word)
+    changed_mask = a != b
+    changed = int(changed_mask.sum())
+    sizes = delta_sizes(a.numel(), changed, word)
+    encoding = min(sizes, key=lambda e: (sizes[e], e))
+    if encoding == DENSE:
+        return DENSE, None, changed
+    payload = torch.empty(sizes[encoding], dtype=torch.uint8, device=new.device)
+    payload[:8].view(torch.int64)[0] = changed
+    values_at = sizes[encoding] - changed * word
+    if encoding == INDICES:
+        idx = changed_mask.nonzero().flatten()
+        payload[8 : 8 + 4 * changed].view(torch.int32).copy_(idx)
+        values = a[idx]
+    else:
+        bits = torch.zeros(align_up(a.numel(), 8), dtype=torch.uint8, device=new.device)
+        bits[: a.numel()] = changed_mask
+        payload[8 : 8 + bits.numel() // 8] = (bits.view(-1, 8) * _BIT_WEIGHTS.to(new.device)).sum(dim=1, dtype=torch.uint8)
+        values = a[changed_mask]
+    if changed:
+        payload[values_at:].view(a.dtype).copy_(values)
+    return encoding, payload, changed
+
+
+def delta_apply(target: torch.Tensor, payload: torch.Tensor, encoding: int, word: int) -> int:
+    """Write the changed words of `payload` into the flat uint8 `target` (the old bytes
+    before, the new bytes after); returns how many words changed. ValueError for a payload
+    that does not fit `target` (nothing is written then)."""
+    t = word_view(target, word)
+    n = t.numel()
+    if payload.numel() < 8:
+        raise ValueError(f"delta payload of {payload.numel()} bytes has no count")
+    changed = int(payload[:8].view(torch.int64)[0])
+    expected = delta_sizes(n, changed, word).get(encoding) if encoding in (INDICES, BITMASK) else None
+    if expected is None or not 0 <= changed <= n or payload.numel() != expected:
+        raise ValueError(f"delta payload of {payload.numel()} bytes (encoding {encoding}, {changed} changed) does not fit {n} words of {word} byte(s)")
+    if changed == 0:
+        return 0
+    values = payload[expected - changed * word :].view(t.dtype)
+    if encoding == INDICES:
+        idx = payload[8 : 8 + 4 * changed].view(torch.int32).long()
+        if int(idx.min()) < 0 or int(idx.max()) >= n:
+            raise ValueError(f"delta payload indexes outside the segment's {n} words")
+        t[idx] = values
+    else:
+        packed = payload[8 : 8 + align_up(-(-n // 8), 8)][: -(-n // 8)]
+        bits = ((packed.unsqueeze(1) & _BIT_WEIGHTS.to(packed.device)) != 0).flatten()[:n]
+        if int(bits.sum()) != changed:
+            raise ValueError(f"delta payload's bitmask marks {int(bits.sum())} words, its count says {changed}")
+        t.masked_scatter_(bits, values)
+    return changed

@@ -11,6 +11,25 @@ from hal.backend import Backend
 MIB = 1 << 20
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DeltaConfig:
+    """Delta sync: send only what changed since the last complete sync (docs/delta.md)."""
+
+    anchor_every: int = 16
+    """A whole (dense) sync every this many syncs, whatever else happens: bounds how long a
+    receiver that joins depends on history, and re-checks everything now and then."""
+
+    baseline: str = "device"
+    """Where the sender keeps the bytes it last sent (the baseline it compares against):
+    "device" (fastest to compare) or "host" (pinned host memory, freeing device memory)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.anchor_every, bool) or not isinstance(self.anchor_every, int) or self.anchor_every < 1:
+            raise ValueError(f"DeltaConfig.anchor_every must be an int of at least 1, got {self.anchor_every!r}")
+        if self.baseline not in ("device", "host"):
+            raise ValueError(f"DeltaConfig.baseline must be 'device' or 'host', got {self.baseline!r}")
+
+
 @dataclass(kw_only=True, slots=True)
 class SyncConfig:
     """How a sync moves weights: the sending side's settings.
@@ -49,6 +68,10 @@ class SyncConfig:
     """Longest wait for any one transfer or agreement with the peers before the sync
     fails with PeerError instead of hanging."""
 
+    delta: DeltaConfig | None = None
+    """Delta sync (`DeltaConfig`): after a complete sync, later ones send per segment only
+    the words that changed, when that is smaller. None: every sync sends everything."""
+
     def __post_init__(self) -> None:
         if self.bucket_bytes is not None and (not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 4096):
             raise ValueError(f"SyncConfig.bucket_bytes must be an int of at least 4096 bytes, got {self.bucket_bytes!r}")
@@ -58,6 +81,8 @@ class SyncConfig:
             raise ValueError(f"SyncConfig.wire_dtype must be a floating-point torch.dtype or None, got {self.wire_dtype!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"SyncConfig.timeout_s must be positive, got {self.timeout_s!r}")
+        if self.delta is not None and not isinstance(self.delta, DeltaConfig):
+            raise ValueError(f"SyncConfig.delta must be a DeltaConfig or None, got {self.delta!r}")
 
 
 def wire_dtype_for(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:

@@ -30,6 +30,12 @@ class SyncError(RuntimeError):
         return sorted(r for r, rep in self.reports.items() if rep.inconsistent)
 
     @property
+    def only_delta_base(self) -> bool:
+        """Every rank that failed refused a delta's base (the same answer on every rank)."""
+        failed = [rep for rep in self.reports.values() if rep.error]
+        return bool(failed) and all(rep.kind == "base" for rep in failed)
+
+    @property
     def resend_follows(self) -> bool:
         """The sending trainer rank sends this sync again (`TrainerSync`'s agreement)."""
         return any(rep.sender and rep.resend for rep in self.reports.values())
@@ -50,6 +56,12 @@ class SpecMismatchError(SyncError, ValueError):
 
 class StaleVersionError(SyncError):
     """The sync carries a version older than the one a receiver already holds."""
+
+
+class DeltaBaseError(SyncError):
+    """A delta sync refused: a receiver does not hold exactly the version the delta is
+    computed from (it joined or restarted, or a sync failed). The sender then sends the
+    same sync whole (a dense anchor) at once."""
 
 
 class ChecksumMismatchError(SyncError):
@@ -74,6 +86,7 @@ _KINDS: dict[str, type[SyncError]] = {
     "header": HeaderError,
     "spec": SpecMismatchError,
     "stale": StaleVersionError,
+    "base": DeltaBaseError,
     "checksum": ChecksumMismatchError,
     "auth": AuthError,
     "source": SourceError,

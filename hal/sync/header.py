@@ -32,7 +32,7 @@ import torch
 from hal.sync.errors import AuthError, HeaderError
 from hal.sync.plan import BucketPlan, TensorSpec
 
-HEADER_PROTOCOL = 1
+HEADER_PROTOCOL = 2
 """Wire format version; bumped whenever the header's keys or their meaning change."""
 
 MAX_HEADER_BYTES = 64 * 2**20
@@ -83,7 +83,7 @@ WIRE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 _NAME_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 _ITEMSIZE: dict[torch.dtype, int] = {dtype: dtype.itemsize for dtype in WIRE_DTYPES.values()}
 _HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in (DIGEST_CHARS, AUTH_CHARS)}
-_KEYS = ("protocol", "version", "specs", "bucket_bytes", "segment_bytes", "verify", "digest", "auth")
+_KEYS = ("protocol", "version", "specs", "bucket_bytes", "segment_bytes", "verify", "digest", "delta", "delta_base", "auth")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -127,6 +127,14 @@ class SyncHeader:
     digest: str
     """The sender's bucket-plan digest (hal.sync.plan.plan_key): 24 lowercase hex characters."""
 
+    delta: bool = False
+    """The sender keeps the bytes of its last complete sync (delta sync on): receivers keep
+    theirs too, so that later syncs can carry only what changed."""
+
+    delta_base: int | None = None
+    """Segments of this sync may carry only what changed since weight version `delta_base`
+    (receivers refuse unless they hold exactly that version); None: every segment is whole."""
+
     auth: str | None = None
     """HMAC proof that the sender knows the engine's token (see `auth_proof`), or None."""
 
@@ -155,11 +163,19 @@ class SyncHeader:
         if type(self.verify) is not bool:
             raise HeaderError(f"header field 'verify': expected a bool, got {_describe(self.verify)}")
         _check_hex("digest", self.digest, DIGEST_CHARS)
+        if type(self.delta) is not bool:
+            raise HeaderError(f"header field 'delta': expected a bool, got {_describe(self.delta)}")
+        if self.delta_base is not None:
+            _check_int("delta_base", self.delta_base, 0, MAX_VERSION - 1, "an int or null")
+            if not self.delta:
+                raise HeaderError("header field 'delta_base': set although 'delta' is false")
         if self.auth is not None:
             _check_hex("auth", self.auth, AUTH_CHARS, " or null")
 
     @classmethod
-    def from_plan(cls, plan: BucketPlan, *, version: int, token: str | None = None) -> SyncHeader:
+    def from_plan(
+        cls, plan: BucketPlan, *, version: int, token: str | None = None, delta: bool = False, delta_base: int | None = None
+    ) -> SyncHeader:
         """The header announcing `plan` as weight `version`, with a proof of `token` when given."""
         auth = None if token is None else auth_proof(token, version=version, digest=plan.digest)
         return cls(
@@ -169,6 +185,8 @@ class SyncHeader:
             segment_bytes=plan.segment_bytes,
             verify=plan.verify,
             digest=plan.digest,
+            delta=delta,
+            delta_base=delta_base,
             auth=auth,
         )
 
@@ -187,6 +205,8 @@ class SyncHeader:
             "segment_bytes": self.segment_bytes,
             "verify": self.verify,
             "digest": self.digest,
+            "delta": self.delta,
+            "delta_base": self.delta_base,
             "auth": self.auth,
         }
         # ensure_ascii=False: names travel as UTF-8, not \u escapes; __post_init__ refused

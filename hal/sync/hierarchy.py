@@ -205,7 +205,9 @@ class HierarchicalTransport(Transport):
             self._send_net(k, data, f"bucket {k} segment {j}")
             self.network_bytes += data.numel() * len(self.remote_leaders)
 
-    def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool) -> None:
+    def send_segment(
+        self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool, encoding: int = 0
+    ) -> None:
         if self._traits.follows_streams and not self.serves:
             self._backend.current_stream().wait_event(ready)
         else:
@@ -216,8 +218,8 @@ class HierarchicalTransport(Transport):
                 stream = self._backend.current_stream()
                 self._backend.copy_(dst, data, stream=stream)
                 stream.synchronize()
-        self._tell_node(SegmentStatus.OK, k, j, data.numel())
-        status = self._status(SegmentStatus.DIRECT if direct else SegmentStatus.OK, k, j, data.numel())
+        self._tell_node(SegmentStatus.code_of(encoding, False), k, j, data.numel())
+        status = self._status(SegmentStatus.code_of(encoding, direct), k, j, data.numel())
         self._send_net(k, status, f"bucket {k} segment {j} status")
         self._flush()
         self._held = (k, j, data)
@@ -247,13 +249,15 @@ class HierarchicalTransport(Transport):
     def _receive_as_leader(self, land: Land, complete: Complete) -> bool:
         """A node's leader: from the sender over the network, statuses one ahead; each
         segment is announced to the node once it is in this rank's buffer."""
-        pending: tuple[int, int, int, bool, Any] | None = None
+        pending: tuple[int, int, bool, Any, SegmentStatus] | None = None
 
-        def finish(p: tuple[int, int, int, bool, Any]) -> None:
-            k, j, nbytes, landed, work = p
+        def finish(p: tuple[int, int, bool, Any, SegmentStatus]) -> None:
+            k, j, landed, work, status = p
             self._wait(work, f"bucket {k} segment {j}")
-            self._tell_node(SegmentStatus.OK, k, j, nbytes)  # the node reads while this rank applies
-            complete(k, j, landed)
+            # the node reads while this rank applies (a DIRECT tensor lands in this rank's buffer: plain OK there)
+            code = status.code if status.code != SegmentStatus.DIRECT else SegmentStatus.OK
+            self._tell_node(code, k, j, status.nbytes)
+            complete(k, j, landed, status)
 
         first_of_bucket = {k: j for k, j, _, _ in reversed(self._order)}
         for k, j, start, nbytes in self._order:
@@ -266,11 +270,11 @@ class HierarchicalTransport(Transport):
             if self.serves and j == first_of_bucket[k] and k >= 2:
                 self._collect_releases(k - 2)  # the node is done with what this buffer held
             into = None if self.serves else land(k, j, status)
-            target = self.buffer(k)[start : start + nbytes] if into is None else into
+            target = self.buffer(k)[start : start + status.nbytes] if into is None else into
             work = self._recv_p2p(target, self.src, TAG_NET, f"bucket {k} segment {j}")
             if pending is not None:
                 finish(pending)
-            pending = (k, j, nbytes, into is not None, work)
+            pending = (k, j, into is not None, work, status)
         if pending is not None:
             finish(pending)
         return False
@@ -288,7 +292,7 @@ class HierarchicalTransport(Transport):
                     self._send_release(started)
                 return True
             started = k
-            complete(k, j, False)
+            complete(k, j, False, status)
             if j == last_of_bucket[k]:
                 self._send_release(k)
                 started = None

@@ -30,6 +30,21 @@ class SyncMetrics:
     buffers, and the time inside the apply callable."""
     total_s: float = 0.0
     plan_reused: bool = False
+    # ---- delta sync (SyncConfig.delta); None/empty without it -----------------------
+    delta: bool | None = None
+    """This sync carried deltas against the previous version (False: a whole, anchor sync)."""
+    wire_bytes: int | None = None
+    """Bytes of the segments as sent (deltas where smaller), against `dense_wire_bytes`."""
+    dense_wire_bytes: int | None = None
+    """Bytes the same segments take whole (tensors, alignment gaps, checksums)."""
+    changed_fraction: float | None = None
+    """Share of the compared bytes whose words changed since the previous version."""
+    segments_by_encoding: dict | None = None
+    """How many segments went whole ("dense") or as "indices" / "bitmask" deltas."""
+    encode_s: float | None = None
+    """Comparing with the baseline and encoding, sender only."""
+    baseline_bytes: int | None = None
+    """Memory the sender keeps for delta sync: one image of the last complete sync."""
 
     @property
     def gib_per_s(self) -> float | None:

@@ -269,6 +269,23 @@ def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, s
     return tuple(segments)
 
 
+def segment_word(bucket: Bucket, segment: Segment) -> int:
+    """The word size a segment is compared in for delta sync: the smallest element size of
+    the pieces it carries (every piece starts on an ALIGNMENT boundary and holds whole
+    elements, so this divides every offset and length); 8 for a segment of checksums."""
+    sizes = [bucket.pieces[i].spec.dtype.itemsize for i, _, _ in segment.parts]
+    return min(sizes) if sizes else 8
+
+
+def bucket_offsets(plan: BucketPlan) -> list[int]:
+    """Where each bucket starts in a flat image of the whole sync (its buckets back to back)."""
+    offsets, at = [], 0
+    for bucket in plan.buckets:
+        offsets.append(at)
+        at += bucket.nbytes
+    return offsets
+
+
 class PlanCache:
     """Keeps the last few plans, keyed by their metadata: rebuilt when anything changes."""
 

@@ -28,7 +28,7 @@ from hal.sync import errors
 from hal.sync.errors import RankReport
 from hal.sync.header import SyncHeader, check_auth
 from hal.sync.metrics import PhaseTimer, SyncMetrics
-from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec, is_solo
+from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec, bucket_offsets, is_solo, segment_word
 from hal.sync.sink import Pairs, Sink, as_sink
 from hal.sync.transport import SegmentStatus, Transport
 
@@ -87,6 +87,11 @@ class Receiver:
         # size is part of the layout): a fresh one per sync is page-faulted in each time,
         # which cost more than its transfer (docs/benchmarks.md).
         self._reassembly: dict[str, torch.Tensor] = {}
+        # Delta sync: the bytes of the last complete sync, laid out as its buckets back to
+        # back (`plan.bucket_offsets`), and which version and layout they are.
+        self._baseline: torch.Tensor | None = None
+        self._baseline_version: int | None = None
+        self._baseline_digest: str | None = None
 
     @property
     def reassembly_bytes(self) -> int:
@@ -95,6 +100,8 @@ class Receiver:
 
     # ---- header -----------------------------------------------------------------------
     def _check_header(self, payload: bytes, sink: Sink) -> tuple[SyncHeader | None, BucketPlan | None, RankReport]:
+        """(the header, decoded or None; the plan, or None if refused; this rank's verdict)."""
+        header: SyncHeader | None = None
         try:
             header = SyncHeader.decode(payload)
             check_auth(header, self.token)
@@ -111,9 +118,21 @@ class Receiver:
                 raise errors.SpecMismatchError(
                     f"bucket layout differs from the sender's ({plan.digest} vs {header.digest}): mismatched verl-hal versions?"
                 )
+            if header.delta_base is not None:
+                self._check_delta_base(header.delta_base, plan)
         except errors.SyncError as exc:
-            return None, None, errors.report_exception(exc, sender=False)
+            return header, None, errors.report_exception(exc, sender=False)
         return header, plan, RankReport()
+
+    def _check_delta_base(self, base: int, plan: BucketPlan) -> None:
+        """A delta lands only on exactly the bytes it was computed from."""
+        if self._baseline_version != base or self._baseline_digest != plan.digest or not self.consistent:
+            held = "no complete delta-synced version" if self._baseline_version is None else f"version {self._baseline_version}"
+            raise errors.DeltaBaseError(
+                f"a delta against version {base} cannot land: this receiver holds {held}"
+                + ("" if self.consistent else " and part of a failed sync")
+                + ("" if self._baseline_digest in (None, plan.digest) or self._baseline_version is None else " of another layout")
+            )
 
     def _check_specs(self, specs: tuple[TensorSpec, ...], sink: Sink) -> None:
         problems: list[str] = []
@@ -143,10 +162,17 @@ class Receiver:
         transport, rank = self.transport, self.transport.rank
         transport.timeout_s = self.timeout_s
         builds = self.plans.builds
-        payload = transport.exchange_header(None)
-        header, plan, report = self._check_header(payload, sink)
-        where = f"sync of version {header.version}" if header is not None else "sync"
-        errors.raise_if_any(transport.agree(report, "header check"), rank, where)
+        while True:
+            payload = transport.exchange_header(None)
+            header, plan, report = self._check_header(payload, sink)
+            where = f"sync of version {header.version}" if header is not None else "sync"
+            try:
+                errors.raise_if_any(transport.agree(report, "header check"), rank, where)
+                break
+            except errors.SyncError as exc:
+                if header is not None and header.delta_base is not None and exc.only_delta_base:
+                    continue  # the sender sends the same sync whole right away
+                raise
         if header is None or plan is None:  # every rank agreed there was no error, so this cannot happen
             raise errors.SyncError(f"rank {rank}: the header check passed on every rank but this one kept no plan")
         transport.prepare(self.backend, plan)
@@ -154,7 +180,11 @@ class Receiver:
         for name in set(self._reassembly) - multi_piece:  # the layout changed: drop what it no longer needs
             del self._reassembly[name]
 
-        delivery = _Delivery(self, plan, sink, timer)
+        if header.delta:
+            self._ensure_baseline(plan)
+        else:
+            self._baseline_version = self._baseline_digest = None
+        delivery = _Delivery(self, plan, sink, timer, header)
         try:
             delivery.run()
         except errors.PeerError:
@@ -169,6 +199,8 @@ class Receiver:
         self.version = header.version
         self.consistent = True
         self.torn = ()
+        if header.delta:
+            self._baseline_version, self._baseline_digest = header.version, plan.digest
         return SyncMetrics(
             version=header.version,
             bytes=plan.total_bytes,
@@ -180,7 +212,20 @@ class Receiver:
             plan_reused=self.plans.builds == builds,
         )
 
+    def _ensure_baseline(self, plan: BucketPlan) -> None:
+        nbytes = sum(b.nbytes for b in plan.buckets)
+        if self._baseline is None or self._baseline.numel() != nbytes:
+            self._baseline = None  # free the old one first
+            self._baseline = self.backend.empty(nbytes)
+            self._baseline_version = self._baseline_digest = None
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Memory held for delta syncs: the bytes of the last complete sync (0 without delta)."""
+        return 0 if self._baseline is None else self._baseline.numel()
+
     def _failed(self, delivery: "_Delivery", sink: Sink) -> None:
+        self._baseline_version = None  # a failed sync leaves no usable base: the next one is whole
         if delivery.touched:
             self.consistent = False
         try:
@@ -192,8 +237,14 @@ class Receiver:
 class _Delivery:
     """The receiving state of one sync: where each tensor lands and what was applied."""
 
-    def __init__(self, receiver: Receiver, plan: BucketPlan, sink: Sink, timer: PhaseTimer) -> None:
+    def __init__(self, receiver: Receiver, plan: BucketPlan, sink: Sink, timer: PhaseTimer, header: SyncHeader) -> None:
         self.receiver = receiver
+        # Delta sync: every segment's bytes end up in the receiver's baseline (an image of the
+        # sync, buckets back to back): whole ones are received there, deltas patch it. Tensors
+        # are delivered from it as from the transport's buffer otherwise.
+        self.delta = header.delta
+        self.offsets = bucket_offsets(plan) if header.delta else []
+        self.changed: set[str] = set()  # tensors of a delta sync some of whose words changed
         self.transport = receiver.transport
         self.backend = receiver.backend
         self.plan = plan
@@ -245,7 +296,29 @@ class _Delivery:
 
     def _land(self, k: int, j: int, status: SegmentStatus) -> torch.Tensor | None:
         bucket = self.plan.buckets[k]
+        if self.delta:  # whole bytes straight into the baseline; a delta payload into the transport's buffer
+            return self._image(k)[bucket.segments[j].start : bucket.segments[j].stop] if status.encoding == kernels.DENSE else None
         return self._landing(bucket, bucket.segments[j], status)
+
+    def _image(self, k: int) -> torch.Tensor:
+        """Where bucket k's bytes are once its segments arrived: the baseline's image of it
+        in a delta-synced sync, else the transport's buffer."""
+        if not self.delta:
+            return self.transport.buffer(k)
+        return self.receiver._baseline[self.offsets[k] : self.offsets[k] + self.plan.buckets[k].nbytes]
+
+    def _patch(self, bucket: Bucket, segment: Segment, landed: bool, status: SegmentStatus) -> None:
+        """Bring the segment's new bytes into the baseline (a delta sync only)."""
+        target = self._image(bucket.index)[segment.start : segment.stop]
+        names = [bucket.pieces[i].spec.name for i, _, _ in segment.parts]
+        if status.encoding == kernels.DENSE:
+            if not landed:  # the transport kept them in its own (shared) buffer
+                self.backend.copy_(target, self.transport.buffer(bucket.index)[segment.start : segment.stop])
+            self.changed.update(names)  # not compared: counted as changed
+            return
+        payload = self.transport.buffer(bucket.index)[segment.start : segment.start + status.nbytes]
+        if kernels.delta_apply(target, payload, status.encoding, segment_word(bucket, segment)):
+            self.changed.update(names)
 
     def _landing(self, bucket: Bucket, segment: Segment, status: SegmentStatus) -> torch.Tensor | None:
         """Where a segment lands: the bytes of a destination, or None (the transport's buffer).
@@ -277,13 +350,16 @@ class _Delivery:
         self.touched = True
         return kernels.as_bytes(dest)[piece.tensor_offset + lo : piece.tensor_offset + hi]
 
-    def _complete(self, k: int, j: int, landed: bool) -> None:
+    def _complete(self, k: int, j: int, landed: bool, status: SegmentStatus) -> None:
         bucket = self.plan.buckets[k]
         segment = bucket.segments[j]
         last_of_bucket = j == len(bucket.segments) - 1
         completed: Pairs = []
         try:
             with self.timer("apply"):
+                if self.delta:
+                    self._patch(bucket, segment, landed, status)
+                    landed = False  # in the baseline: delivered from there
                 completed = self._arrived(bucket, segment, landed)
                 if self.whole_buckets:
                     self.ready += completed
@@ -308,7 +384,7 @@ class _Delivery:
                 self.landing.discard(piece.spec.name)
                 out.append((piece.spec.name, self.exact[piece.spec.name]))
             return out
-        buffer = self.transport.buffer(bucket.index)
+        buffer = self._image(bucket.index)
         copied = False
         for index, _, hi in segment.parts:
             piece = bucket.pieces[index]
@@ -338,7 +414,10 @@ class _Delivery:
         return out
 
     def _deliver(self, pairs: Pairs) -> None:
-        """Copy complete tensors into their destinations (those not landed there), then apply."""
+        """Copy complete tensors into their destinations (those not landed there), then apply.
+        A delta sync hands over only the tensors that changed: the others are as they were."""
+        if self.delta and self.error is None:
+            pairs = [(n, t) for n, t in pairs if n in self.changed]
         if not pairs or self.error is not None:
             return
         stream = self.receiver._stream
@@ -355,7 +434,7 @@ class _Delivery:
     def _verify(self, bucket: Bucket) -> None:
         if bucket.nbytes <= bucket.checksum_offset:
             return
-        data = self.transport.buffer(bucket.index)
+        data = self._image(bucket.index)  # with delta: the resulting bytes, so drift is caught
         sent = kernels.typed_view(data, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
         got = torch.stack([kernels.checksum(data[o : o + n]) for o, n in bucket.checksum_ranges()])
         bad = (sent != got).nonzero().flatten().tolist()

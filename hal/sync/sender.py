@@ -25,7 +25,7 @@ from hal.sync import errors
 from hal.sync.config import SyncConfig, default_bucket_bytes, wire_dtype_for
 from hal.sync.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
-from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec
+from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec, bucket_offsets, segment_word
 from hal.sync.source import as_source
 from hal.sync.transport import Transport
 
@@ -58,6 +58,14 @@ class Sender:
         self._stream = self.backend.new_stream()
         self._staging: torch.Tensor | None = None
         self._sized_for = 0
+        # Delta sync: the wire bytes of the last complete sync (buckets back to back), their
+        # version and layout, and how many delta syncs followed the last whole one.
+        self._baseline: torch.Tensor | None = None
+        self._baseline_version: int | None = None
+        self._baseline_digest: str | None = None
+        self._since_anchor = 0
+        self.anchors_after_refusal = 0
+        """Delta syncs some receiver refused (it did not hold the base) and that went whole."""
 
     def _wire_specs(self, metadata: list[TensorSpec]) -> list[TensorSpec]:
         wire = self.config.wire_dtype
@@ -93,14 +101,22 @@ class Sender:
         plan = self.plans.get(wire_specs, self.bucket_bytes, self.config.verify, transport.segment_bytes(self.config.segment_bytes))
         where = f"sync of version {version}"
 
-        header = SyncHeader.from_plan(plan, version=version, token=self.token)
-        try:
-            transport.exchange_header(header.encode())
-            errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, where)
-        except errors.SyncError as exc:
-            if gate is not None:
-                gate(exc)
-            raise
+        delta = self.config.delta
+        base = self._delta_base(plan)
+        while True:
+            header = SyncHeader.from_plan(plan, version=version, token=self.token, delta=delta is not None, delta_base=base)
+            try:
+                transport.exchange_header(header.encode())
+                errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, where)
+                break
+            except errors.SyncError as exc:
+                if base is not None and exc.only_delta_base:
+                    base = None  # some receiver does not hold the base: the same sync, whole, at once
+                    self.anchors_after_refusal += 1
+                    continue
+                if gate is not None:
+                    gate(exc)
+                raise
         gate_error: errors.SyncError | None = None
         if gate is not None:
             try:
@@ -111,8 +127,12 @@ class Sender:
         if not self.config.bypass_cpu:
             self._ensure_staging(plan.max_bucket_nbytes)
 
+        if delta is not None:
+            self._ensure_baseline(plan)
+        self._baseline_version = None  # until this sync completes, the baseline is neither old nor new
+        deltas = _DeltaState(plan, base is not None) if delta is not None else None
         if gate_error is None:
-            failure = self._send_buckets(plan, iter(source), timer)
+            failure = self._send_buckets(plan, iter(source), timer, deltas)
         else:  # the receivers wait for a first segment: tell them none comes
             failure = gate_error
             first = next(((b.index, j) for b in plan.buckets for j, _ in enumerate(b.segments)), None)
@@ -126,6 +146,9 @@ class Sender:
         errors.raise_if_any(transport.agree(report, "sync status"), transport.rank, where)
 
         self.version = version
+        if deltas is not None:
+            self._baseline_version, self._baseline_digest = version, plan.digest
+            self._since_anchor = self._since_anchor + 1 if deltas.active else 0
         return SyncMetrics(
             version=version,
             bytes=plan.total_bytes,
@@ -136,7 +159,54 @@ class Sender:
             transfer_s=timer.get("transfer"),
             total_s=time.perf_counter() - start,
             plan_reused=self.plans.builds == builds,
+            **(deltas.metrics(self._baseline.numel()) if deltas is not None else {}),
         )
+
+    # ---- delta sync --------------------------------------------------------------------
+    def _delta_base(self, plan: BucketPlan) -> int | None:
+        """The version a delta can be computed from, or None for a whole (anchor) sync:
+        the first sync, a new layout, every `anchor_every`-th sync, and after any failure."""
+        delta = self.config.delta
+        if delta is None or self._baseline_version is None or self._baseline_digest != plan.digest:
+            return None
+        if self._since_anchor + 1 >= delta.anchor_every:
+            return None
+        return self._baseline_version
+
+    def _ensure_baseline(self, plan: BucketPlan) -> None:
+        nbytes = sum(b.nbytes for b in plan.buckets)
+        if self._baseline is None or self._baseline.numel() != nbytes:
+            self._baseline = None  # free the old one first
+            on_host = self.config.delta.baseline == "host"
+            self._baseline = self.backend.empty_pinned(nbytes) if on_host else self.backend.empty(nbytes)
+            self._baseline_version = self._baseline_digest = None
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Memory held for delta syncs: the bytes of the last complete sync (0 without delta)."""
+        return 0 if self._baseline is None else self._baseline.numel()
+
+    def _encode(self, deltas: "_DeltaState", bucket: Bucket, segment: Segment, data: torch.Tensor, ready: Any) -> tuple[torch.Tensor, int, Any]:
+        """The segment's new bytes into the baseline, and what to send: the bytes, or the
+        words that changed since the baseline when that is smaller (a delta sync)."""
+        began = time.perf_counter()
+        ready.synchronize()  # the pack is done: its bytes are read here
+        k = bucket.index
+        base = self._baseline[deltas.offsets[k] + segment.start : deltas.offsets[k] + segment.stop]
+        encoding, payload, changed = kernels.DENSE, None, 0
+        if deltas.active and segment.parts:
+            compare = base if base.device == data.device else base.to(data.device)
+            encoding, payload, changed = kernels.delta_encode(data, compare, segment_word(bucket, segment))
+        if self.backend.supports_async_streams:  # the encoding ran on the current stream
+            self._stream.wait_stream(self.backend.current_stream())
+        self.backend.copy_(base, data, stream=self._stream)  # the baseline becomes this sync's bytes
+        if payload is not None:  # into the bucket buffer, where the segment's own bytes were
+            out = self.transport.buffer(k)[segment.start : segment.start + payload.numel()]
+            self.backend.copy_(out, payload, stream=self._stream)
+            data = out
+        ready = self._stream.record_event()
+        deltas.count(encoding, segment, data.numel(), changed, segment_word(bucket, segment), time.perf_counter() - began)
+        return data, encoding, ready
 
     def _size_buckets(self, specs: list[TensorSpec]) -> None:
         """Derive the bucket size once, and again only if a larger tensor appears, so that
@@ -153,7 +223,9 @@ class Sender:
             self._staging = None  # free the old one before allocating the larger
             self._staging = self.backend.empty_pinned(nbytes)
 
-    def _send_buckets(self, plan: BucketPlan, it: Iterator[tuple[str, torch.Tensor]], timer: PhaseTimer) -> BaseException | None:
+    def _send_buckets(
+        self, plan: BucketPlan, it: Iterator[tuple[str, torch.Tensor]], timer: PhaseTimer, deltas: "_DeltaState | None" = None
+    ) -> BaseException | None:
         """Send every segment, or stop at the first one whose source or pack failed, after
         announcing that failure in its place. Returns that failure; a transport failure
         (PeerError) propagates instead: the group can no longer agree on anything."""
@@ -174,12 +246,16 @@ class Sender:
                 try:
                     gathered = timer.get("gather") or 0.0
                     began = time.perf_counter()
-                    data, direct = self._pack(packing, bucket, segment, keep, timer)
+                    data, direct = self._pack(packing, bucket, segment, keep, timer, deltas)
                     ready = self._stream.record_event()
+                    encoding = kernels.DENSE
+                    if deltas is not None:
+                        data, encoding, ready = self._encode(deltas, bucket, segment, data, ready)
+                        direct = direct and encoding == kernels.DENSE
                     # on synchronous backends the copies happen here, not on the stream
                     timer.add("pack", time.perf_counter() - began - ((timer.get("gather") or 0.0) - gathered))
                     with timer("transfer"):
-                        transport.send_segment(k, j, segment.start, data, ready=ready, direct=direct)
+                        transport.send_segment(k, j, segment.start, data, ready=ready, direct=direct, encoding=encoding)
                 except errors.PeerError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - announced to every rank, then reported
@@ -194,13 +270,22 @@ class Sender:
         alive.clear()
         return failure
 
-    def _pack(self, packing: "_Packing", bucket: Bucket, segment: Segment, keep: list[torch.Tensor], timer: PhaseTimer) -> tuple[torch.Tensor, bool]:
+    def _pack(
+        self, packing: "_Packing", bucket: Bucket, segment: Segment, keep: list[torch.Tensor], timer: PhaseTimer,
+        deltas: "_DeltaState | None" = None,
+    ) -> tuple[torch.Tensor, bool]:
         """Pack one segment; returns the bytes to send (a range of the bucket buffer, or a
         tensor's own bytes) and whether they come straight from a tensor that sends every
         range that way."""
         backend, stream = self.backend, self._stream
         buffer = self.transport.buffer(bucket.index)
         target = buffer if self.config.bypass_cpu else self._staging
+        if deltas is not None and len(segment.parts) > 1:
+            # the alignment gaps between packed tensors hold whatever the buffer held before
+            # (an earlier payload): zero them, or every delta would carry them as changes
+            gaps = _gaps(bucket, segment)
+            if gaps:
+                backend.launch(stream, _zero, target, gaps)
         for index, lo, hi in segment.parts:
             piece = bucket.pieces[index]
             spec = piece.spec
@@ -225,7 +310,10 @@ class Sender:
                 kernels.pack_range_into(backend, target, piece.offset + lo, tensor, spec.dtype, piece.tensor_offset + lo, hi - lo, stream=stream)
         if segment.stop == bucket.nbytes and bucket.nbytes > bucket.checksum_offset:  # checksums travel last
             sums = kernels.typed_view(target, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
-            backend.launch(stream, kernels.checksums_into, sums, target, bucket.checksum_ranges())
+            # over the bucket's new bytes: with delta sync they are in the baseline by now (the
+            # buffer holds the payloads sent), and the receiver checks what it rebuilt
+            covered = target if deltas is None else self._baseline[deltas.offsets[bucket.index] :][: bucket.nbytes]
+            backend.launch(stream, kernels.checksums_into, sums, covered, bucket.checksum_ranges())
         if not self.config.bypass_cpu:
             backend.copy_(buffer[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
         return buffer[segment.start : segment.stop], False
@@ -276,3 +364,57 @@ class _Packing:
             backend.copy_(wire, tensor, stream=stream)
             tensor = wire
         self.tensor = tensor
+
+
+def _gaps(bucket: Bucket, segment: Segment) -> list[tuple[int, int]]:
+    """The byte ranges of a segment that belong to no piece (alignment padding)."""
+    gaps, at = [], segment.start
+    for index, lo, hi in segment.parts:
+        piece = bucket.pieces[index]
+        begin = piece.offset + lo
+        if begin > at:
+            gaps.append((at, begin))
+        at = max(at, piece.offset + hi)
+    if segment.stop > at:
+        gaps.append((at, segment.stop))
+    return gaps
+
+
+def _zero(target: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+    for a, b in ranges:
+        target[a:b].zero_()
+
+
+class _DeltaState:
+    """One delta-enabled sync on the sender: whether it may send deltas, and what it did."""
+
+    def __init__(self, plan: BucketPlan, active: bool) -> None:
+        self.active = active
+        self.offsets = bucket_offsets(plan)
+        self.segments = {kernels.DENSE: 0, kernels.INDICES: 0, kernels.BITMASK: 0}
+        self.wire_bytes = 0
+        self.dense_bytes = 0
+        self.changed_bytes = 0  # words that differ from the baseline, in bytes
+        self.encode_s = 0.0
+
+    def count(self, encoding: int, segment: Segment, sent: int, changed: int, word: int, seconds: float) -> None:
+        self.segments[encoding] += 1
+        self.wire_bytes += sent
+        self.dense_bytes += segment.stop - segment.start
+        self.changed_bytes += changed * word
+        self.encode_s += seconds
+
+    def metrics(self, baseline_bytes: int) -> dict[str, Any]:
+        return {
+            "delta": self.active,
+            "wire_bytes": self.wire_bytes,
+            "dense_wire_bytes": self.dense_bytes,
+            "changed_fraction": self.changed_bytes / self.dense_bytes if self.active and self.dense_bytes else None,
+            "segments_by_encoding": {
+                "dense": self.segments[kernels.DENSE],
+                "indices": self.segments[kernels.INDICES],
+                "bitmask": self.segments[kernels.BITMASK],
+            },
+            "encode_s": self.encode_s,
+            "baseline_bytes": baseline_bytes,
+        }

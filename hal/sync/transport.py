@@ -62,6 +62,8 @@ class SegmentStatus:
     FAILED: ClassVar[int] = -1
     OK: ClassVar[int] = 1
     DIRECT: ClassVar[int] = 2  # OK, and every later range of this tensor is sent from its own memory
+    DELTA_INDICES: ClassVar[int] = 3  # OK, the bytes are the words that changed, by index (hal.kernels)
+    DELTA_BITMASK: ClassVar[int] = 4  # OK, the bytes are the words that changed, by bitmask
 
     code: int
     bucket: int
@@ -76,6 +78,19 @@ class SegmentStatus:
     def direct(self) -> bool:
         return self.code == self.DIRECT
 
+    @property
+    def encoding(self) -> int:
+        """How the bytes are encoded: hal.kernels.DENSE, INDICES or BITMASK."""
+        from hal import kernels
+
+        return {self.DELTA_INDICES: kernels.INDICES, self.DELTA_BITMASK: kernels.BITMASK}.get(self.code, kernels.DENSE)
+
+    @classmethod
+    def code_of(cls, encoding: int, direct: bool) -> int:
+        from hal import kernels
+
+        return {kernels.INDICES: cls.DELTA_INDICES, kernels.BITMASK: cls.DELTA_BITMASK}.get(encoding, cls.DIRECT if direct else cls.OK)
+
     def tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor([self.code, self.bucket, self.segment, self.nbytes], dtype=torch.int64, device=device)
 
@@ -83,17 +98,19 @@ class SegmentStatus:
     def parse(cls, words: torch.Tensor, bucket: int, segment: int, nbytes: int, where: str) -> "SegmentStatus":
         code, got_bucket, got_segment, got_nbytes = (int(w) for w in words.cpu().tolist())
         status = cls(code, got_bucket, got_segment, got_nbytes)
-        if code not in (cls.FAILED, cls.OK, cls.DIRECT) or (got_bucket, got_segment) != (bucket, segment):
+        known = (cls.FAILED, cls.OK, cls.DIRECT, cls.DELTA_INDICES, cls.DELTA_BITMASK)
+        if code not in known or (got_bucket, got_segment) != (bucket, segment):
             raise PeerError(f"{where}: expected the status of bucket {bucket} segment {segment}, got {status}: the ranks are out of step")
-        if not status.failed and got_nbytes != nbytes:
+        encoded = code in (cls.DELTA_INDICES, cls.DELTA_BITMASK)
+        if not status.failed and (got_nbytes != nbytes if not encoded else not 0 < got_nbytes <= nbytes):
             raise PeerError(f"{where}: bucket {bucket} segment {segment} announced {got_nbytes} bytes, the plan says {nbytes}")
         return status
 
 
 # land(bucket, segment, status) -> where its bytes should go, or None for the transport's buffer
 Land = Callable[[int, int, SegmentStatus], "torch.Tensor | None"]
-# complete(bucket, segment, landed) once the segment's bytes are here
-Complete = Callable[[int, int, bool], None]
+# complete(bucket, segment, landed, status) once the segment's bytes are here
+Complete = Callable[[int, int, bool, SegmentStatus], None]
 
 
 class GroupChannel:
@@ -288,11 +305,15 @@ class Transport(GroupChannel):
         self._status_ahead = (self._post_status_receive(words, f"bucket {k} segment {j} status"), words)
 
     # ---- data plane: per transport ---------------------------------------------------
-    def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool) -> None:
+    def send_segment(
+        self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool, encoding: int = 0
+    ) -> None:
         """Send `data` as segment j of bucket k, which starts at byte `start` of the bucket:
         a range of `buffer(k)` or a tensor's own bytes. `ready` completes when its pack
         did; if that wait fails, this raises before anything is sent. `direct` says that
-        every later range of this segment's tensor is sent from the tensor's memory too."""
+        every later range of this segment's tensor is sent from the tensor's memory too.
+        `encoding` (hal.kernels.DENSE, INDICES, BITMASK): `data` is the segment's bytes, or
+        a delta payload no longer than them."""
         raise NotImplementedError
 
     def send_failure(self, k: int, j: int) -> None:
@@ -310,8 +331,9 @@ class Transport(GroupChannel):
         For each segment, in the plan's order: once its status is here, a transport that can
         receive into a caller's tensor asks `land(k, j, status)` where the bytes should go
         (a tensor, or None for its buffer); once they are here, `complete(k, j, landed)` is
-        called (`landed`: they are in that tensor, else in `buffer(k)`), and after the last
-        segment of a bucket the buffer is the transport's again. Each transport orders these steps so its wire
+        called (`landed`: they are in that tensor, else in `buffer(k)` from the segment's
+        start; `status.nbytes` of them, a delta payload when `status.encoding` says so), and
+        after the last segment of a bucket the buffer is the transport's again. Each transport orders these steps so its wire
         stays busy; nothing of a segment whose status is FAILED, or of anything after it,
         is landed or completed.
         """
@@ -384,9 +406,11 @@ class BroadcastTransport(Transport):
             self._held = None
             self._send(k, data, f"bucket {k} segment {j}")
 
-    def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool) -> None:
+    def send_segment(
+        self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool, encoding: int = 0
+    ) -> None:
         self._order_after(ready)
-        self._send(k, self._status(SegmentStatus.DIRECT if direct else SegmentStatus.OK, k, j, data.numel()), f"bucket {k} segment {j} status")
+        self._send(k, self._status(SegmentStatus.code_of(encoding, direct), k, j, data.numel()), f"bucket {k} segment {j} status")
         self._flush()  # the previous segment's bytes, now that this status is ahead of them
         self._held = (k, j, data)
 
@@ -406,7 +430,7 @@ class BroadcastTransport(Transport):
     def receive_segments(self, land: Land, complete: Complete) -> bool:
         """Statuses one ahead of the bytes; the bytes of segment s+1 are posted before
         segment s is completed, so the wire is busy while the caller applies it."""
-        pending: tuple[int, int, bool, Any] | None = None
+        pending: tuple[int, int, bool, Any, SegmentStatus] | None = None
         for k, j, start, nbytes in self._order:
             status = self._status_one_ahead(k, j, nbytes)
             if status.failed:
@@ -414,19 +438,19 @@ class BroadcastTransport(Transport):
                     self._complete(pending, complete)
                 return True
             into = land(k, j, status)
-            target = self.buffer(k)[start : start + nbytes] if into is None else into
+            target = self.buffer(k)[start : start + status.nbytes] if into is None else into
             work = self._transfer(target, f"bucket {k} segment {j}")
             if pending is not None:
                 self._complete(pending, complete)
-            pending = (k, j, into is not None, work)
+            pending = (k, j, into is not None, work, status)
         if pending is not None:
             self._complete(pending, complete)
         return False
 
-    def _complete(self, pending: tuple[int, int, bool, Any], complete: Complete) -> None:
-        k, j, landed, work = pending
+    def _complete(self, pending: tuple[int, int, bool, Any, SegmentStatus], complete: Complete) -> None:
+        k, j, landed, work, status = pending
         self._wait(work, f"bucket {k} segment {j}")
-        complete(k, j, landed)
+        complete(k, j, landed, status)
 
     def _post_status_receive(self, words: torch.Tensor, what: str) -> Any:
         return self._transfer(words, what)
@@ -482,7 +506,9 @@ class IpcTransport(Transport):
     def _signal(self, status: torch.Tensor, what: str) -> None:
         self._wait(self._broadcast(status, what), what)
 
-    def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool) -> None:
+    def send_segment(
+        self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool, encoding: int = 0
+    ) -> None:
         ready.synchronize()  # receivers read the buffer as soon as they hear of it
         dst = self.buffer(k)[start : start + data.numel()]
         if data.numel() and data.data_ptr() != dst.data_ptr():
@@ -490,7 +516,7 @@ class IpcTransport(Transport):
             stream = self._backend.current_stream()
             self._backend.copy_(dst, data, stream=stream)
             stream.synchronize()
-        self._signal(self._status(SegmentStatus.OK, k, j, data.numel()), f"bucket {k} ready")
+        self._signal(self._status(SegmentStatus.code_of(encoding, False), k, j, data.numel()), f"bucket {k} ready")
         self._announced.append(k)
 
     def send_failure(self, k: int, j: int) -> None:
@@ -515,7 +541,7 @@ class IpcTransport(Transport):
                 released = None
             if status.failed:
                 return True
-            complete(k, j, False)  # the bytes are in the shared buffer already: nothing lands elsewhere
+            complete(k, j, False, status)  # the bytes are in the shared buffer already: nothing lands elsewhere
             released = k
         if released is not None:
             self._release(released)

@@ -223,10 +223,10 @@ def pack_and_checksum_worker(rank, world, fail_pack_after):
         real_receive = t.receive_segments
 
         def corrupting(land, complete):
-            def corrupt(k, j, landed):
+            def corrupt(k, j, landed, status):
                 if k == 5 and j == 0:
                     t.buffer(5)[0] ^= 0xFF
-                complete(k, j, landed)
+                complete(k, j, landed, status)
 
             return real_receive(land, corrupt)
 

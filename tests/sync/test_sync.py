@@ -118,8 +118,8 @@ class RecordingTransport(BroadcastTransport):
     def receive_segments(self, land, complete):
         last = {k: j for k, j, _, _ in self._order}
 
-        def recording(k, j, landed):
-            complete(k, j, landed)
+        def recording(k, j, landed, status):
+            complete(k, j, landed, status)
             if j == last[k]:
                 self.buckets.append(bytes(self.buffer(k).numpy()))
 
@@ -358,11 +358,11 @@ class CorruptingTransport(BroadcastTransport):
     """Flips the first byte of bucket 2 once it has arrived."""
 
     def receive_segments(self, land, complete):
-        def corrupting(k, j, landed):
+        def corrupting(k, j, landed, status):
             if k == 2 and not getattr(self, "flipped", False):
                 self.buffer(2)[0] ^= 0xFF
                 self.flipped = True
-            complete(k, j, landed)
+            complete(k, j, landed, status)
 
         return super().receive_segments(land, corrupting)
 

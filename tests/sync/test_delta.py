@@ -1,0 +1,261 @@
+"""Delta sync: after a whole sync, send per segment only the words that changed.
+
+Twenty consecutive syncs of tensors of every kind a model holds (0-dim, empty,
+non-contiguous, int, bool, fp8, bf16, fp32, one larger than a bucket), each step changing
+none, a few or all of their elements: every receiver must hold, bit for bit, what a
+dense sync would have left. On cpu and sim, broadcast (one and two receivers) and shared
+memory. Then the rules around it: a delta on top of another version is refused and the
+same sync lands whole; a failure in the middle of a delta sync is followed by a whole one;
+anchors come every `anchor_every` syncs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hal
+from hal import kernels
+from hal.sync import BroadcastTransport, IpcTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, TensorSpec, copy_into
+from hal.sync.config import DeltaConfig
+from tests.multiproc import run_group
+from tests.sync.test_failures import FailingSource
+
+pytestmark = pytest.mark.multiprocess
+
+BUCKET = 16 * 1024
+SEGMENT = 4096
+STEPS = 20
+
+
+def initial() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(300, 32, generator=g).to(torch.bfloat16),  # 19 KiB: larger than a bucket
+        "proj.weight": torch.randn(64, 40, generator=g),  # sent transposed: non-contiguous
+        "norm.weight": torch.randn(7, generator=g),
+        "scale": torch.tensor(1.5),  # 0-dim
+        "empty": torch.zeros(0, 3),
+        "fp8.weight": torch.randn(33, 5, generator=g).to(torch.float8_e4m3fn),
+        "mask": torch.rand(29, generator=g) > 0.5,
+        "step": torch.tensor([0], dtype=torch.int64),
+    }
+
+
+def evolve(tensors: dict[str, torch.Tensor], step: int) -> None:
+    """Change none (every 5th step), a few, or (every 7th) all elements of every tensor."""
+    g = torch.Generator().manual_seed(1000 + step)
+    fraction = 0.0 if step % 5 == 0 else 1.0 if step % 7 == 0 else 0.03
+    for name, t in tensors.items():
+        if t.numel() == 0:
+            continue
+        flat = t.view(-1) if t.dim() else t.view(1)
+        hit = torch.rand(flat.numel(), generator=g) < fraction
+        if t.dtype == torch.bool:
+            flat[hit] = ~flat[hit]
+        elif t.dtype.itemsize == 1 and t.is_floating_point():  # fp8: torch has no arithmetic for it
+            bits = flat.view(torch.uint8)
+            bits[hit] = (bits[hit] ^ 1)
+        elif not t.is_floating_point():
+            flat[hit] += 1
+        else:
+            flat[hit] = (flat[hit].float() * 1.01 + 0.01).to(t.dtype)
+
+
+def sent(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t.t() if n == "proj.weight" else t) for n, t in tensors.items()]
+
+
+def specs() -> list[TensorSpec]:
+    return [TensorSpec.of(n, t) for n, t in sent(initial())]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(kernels.as_bytes(a.contiguous()), kernels.as_bytes(b.contiguous()))
+
+
+class Views:
+    """A load_weights-style sink: takes views and keeps copies; counts what it was handed."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, torch.Tensor] = {}
+        self.handed: list[list[str]] = []
+
+    def destination(self, name):
+        return None
+
+    def apply(self, pairs):
+        self.handed[-1] += [n for n, _ in pairs]
+        for name, t in pairs:
+            self.got[name] = t.clone()
+
+    def abort(self):
+        pass
+
+
+def delta_worker(rank, world, backend, kind, sink_kind):
+    with hal.use(backend):
+        transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
+        config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=8))
+        if rank == 0:
+            sender = Sender(transport, config)
+            tensors = initial()
+            out = []
+            for step in range(STEPS):
+                if step:
+                    evolve(tensors, step)
+                m = sender.send(TensorSource(sent(tensors)), version=step)
+                out.append((m.delta, m.wire_bytes, m.dense_wire_bytes, m.segments_by_encoding, m.changed_fraction))
+            return out, {n: kernels.as_bytes(t.contiguous()).tolist() for n, t in sent(tensors)}
+        receiver = Receiver(transport, specs())
+        reference = initial()
+        exact = []
+        if sink_kind == "dest":
+            held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs()}
+            sink = copy_into(held)
+        else:
+            sink = Views()
+            held = sink.got
+        for step in range(STEPS):
+            if step:
+                evolve(reference, step)
+            if sink_kind == "views":
+                sink.handed.append([])
+            receiver.receive(sink)
+            exact.append(all(same_bytes(held[n], t) for n, t in sent(reference)))
+        handed = sink.handed if sink_kind == "views" else None
+        return exact, receiver.version, receiver.baseline_bytes, handed
+
+
+@pytest.mark.parametrize(
+    "backend,kind,world,sink_kind",
+    [
+        ("cpu", "broadcast", 2, "dest"),
+        ("cpu", "broadcast", 3, "views"),
+        ("sim", "broadcast", 2, "views"),
+        ("cpu", "ipc", 2, "dest"),
+        ("sim", "ipc", 3, "dest"),
+    ],
+    ids=["cpu-p2p-copy_into", "cpu-broadcast-2-views", "sim-p2p-views", "cpu-shm-copy_into", "sim-shm-2-copy_into"],
+)
+def test_twenty_delta_syncs_are_bit_identical_to_dense(backend, kind, world, sink_kind):
+    (metrics, _), *receivers = run_group(delta_worker, world, args=(backend, kind, sink_kind), timeout=240)
+    for exact, version, baseline_bytes, handed in receivers:
+        assert exact == [True] * STEPS
+        assert version == STEPS - 1 and baseline_bytes > 0
+        if handed is not None:  # a step that changed nothing hands over nothing (after the anchor)
+            assert handed[0] and handed[5] == [] and handed[10] == []
+    deltas = [m[0] for m in metrics]
+    assert deltas[0] is False and deltas[8] is False and deltas[16] is False  # anchors: first, then every 8th
+    assert all(deltas[s] for s in range(1, STEPS) if s % 8)
+    for step, (delta, wire, dense, segments, changed) in enumerate(metrics):
+        assert wire <= dense  # a segment goes as a delta only when that is smaller
+        if not delta:
+            assert wire == dense and segments["indices"] == segments["bitmask"] == 0
+        elif step % 5 == 0:  # nothing changed: only counts travel
+            assert changed == 0 and wire < dense // 20
+        elif step % 7 == 0:  # (nearly) every element changed: segments fall back to going whole
+            assert changed > 0.5 and wire > dense // 2
+        else:
+            assert wire < dense // 2 and 0 < changed < 0.2, (step, wire, dense, changed)
+
+
+# ---- the rules: refused bases, failures, what joins ---------------------------------------
+def rules_worker(rank, world):
+    transport = BroadcastTransport(None, src=0)
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100))
+    tensors = initial()
+    if rank == 0:
+        sender = Sender(transport, config)
+        out = []
+        for step in range(1, 7):
+            evolve(tensors, step)
+            source = FailingSource(sent(tensors), "fp8.weight" if step == 3 else None)
+            try:
+                m = sender.send(source, version=step)
+                out.append(("ok", m.delta))
+            except SyncError as exc:
+                out.append((type(exc).__name__, None))
+        return out, sender.anchors_after_refusal
+    receiver = Receiver(transport, specs())
+    held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs()}
+    reference = initial()
+    out = []
+    for step in range(1, 7):
+        evolve(reference, step)
+        if step == 5:  # the engine restarts: a fresh receiver has no base
+            receiver = Receiver(transport, specs(), version=4)
+        try:
+            receiver.receive(copy_into(held))
+            out.append("ok")
+        except SyncError as exc:
+            out.append(type(exc).__name__)
+        if step != 3:
+            out[-1] += "/exact" if all(same_bytes(held[n], t) for n, t in sent(reference)) else "/WRONG"
+    return out
+
+
+def test_failed_and_refused_deltas_fall_back_to_whole_syncs():
+    (sent_outcomes, refused), received = run_group(rules_worker, 2, timeout=120)
+    # step 1 whole (first), 2 delta, 3 fails part-way, 4 whole (after a failure), 5 whole (the
+    # receiver restarted: refused, then sent whole at once), 6 delta again
+    assert sent_outcomes == [("ok", False), ("ok", True), ("SourceError", None), ("ok", False), ("ok", False), ("ok", True)]
+    assert refused == 1  # step 4 was whole by the sender's own rule (after a failure); step 5 after the refusal
+    assert received == ["ok/exact", "ok/exact", "SourceError", "ok/exact", "ok/exact", "ok/exact"]
+
+
+def refused_base_worker(rank, world):
+    """Two receivers; one restarts between syncs: the delta is refused on every rank and the
+    same sync lands whole at once."""
+    transport = BroadcastTransport(None, src=0)
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100))
+    tensors = initial()
+    if rank == 0:
+        sender = Sender(transport, config)
+        deltas = []
+        for step in range(1, 4):
+            evolve(tensors, step)
+            deltas.append(sender.send(TensorSource(sent(tensors)), version=step).delta)
+        return deltas, sender.anchors_after_refusal
+    receiver = Receiver(transport, specs())
+    held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs()}
+    reference = initial()
+    exact = []
+    for step in range(1, 4):
+        evolve(reference, step)
+        if step == 3 and rank == 2:
+            receiver = Receiver(transport, specs(), version=2)  # restarted, without a base
+        receiver.receive(copy_into(held))
+        exact.append(all(same_bytes(held[n], t) for n, t in sent(reference)))
+    return exact
+
+
+def test_a_delta_on_top_of_another_version_is_refused_and_the_same_sync_lands_whole():
+    (deltas, refused), *receivers = run_group(refused_base_worker, 3, timeout=120)
+    assert deltas == [False, True, False] and refused == 1
+    assert receivers == [[True, True, True], [True, True, True]]
+
+
+def test_delta_encoding_round_trips_and_refuses_payloads_that_do_not_fit():
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4096, generator=g).to(torch.bfloat16)
+    new = base.clone()
+    new[::97] += 1
+    nb, bb = kernels.as_bytes(new), kernels.as_bytes(base).clone()
+    encoding, payload, changed = kernels.delta_encode(nb, bb, 2)
+    assert encoding == kernels.INDICES and changed == len(range(0, 4096, 97))
+    target = bb.clone()
+    assert kernels.delta_apply(target, payload, encoding, 2) == changed and torch.equal(target, nb)
+    with pytest.raises(ValueError, match="outside"):  # a segment of other words than it was made for
+        kernels.delta_apply(bb.clone()[:2000], payload, encoding, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.delta_apply(bb.clone(), payload[:-2], encoding, 2)
+    bad = payload.clone()
+    bad[8:12].view(torch.int32)[0] = 10**6  # an index past the end
+    with pytest.raises(ValueError, match="outside"):
+        kernels.delta_apply(bb.clone(), bad, encoding, 2)
+    every = base.clone().float().add(1).to(torch.bfloat16)
+    assert kernels.delta_encode(kernels.as_bytes(every), bb, 2)[0] == kernels.DENSE
+    half = base.clone()
+    half[::2] += 1
+    assert kernels.delta_encode(kernels.as_bytes(half), bb, 2)[0] == kernels.BITMASK
