@@ -131,6 +131,9 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
     # last one: per-segment calls would split most layers (docs/benchmarks.md, vLLM: 64 MiB
     # buckets already doubled the apply time on the CPU).
     whole_buckets = True
+    # vLLM's layerwise reload re-processes a layer from all of its tensors: in a delta sync
+    # the unchanged ones are handed over too (the wire still carries only what changed).
+    apply_unchanged = True
 
     def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)

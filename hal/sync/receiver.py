@@ -416,7 +416,7 @@ class _Delivery:
     def _deliver(self, pairs: Pairs) -> None:
         """Copy complete tensors into their destinations (those not landed there), then apply.
         A delta sync hands over only the tensors that changed: the others are as they were."""
-        if self.delta and self.error is None:
+        if self.delta and self.error is None and not getattr(self.sink, "apply_unchanged", False):
             pairs = [(n, t) for n, t in pairs if n in self.changed]
         if not pairs or self.error is not None:
             return

@@ -24,6 +24,10 @@ bytes are here and, with verification, checked: after a failed sync every destin
 holds its old bytes or its new bytes, never a mix (the one exception, a connection that
 breaks in the middle of an in-place transfer, is reported by name: `Receiver.torn`).
 
+In a delta sync (`SyncConfig.delta`) `apply` gets only the tensors that changed since the
+previous version; a sink that must see every tensor (one that re-processes whole layers)
+sets `apply_unchanged = True`.
+
 Set `in_place = False` on a sink whose destinations must never be received into
 directly (every tensor then goes through the receiver's buffer and one copy, and not
 even a broken connection can tear one). Set `whole_buckets = True` on a sink that pays for tensors of one group (a layer)
