@@ -18,6 +18,7 @@ import hal
 from hal import kernels
 from hal.sync import BroadcastTransport, IpcTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, TensorSpec, copy_into
 from hal.sync.config import DeltaConfig
+from hal.sync.plan import bucket_offsets
 from tests.multiproc import run_group
 from tests.sync.test_failures import FailingSource
 
@@ -259,3 +260,49 @@ def test_delta_encoding_round_trips_and_refuses_payloads_that_do_not_fit():
     half = base.clone()
     half[::2] += 1
     assert kernels.delta_encode(kernels.as_bytes(half), bb, 2)[0] == kernels.BITMASK
+
+
+# ---- verification: the checksum is of the resulting tensor, so drift is caught ------------
+def drift_worker(rank, world):
+    transport = BroadcastTransport(None, src=0)
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, verify=True, delta=DeltaConfig(anchor_every=100))
+    tensors = initial()
+    if rank == 0:
+        sender = Sender(transport, config)
+        out = []
+        for step in range(1, 6):
+            evolve(tensors, step)
+            try:
+                out.append(("ok", sender.send(TensorSource(sent(tensors)), version=step).delta))
+            except SyncError as exc:
+                out.append((type(exc).__name__, None))
+        return out
+    receiver = Receiver(transport, specs())
+    held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs()}
+    reference = initial()
+    out = []
+    for step in range(1, 6):
+        before = {n: t.clone() for n, t in held.items()}
+        evolve(reference, step)
+        if step == 3:
+            # The receiver's base drifts from what the sender believes it holds (a bit flips in
+            # an unchanged tensor's bytes): the delta lands on top of it and must not pass.
+            plan = receiver.plans.get(specs(), BUCKET, True, SEGMENT)
+            k, piece = next((b.index, p) for b in plan.buckets for p in b.pieces if p.spec.name == "norm.weight")
+            receiver._baseline[bucket_offsets(plan)[k] + piece.offset] ^= 0x40
+        try:
+            receiver.receive(copy_into(held))
+            out.append("ok/" + ("exact" if all(same_bytes(held[n], t) for n, t in sent(reference)) else "WRONG"))
+        except SyncError as exc:
+            unchanged = all(torch.equal(before[n], held[n]) for n in held)
+            out.append(f"{type(exc).__name__}/{'old bytes' if unchanged else 'TOUCHED'}/{'norm.weight' in str(exc)}")
+    return out
+
+
+def test_verify_checks_the_resulting_tensor_so_a_drifted_base_is_caught_and_healed():
+    sent_outcomes, received = run_group(drift_worker, 2, timeout=120)
+    # 1 whole, 2 delta, 3 delta onto a drifted base: the checksum of the result fails, the
+    # engine keeps its old bytes; 4 whole (after a failure) heals it; 5 delta again
+    assert [o[0] for o in sent_outcomes] == ["ok", "ok", "ChecksumMismatchError", "ok", "ok"]
+    assert [o[1] for o in sent_outcomes] == [False, True, None, False, True]
+    assert received == ["ok/exact", "ok/exact", "ChecksumMismatchError/old bytes/True", "ok/exact", "ok/exact"]
