@@ -6,6 +6,10 @@ Fixtures
                      `monkeypatch.setenv("VERL_DEVICE", ...)` inside the test to choose.
     sim_backend      A fresh `sim` backend with 20 ms injected latency per stream operation;
                      its streams are synchronized at teardown (an error left there fails).
+    (autouse) no_process_left_behind
+                     After each test module, every multiprocessing child this process
+                     started must have exited (waited for up to 20 s); one that has not
+                     is killed and the module's last test errors, naming the process.
     fake_torch_npu   A directory holding a fake `torch_npu` package (see FAKE_TORCH_NPU);
                      put it on PYTHONPATH of a *subprocess* only: it renames PrivateUse1 to
                      "npu" for the rest of that process.
@@ -59,6 +63,32 @@ def hal_reset(monkeypatch: pytest.MonkeyPatch):
     hal.reset()
     yield
     hal.reset()
+
+
+_REPORTED_CHILDREN: set[int] = set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_left_behind(request: pytest.FixtureRequest):
+    # Tests that check for leftovers (test_bench, test_ray) would otherwise blame whichever
+    # module happened to run after the one that leaked (a vLLM EngineCore, say). A child
+    # reaped behind multiprocessing's back (os.waitpid, psutil.wait_procs) stays listed as
+    # alive for good: that is reported too, once, since later checks would fail on it.
+    import multiprocessing
+    import time
+
+    yield
+    deadline = time.monotonic() + 20.0
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [c for c in multiprocessing.active_children() if c.pid not in _REPORTED_CHILDREN]
+    for child in left:
+        _REPORTED_CHILDREN.add(child.pid)
+        child.kill()
+        child.join(timeout=5)
+    if left:
+        names = ", ".join(f"{c.name} (pid {c.pid})" for c in left)
+        pytest.fail(f"{request.module.__name__} left process(es) behind, or reaped them behind multiprocessing's back: {names}", pytrace=False)
 
 
 @pytest.fixture

@@ -24,7 +24,9 @@ Start-up dominates the runtime: about 2 minutes for the file on an idle 2-core m
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -62,6 +64,15 @@ LONG_LIVED = ("multiprocessing.resource_tracker",)
 
 
 # ---- engines -------------------------------------------------------------------------------
+def _running(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @contextlib.contextmanager
 def no_process_left_behind(grace_s: float = 20.0) -> Iterator[None]:
     """Fails, on exit, if a child process started inside the block is still alive after
@@ -79,7 +90,17 @@ def no_process_left_behind(grace_s: float = 20.0) -> Iterator[None]:
             if any(name in " ".join(proc.cmdline()) for name in LONG_LIVED):
                 continue
         started.append(proc)
-    _, alive = psutil.wait_procs(started, timeout=grace_s)
+    # multiprocessing reaps its own children (vLLM's EngineCore): one reaped here instead
+    # would stay listed by multiprocessing.active_children() as alive for good.
+    deadline = time.monotonic() + grace_s
+    while True:
+        multiprocessing.active_children()
+        alive = [p for p in started if _running(p)]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    still_listed = {c.pid for c in multiprocessing.active_children()}  # exited just now: multiprocessing's to reap
+    psutil.wait_procs([p for p in started if p not in alive and p.pid not in still_listed], timeout=0)
     if alive:
         described = []
         for proc in alive:
