@@ -14,10 +14,11 @@ engine tensor with its old or its new bytes, and the receiver says whether it is
 `consistent` (docs/design.md, "Failures").
 """
 
-from hal.sync.config import SyncConfig, default_bucket_bytes, wire_dtype_for
+from hal.sync.config import DeltaConfig, SyncConfig, default_bucket_bytes, wire_dtype_for
 from hal.sync.errors import (
     AuthError,
     ChecksumMismatchError,
+    DeltaBaseError,
     HeaderError,
     PeerError,
     SourceError,
@@ -43,6 +44,8 @@ __all__ = [
     "BucketPlan",
     "ChecksumMismatchError",
     "CopyInto",
+    "DeltaBaseError",
+    "DeltaConfig",
     "HeaderError",
     "HierarchicalTransport",
     "IpcTransport",

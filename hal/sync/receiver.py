@@ -87,11 +87,15 @@ class Receiver:
         # size is part of the layout): a fresh one per sync is page-faulted in each time,
         # which cost more than its transfer (docs/benchmarks.md).
         self._reassembly: dict[str, torch.Tensor] = {}
-        # Delta sync: the bytes of the last complete sync, laid out as its buckets back to
-        # back (`plan.bucket_offsets`), and which version and layout they are.
+        # Delta sync: the bytes of the last complete sync, and which version and layout they
+        # are. Kept either in the sink's destinations themselves (`_baseline_in` names them:
+        # a delta is scattered into them) or, for sinks without exact destinations, in an
+        # image of the sync, its buckets back to back (`plan.bucket_offsets`).
         self._baseline: torch.Tensor | None = None
         self._baseline_version: int | None = None
         self._baseline_digest: str | None = None
+        self._baseline_in: tuple[tuple[str, int], ...] | None = None
+        self._work: torch.Tensor | None = None  # one bucket: patched bytes of segments that are not one whole tensor's
 
     @property
     def reassembly_bytes(self) -> int:
@@ -119,20 +123,39 @@ class Receiver:
                     f"bucket layout differs from the sender's ({plan.digest} vs {header.digest}): mismatched verl-hal versions?"
                 )
             if header.delta_base is not None:
-                self._check_delta_base(header.delta_base, plan)
+                self._check_delta_base(header.delta_base, plan, sink)
         except errors.SyncError as exc:
             return header, None, errors.report_exception(exc, sender=False)
         return header, plan, RankReport()
 
-    def _check_delta_base(self, base: int, plan: BucketPlan) -> None:
+    def _check_delta_base(self, base: int, plan: BucketPlan, sink: Sink) -> None:
         """A delta lands only on exactly the bytes it was computed from."""
-        if self._baseline_version != base or self._baseline_digest != plan.digest or not self.consistent:
+        kept_in = self._scatter_key(plan, sink)
+        if self._baseline_version != base or self._baseline_digest != plan.digest or not self.consistent or self._baseline_in != kept_in:
             held = "no complete delta-synced version" if self._baseline_version is None else f"version {self._baseline_version}"
             raise errors.DeltaBaseError(
                 f"a delta against version {base} cannot land: this receiver holds {held}"
                 + ("" if self.consistent else " and part of a failed sync")
                 + ("" if self._baseline_digest in (None, plan.digest) or self._baseline_version is None else " of another layout")
+                + ("" if self._baseline_in == kept_in or self._baseline_version is None else " in other destinations than this sink's")
             )
+
+    def _scatter_key(self, plan: BucketPlan, sink: Sink) -> tuple[tuple[str, int], ...] | None:
+        """The destinations a delta can be scattered into (their names and addresses), or
+        None when the receiver must keep its own image of the sync instead: some tensor has
+        no destination holding exactly its wire bytes (dtype, contiguous, this device), the
+        sink forbids writing into them (`in_place = False`), or the sync is verified (the
+        checksum is of the whole resulting bytes, so they are built in the image first)."""
+        if plan.verify or not getattr(sink, "in_place", True):
+            return None
+        device = self.backend.device()
+        key = []
+        for spec in plan.specs:
+            dest = sink.destination(spec.name)
+            if not isinstance(dest, torch.Tensor) or dest.dtype != spec.dtype or not dest.is_contiguous() or dest.device != device:
+                return None
+            key.append((spec.name, dest.data_ptr()))
+        return tuple(key)
 
     def _check_specs(self, specs: tuple[TensorSpec, ...], sink: Sink) -> None:
         problems: list[str] = []
@@ -180,11 +203,14 @@ class Receiver:
         for name in set(self._reassembly) - multi_piece:  # the layout changed: drop what it no longer needs
             del self._reassembly[name]
 
-        if header.delta:
+        scatter = self._scatter_key(plan, sink) if header.delta else None
+        if header.delta and scatter is None:
             self._ensure_baseline(plan)
         else:
-            self._baseline_version = self._baseline_digest = None
-        delivery = _Delivery(self, plan, sink, timer, header)
+            self._baseline = None  # the destinations hold the base (or nothing is kept)
+        if not header.delta:
+            self._baseline_version = self._baseline_digest = self._baseline_in = None
+        delivery = _Delivery(self, plan, sink, timer, header, scatter=scatter is not None)
         try:
             delivery.run()
         except errors.PeerError:
@@ -200,7 +226,7 @@ class Receiver:
         self.consistent = True
         self.torn = ()
         if header.delta:
-            self._baseline_version, self._baseline_digest = header.version, plan.digest
+            self._baseline_version, self._baseline_digest, self._baseline_in = header.version, plan.digest, scatter
         return SyncMetrics(
             version=header.version,
             bytes=plan.total_bytes,
@@ -221,8 +247,10 @@ class Receiver:
 
     @property
     def baseline_bytes(self) -> int:
-        """Memory held for delta syncs: the bytes of the last complete sync (0 without delta)."""
-        return 0 if self._baseline is None else self._baseline.numel()
+        """Memory held for delta syncs: an image of the last complete sync when the sink has
+        no exact destinations, else one bucket to patch what is not a whole tensor in place
+        (0 without delta)."""
+        return sum(t.numel() for t in (self._baseline, self._work) if t is not None)
 
     def _failed(self, delivery: "_Delivery", sink: Sink) -> None:
         self._baseline_version = None  # a failed sync leaves no usable base: the next one is whole
@@ -237,13 +265,19 @@ class Receiver:
 class _Delivery:
     """The receiving state of one sync: where each tensor lands and what was applied."""
 
-    def __init__(self, receiver: Receiver, plan: BucketPlan, sink: Sink, timer: PhaseTimer, header: SyncHeader) -> None:
+    def __init__(self, receiver: Receiver, plan: BucketPlan, sink: Sink, timer: PhaseTimer, header: SyncHeader, *, scatter: bool = False) -> None:
         self.receiver = receiver
-        # Delta sync: every segment's bytes end up in the receiver's baseline (an image of the
-        # sync, buckets back to back): whole ones are received there, deltas patch it. Tensors
-        # are delivered from it as from the transport's buffer otherwise.
-        self.delta = header.delta
-        self.offsets = bucket_offsets(plan) if header.delta else []
+        # Delta sync, two ways. Image (`delta`): every segment's bytes end up in the
+        # receiver's baseline (an image of the sync, buckets back to back): whole ones are
+        # received there, deltas patch it, and tensors are delivered from it. Scatter
+        # (`patching`): the destinations are the base; once a bucket is all here its deltas
+        # are checked, then scattered straight into the destinations of the tensors wholly
+        # in one segment range, and applied to a copy of the old bytes (in `Receiver._work`)
+        # for the rest, which are delivered from there as from the transport's buffer.
+        self.delta = header.delta and not scatter
+        self.patching = scatter and header.delta_base is not None
+        self.offsets = bucket_offsets(plan) if self.delta else []
+        self.pending: list[tuple[Segment, SegmentStatus]] = []  # a patching bucket's segments, applied at its end
         self.changed: set[str] = set()  # tensors of a delta sync some of whose words changed
         self.transport = receiver.transport
         self.backend = receiver.backend
@@ -296,6 +330,8 @@ class _Delivery:
 
     def _land(self, k: int, j: int, status: SegmentStatus) -> torch.Tensor | None:
         bucket = self.plan.buckets[k]
+        if self.patching:  # nothing is written before the whole bucket is here and checked
+            return None
         if self.delta:  # whole bytes straight into the baseline; a delta payload into the transport's buffer
             return self._image(k)[bucket.segments[j].start : bucket.segments[j].stop] if status.encoding == kernels.DENSE else None
         return self._landing(bucket, bucket.segments[j], status)
@@ -357,6 +393,12 @@ class _Delivery:
         completed: Pairs = []
         try:
             with self.timer("apply"):
+                if self.patching:
+                    self.pending.append((segment, status))
+                    if last_of_bucket:
+                        pending, self.pending = self.pending, []
+                        self._deliver(self._scatter(bucket, pending))
+                    return
                 if self.delta:
                     self._patch(bucket, segment, landed, status)
                     landed = False  # in the baseline: delivered from there
@@ -374,8 +416,9 @@ class _Delivery:
         except Exception as exc:  # noqa: BLE001 - reported at the agreement; the protocol goes on
             self._fail(exc)
 
-    def _arrived(self, bucket: Bucket, segment: Segment, landed: bool) -> Pairs:
-        """The tensors this segment completes, each as (name, where its bytes are now)."""
+    def _arrived(self, bucket: Bucket, segment: Segment, landed: bool, buffer: torch.Tensor | None = None) -> Pairs:
+        """The tensors this segment completes, each as (name, where its bytes are now:
+        the destination when landed, else `buffer`, by default the bucket's image)."""
         out: Pairs = []
         if landed:
             index, _, hi = segment.parts[0]
@@ -384,7 +427,8 @@ class _Delivery:
                 self.landing.discard(piece.spec.name)
                 out.append((piece.spec.name, self.exact[piece.spec.name]))
             return out
-        buffer = self._image(bucket.index)
+        if buffer is None:
+            buffer = self._image(bucket.index)
         copied = False
         for index, _, hi in segment.parts:
             piece = bucket.pieces[index]
@@ -395,9 +439,7 @@ class _Delivery:
                 out.append((spec.name, kernels.typed_view(buffer, piece.offset, spec.shape, spec.dtype)))
                 continue
             # one chunk of a tensor spread over buckets: gather it before anyone sees it
-            into = self.receiver._reassembly.get(spec.name)
-            if into is None or into.numel() != spec.nbytes:
-                into = self.receiver._reassembly[spec.name] = self.backend.empty(spec.nbytes)
+            into = self._reassembly_buffer(spec)
             if piece.nbytes:
                 if not copied and self.backend.supports_async_streams:  # the receive completed on the current stream
                     self.receiver._stream.wait_stream(self.backend.current_stream())
@@ -413,10 +455,83 @@ class _Delivery:
             self.receiver._stream.synchronize()  # the buffer is reused after this bucket
         return out
 
+    def _scatter(self, bucket: Bucket, pending: list[tuple[Segment, SegmentStatus]]) -> Pairs:
+        """Apply a patching bucket whose segments are all here; returns what it completes.
+
+        Every delta payload is checked before anything is written, so a bad one leaves every
+        destination as it was. A delta segment that is one range of a tensor wholly in this
+        bucket is scattered straight into its destination; any other is rebuilt in the
+        work buffer from the destinations' old bytes and patched there; whole (DENSE)
+        segments are in the transport's buffer. From those, each range goes to its tensor's
+        destination, or, for a tensor spread over buckets, to its reassembly buffer. All of
+        it is torch work on the current stream, ordered like the kernels' own (on `sim`: now).
+        """
+        if self.error is not None:
+            return []
+        buffer = self.transport.buffer(bucket.index)
+        for segment, status in pending:
+            if status.encoding != kernels.DENSE:
+                word = segment_word(bucket, segment)
+                kernels.delta_check(buffer[segment.start : segment.start + status.nbytes], status.encoding, (segment.stop - segment.start) // word, word)
+        out: Pairs = []
+        for segment, status in pending:
+            names = [bucket.pieces[i].spec.name for i, _, _ in segment.parts]
+            source, changed = buffer, True
+            if status.encoding != kernels.DENSE:
+                word = segment_word(bucket, segment)
+                payload = buffer[segment.start : segment.start + status.nbytes]
+                first = bucket.pieces[segment.parts[0][0]] if segment.parts else None
+                if first is not None and first.is_whole and is_solo(bucket, segment):
+                    _, lo, hi = segment.parts[0]
+                    self.touched = True
+                    if kernels.delta_apply(kernels.as_bytes(self.exact[first.spec.name])[lo:hi], payload, status.encoding, word):
+                        self.changed.add(first.spec.name)
+                    if hi == first.nbytes:
+                        out.append((first.spec.name, self.exact[first.spec.name]))
+                    continue
+                source = self._work_buffer()
+                for index, lo, hi in segment.parts:  # the old bytes (gaps between pieces are never patched)
+                    piece = bucket.pieces[index]
+                    old = kernels.as_bytes(self.exact[piece.spec.name])[piece.tensor_offset + lo : piece.tensor_offset + hi]
+                    source[piece.offset + lo : piece.offset + hi].copy_(old)
+                changed = bool(kernels.delta_apply(source[segment.start : segment.stop], payload, status.encoding, word))
+            if changed:
+                self.changed.update(names)
+            for index, lo, hi in segment.parts:
+                piece = bucket.pieces[index]
+                spec = piece.spec
+                new = source[piece.offset + lo : piece.offset + hi]
+                if piece.is_whole:
+                    if changed and hi > lo:  # unchanged: the destination holds these bytes already
+                        kernels.as_bytes(self.exact[spec.name])[lo:hi].copy_(new)
+                        self.touched = True
+                    if hi == piece.nbytes:
+                        out.append((spec.name, self.exact[spec.name]))
+                    continue
+                into = self._reassembly_buffer(spec)
+                into[piece.tensor_offset + lo : piece.tensor_offset + hi].copy_(new)
+                if hi == piece.nbytes and piece.is_last:
+                    out.append((spec.name, kernels.typed_view(into, 0, spec.shape, spec.dtype)))
+        return out
+
+    def _reassembly_buffer(self, spec: TensorSpec) -> torch.Tensor:
+        """Where a tensor that arrives in chunks across buckets is gathered (kept across syncs)."""
+        into = self.receiver._reassembly.get(spec.name)
+        if into is None or into.numel() != spec.nbytes:
+            into = self.receiver._reassembly[spec.name] = self.backend.empty(spec.nbytes)
+        return into
+
+    def _work_buffer(self) -> torch.Tensor:
+        work = self.receiver._work
+        if work is None or work.numel() < self.plan.max_bucket_nbytes:
+            work = self.receiver._work = None  # free the old one first
+            work = self.receiver._work = self.backend.empty(self.plan.max_bucket_nbytes)
+        return work
+
     def _deliver(self, pairs: Pairs) -> None:
         """Copy complete tensors into their destinations (those not landed there), then apply.
         A delta sync hands over only the tensors that changed: the others are as they were."""
-        if self.delta and self.error is None and not getattr(self.sink, "apply_unchanged", False):
+        if (self.delta or self.patching) and self.error is None and not getattr(self.sink, "apply_unchanged", False):
             pairs = [(n, t) for n, t in pairs if n in self.changed]
         if not pairs or self.error is not None:
             return

@@ -26,7 +26,11 @@ breaks in the middle of an in-place transfer, is reported by name: `Receiver.tor
 
 In a delta sync (`SyncConfig.delta`) `apply` gets only the tensors that changed since the
 previous version; a sink that must see every tensor (one that re-processes whole layers)
-sets `apply_unchanged = True`.
+sets `apply_unchanged = True`. When every tensor has an exact destination (wire dtype,
+contiguous, this device) and the sync is not verified, the destinations are the delta's
+base: changed words are scattered into them, so they must hold, between syncs, exactly
+what the last sync delivered (a sink whose owner changes them sets `in_place = False`:
+the receiver then keeps its own image of the sync, one model's worth of memory).
 
 Set `in_place = False` on a sink whose destinations must never be received into
 directly (every tensor then goes through the receiver's buffer and one copy, and not

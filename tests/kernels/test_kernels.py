@@ -78,3 +78,76 @@ def test_checksum_rejects_typed_tensors():
 
 def test_align_up():
     assert [kernels.align_up(n) for n in (0, 1, 256, 257)] == [0, 256, 256, 512]
+
+
+# ---- delta encoding ------------------------------------------------------------------
+def _reference_delta_encode(new: torch.Tensor, base: torch.Tensor, word: int):
+    """The plain definition of delta_encode's output (padding zeroed), to hold the faster one to."""
+    a, b = kernels.word_view(new, word), kernels.word_view(base, word)
+    mask = a != b
+    changed = int(mask.long().sum())
+    sizes = kernels.delta_sizes(a.numel(), changed, word)
+    encoding = min(sizes, key=lambda e: (sizes[e], e))
+    if encoding == kernels.DENSE:
+        return encoding, None, changed
+    payload = torch.zeros(sizes[encoding], dtype=torch.uint8)
+    payload[:8].view(torch.int64)[0] = changed
+    idx = mask.nonzero().flatten()
+    if encoding == kernels.INDICES:
+        payload[8 : 8 + 4 * changed].view(torch.int32).copy_(idx)
+    else:
+        bits = mask.tolist()
+        for j in range(-(-len(bits) // 8)):
+            payload[8 + j] = sum(1 << i for i, bit in enumerate(bits[8 * j : 8 * j + 8]) if bit)
+    if changed:
+        payload[sizes[encoding] - changed * word :].view(a.dtype).copy_(a[idx])
+    return encoding, payload, changed
+
+
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+@pytest.mark.parametrize("words", [1, 7, 8, 63, 64, 1000, 4099])
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.02, 0.05, 0.2, 0.9, 1.0])
+def test_delta_encode_matches_its_plain_definition(word, words, fraction):
+    g = torch.Generator().manual_seed(words * 31 + word)
+    base = torch.randint(0, 256, (words * word,), dtype=torch.uint8, generator=g)
+    new = base.clone()
+    hit = torch.rand(words, generator=g) < fraction
+    new.view(-1, word)[hit, 0] ^= 1  # flip one bit of each chosen word
+    if fraction == 0.001:
+        new.view(-1, word)[words - 1, word - 1] ^= 0x80  # a change in the last word's last byte
+    encoding, payload, changed = kernels.delta_encode(new, base, word)
+    want_encoding, want_payload, want_changed = _reference_delta_encode(new, base, word)
+    assert (encoding, changed) == (want_encoding, want_changed)
+    if want_payload is None:
+        assert payload is None
+    else:
+        assert torch.equal(payload, want_payload)  # every byte, padding included
+        target = base.clone()
+        assert kernels.delta_apply(target, payload, encoding, word) == changed and torch.equal(target, new)
+
+
+def test_delta_encode_sparse_changes_in_a_large_segment():
+    # past the sizes above: the grouped index search over many 8-word groups, and a bitmask
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(1 << 18, generator=g).to(torch.bfloat16)
+    for fraction, expected in ((0.01, kernels.INDICES), (0.2, kernels.BITMASK)):
+        new = base.clone()
+        hit = torch.rand(base.numel(), generator=g) < fraction
+        new[hit] = (new[hit].float() * 1.5 + 1e-3).to(torch.bfloat16)
+        nb, bb = kernels.as_bytes(new), kernels.as_bytes(base)
+        encoding, payload, changed = kernels.delta_encode(nb, bb, 2)
+        want = _reference_delta_encode(nb, bb, 2)
+        assert encoding == expected == want[0] and changed == want[2] and torch.equal(payload, want[1])
+
+
+def test_delta_encode_of_unaligned_views_and_a_word_tail():
+    # a segment that starts at an odd multiple of its word inside a larger tensor, and
+    # a mask whose length is not a multiple of 8
+    g = torch.Generator().manual_seed(11)
+    big = torch.randint(0, 256, (8 * 1000 + 6,), dtype=torch.uint8, generator=g)
+    other = big.clone()
+    other[2 + 2 * 5 :: 2 * 37] ^= 3
+    new, base = other[2:], big[2:]  # 4002 words of 2 bytes at byte offset 2
+    encoding, payload, changed = kernels.delta_encode(new, base, 2)
+    want = _reference_delta_encode(new, base, 2)
+    assert (encoding, changed) == want[::2] and torch.equal(payload, want[1])
