@@ -3,11 +3,19 @@
 Used by `hal bench` and by the test suite's multi-process runner. Each child runs
 `target(rank, out, *args)` and must put exactly one `(rank, "ok" | "error", value)` on
 `out`. A child still running at the deadline is killed, and so are the others.
+
+Ranks are forked from a fork server that has imported torch and hal once (multiprocessing's
+"forkserver"): a rank starts in tens of milliseconds instead of the seconds a fresh
+interpreter spends importing torch, and the test suite starts hundreds. The server only
+imports, so no thread pool exists when it forks (what makes a plain fork unsafe after torch
+has run). Each rank gets the caller's environment as it is at the call, as a spawned one
+would (the server itself was started with the environment of its first use).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import socket
 import time
@@ -19,6 +27,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# What the fork server imports before it forks any rank.
+PRELOAD = ("torch", "torch.distributed", "hal", "hal.sync")
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs: it has them
+    return ctx
+
+
+def _with_environ(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
 
 
 class RankFailed(RuntimeError):
@@ -38,15 +62,19 @@ def spawn_ranks(
     label: str = "rank",
     on_failure: Callable[[int, str], Any] | None = None,
 ) -> list[Any]:
-    """Run `target` in `world_size` spawned processes; each rank's value, in rank order.
+    """Run `target` in `world_size` processes (forked from the fork server); each rank's value, in rank order.
 
     A rank that reports an error, or dies without reporting, raises `RankFailed` unless
     `on_failure(rank, text)` is given, whose return value then stands for that rank.
     Past `timeout_s` raises TimeoutError. Every child is joined or killed before return.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(rank, out, *args), daemon=True, name=f"{label}{rank}") for rank in range(world_size)]
+    environ = dict(os.environ)
+    procs = [
+        ctx.Process(target=_with_environ, args=(environ, target, rank, out, *args), daemon=True, name=f"{label}{rank}")
+        for rank in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

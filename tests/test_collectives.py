@@ -82,7 +82,8 @@ def sleeper(rank: int, world_size: int, seconds: float) -> None:
 
 
 def _children() -> set[int]:
-    """Live child processes of this one, except multiprocessing's own resource tracker."""
+    """Live child processes of this one, except multiprocessing's own resource tracker and
+    fork server (hal.procs forks ranks from it; it lives as long as this process)."""
     pids = set()
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
         try:
@@ -96,7 +97,7 @@ def _children() -> set[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"resource_tracker" in cmdline or state == "Z":
+        if b"resource_tracker" in cmdline or b"forkserver" in cmdline or state == "Z":
             continue
         alive.add(pid)
     return alive
