@@ -173,3 +173,119 @@ def test_bench_cli_hierarchical_on_two_nodes(tmp_path):
     assert hier["network_bytes_per_sync"] == 2 * segments and model <= segments < 1.1 * model
     assert hier["verified_ranks"] == [1, 2] and rows["floor"]["verified_ranks"] == [1, 2]
     assert rows["floor"]["network_bytes_per_sync"] == 2 * model
+
+
+# ---- hal bench --delta ------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_bench_delta_cli_on_tiny_preset(tmp_path):
+    import multiprocessing
+
+    out_json = tmp_path / "delta.json"
+    # lr 1e-6 changes a few percent of the bf16 words per step; lr 0.1 changes nearly all
+    # of them, so every segment must go whole. A 64 KiB bucket chunks the embedding, and
+    # anchor_every 2 makes sync 2 a whole one again.
+    argv = ["bench", "--delta", "--preset", "tiny", "--lrs", "1e-6,0.1", "--syncs", "3", "--anchor-every", "2",
+            "--bucket-mb", "0.0625", "--timeout", "200", "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    report = json.loads(out_json.read_text())
+    assert multiprocessing.active_children() == []
+    assert all(_gone(pid) for pid in report["pids"]), report["pids"]
+    assert report["mode"] == "delta" and report["preset"] == "tiny"
+    assert report["config"]["wire_dtype"] == "torch.bfloat16" and report["config"]["lrs"] == [1e-6, 0.1]
+    assert report["wire_bytes_total"] == sum(p.nbytes for p in presets.get_preset("tiny").params())  # bf16, as the preset
+    small, large = report["results"]
+    assert (small["lr"], large["lr"]) == (1e-6, 0.1)
+    for r in (small, large):
+        assert r["verified_syncs"] == 4  # every sync of both hal methods byte-equal to the floor's
+        assert [s["sync"] for s in r["syncs"]] == [0, 1, 2, 3] and all(s["verified"] for s in r["syncs"])
+        assert r["anchor_syncs"] == [0, 2] and r["steady_syncs"] == 2
+        for method in ("floor", "hal_bucketed", "hal_delta"):
+            assert r["seconds"][method] > 0 and r["anchor"][method]["seconds"] > 0
+        assert r["ratio_to_dense"] > 0 and r["ratio_to_floor"] > 0
+        assert r["encode_s"] >= 0 and r["apply_s"] > 0 and r["dense_apply_s"] > 0
+        assert r["baseline_bytes"]["sender"] >= report["wire_bytes_total"]  # one image of the wire bytes
+        assert r["baseline_bytes"]["receiver"] is not None
+        segments = r["segments_by_encoding"]
+        assert set(segments) == {"dense", "indices", "bitmask"} and sum(segments.values()) >= 2 * 3
+        assert r["dense_wire_bytes"] >= report["wire_bytes_total"]
+        anchor = r["syncs"][0]["hal_delta"]["sender_metrics"]
+        assert anchor["delta"] is False and anchor["wire_bytes"] == anchor["dense_wire_bytes"]
+    # issue 11's targets exist for lr 1e-6 (bytes and time) and 1e-5 (time), not for 0.1
+    assert [t["target"] for t in small["targets"]] == ["wire bytes <= 0.12x dense", "seconds <= 0.6x dense hal_bucketed"]
+    assert all(isinstance(t["met"], bool) and t["value"] > 0 for t in small["targets"]) and large["targets"] == []
+    assert small["wire_bound"]["break_even_gb_per_s"] > 0 and large["wire_bound"] is None  # no fewer bytes: no projection
+    # a small step: a few percent of the words change, and the delta is far smaller than dense
+    assert 0 < small["changed_fraction"] < 0.2
+    assert small["wire_bytes"] < 0.5 * small["dense_wire_bytes"] and small["bytes_ratio"] < 0.5
+    assert small["segments_by_encoding"]["indices"] + small["segments_by_encoding"]["bitmask"] > 0
+    # a large step changes nearly everything: every segment falls back to its dense bytes
+    assert large["changed_fraction"] > 0.9
+    assert large["segments_by_encoding"]["indices"] == large["segments_by_encoding"]["bitmask"] == 0
+    assert large["wire_bytes"] == large["dense_wire_bytes"] and large["bytes_ratio"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--wire-dtype", "fp64"], "fp64"),
+        (["--lrs", "1e-6,fast"], "comma-separated numbers"),
+        (["--lrs", "1e-6,-1e-5"], "positive"),
+        (["--baseline", "disk"], "disk"),
+        (["--syncs", "0"], "0"),
+        (["--anchor-every", "x"], "x"),
+        (["--preset", "qwen-9000"], "qwen2.5-0.5b"),
+        (["--methods", "floor"], "--delta does not take --methods"),
+        (["--receivers", "2"], "--delta does not take --receivers"),
+        (["--engine", "vllm"], "--delta does not take --engine vllm"),
+    ],
+)
+def test_bench_delta_rejects_unknown_values(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--delta", "--preset", "tiny", *argv])
+    assert exc.value.code != 0
+    captured = capsys.readouterr()
+    assert message in f"{exc.value.code} {captured.err}"
+
+
+def test_delta_bench_config_checks_its_fields():
+    from hal.bench import delta
+
+    with pytest.raises(ValueError, match="lrs"):
+        delta.DeltaBenchConfig(preset="tiny", lrs=(0.0,))
+    with pytest.raises(ValueError, match="syncs"):
+        delta.DeltaBenchConfig(preset="tiny", syncs=0)
+    with pytest.raises(ValueError, match="wire_dtype"):
+        delta.DeltaBenchConfig(preset="tiny", wire_dtype=torch.float64)
+    with pytest.raises(ValueError, match="qwen2.5-0.5b"):
+        delta.DeltaBenchConfig(preset="qwen-9000")
+
+
+def test_delta_targets_and_projection():
+    from hal.bench import delta
+
+    summary = {"lr": 1e-6, "bytes_ratio": 0.1, "ratio_to_dense": 0.7, "wire_bytes": 100.0, "dense_wire_bytes": 1000.0,
+               "encode_s": 0.5, "apply_s": 0.3, "dense_apply_s": 0.2}
+    verdicts = {t["target"]: t["met"] for t in delta.target_verdicts(summary)}
+    assert verdicts == {"wire bytes <= 0.12x dense": True, "seconds <= 0.6x dense hal_bucketed": False}
+    assert [t["met"] for t in delta.target_verdicts({**summary, "lr": 1e-5, "ratio_to_dense": 1.04})] == [True]
+    assert delta.target_verdicts({**summary, "lr": 3e-6}) == []  # no target at this lr
+    wb = delta.wire_bound_projection(summary)
+    assert wb["extra_s"] == pytest.approx(0.6)  # encode plus the apply time dense sync does not spend
+    assert wb["break_even_gb_per_s"] == pytest.approx(900 / 0.6 / 1e9)  # (dense - delta bytes) / extra
+    assert wb["ratio_0_6_gb_per_s"] == pytest.approx(500 / 0.6 / 1e9)
+    assert "not a measurement" in wb["note"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_delta_run_past_its_deadline_raises_and_leaves_no_process_behind():
+    import multiprocessing
+
+    from hal.bench import delta
+
+    with pytest.raises(TimeoutError, match="did not finish"):
+        delta.run_delta(delta.DeltaBenchConfig(preset="tiny", syncs=1, timeout_s=0.05))
+    assert multiprocessing.active_children() == []

@@ -19,6 +19,15 @@ K); `--nodes N` spreads them over N simulated nodes (VERL_HAL_NODE per process) 
 "ratio_to_floor_leaders", "peak_extra_bytes_per_rank", "cpu_s_per_rank" and
 "verified_ranks"; the report "receivers", "nodes", "processes", "pids", "node_keys".
 
+    hal bench --delta --lrs 1e-6,1e-5 --syncs 8   # delta sync after Adam steps (hal.bench.delta)
+
+`--delta` runs hal.bench.delta instead: fp32 master weights shaped like the preset, one
+Adam step on random gradients between syncs, each sync measured as `floor`, dense
+`hal_bucketed` and `hal_delta` (SyncConfig.delta) with the wire dtype `--wire-dtype`;
+the JSON holds {"preset", "mode": "delta", "results": [one summary per learning rate]}.
+`--methods`, `--repeats`, `--warmup`, `--receivers`, `--nodes`, `--trace` and `--plot`
+do not apply to it.
+
 `--engine vllm` hands the parsed arguments to `hal.bench.vllm_engine.run(args)`, which
 returns a dict; that module is imported only then (it needs vllm). If it defines
 `add_arguments(parser)`, its options are declared here too.
@@ -76,10 +85,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "floor_leaders broadcasts to one receiver per node. At most --receivers.",
     )
     parser.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads per benchmark process (default: 1; the two processes share the cores)")
-    parser.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds before every benchmark process is killed (default: 300)")
+    parser.add_argument(
+        "--timeout", type=_positive_float, default=None, help="seconds before every benchmark process is killed (default: 300; 1800 with --delta)"
+    )
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip the (untimed) byte check at the receiver")
     parser.add_argument("--trace", action="store_true", help="record per-bucket transport/apply timings of the hal methods' last repetition in the JSON")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    delta = parser.add_argument_group("--delta (hal.bench.delta)")
+    delta.add_argument(
+        "--delta",
+        action="store_true",
+        help="measure delta sync (SyncConfig.delta) after Adam steps on fp32 master weights, against dense hal_bucketed and floor",
+    )
+    delta.add_argument("--lrs", type=_float_list, default=(1e-6, 1e-5), help="Adam learning rates, comma-separated (default: 1e-6,1e-5)")
+    delta.add_argument("--syncs", type=_positive_int, default=8, help="syncs per learning rate after the first, whole one (default: 8)")
+    delta.add_argument("--wire-dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="SyncConfig.wire_dtype (default: bf16)")
+    delta.add_argument("--anchor-every", type=_positive_int, default=16, help="DeltaConfig.anchor_every (default: 16)")
+    delta.add_argument("--baseline", choices=("device", "host"), default="device", help="DeltaConfig.baseline (default: device)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results")
     try:
         vllm_engine = importlib.import_module(_VLLM_MODULE)
@@ -94,7 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.engine == "vllm":
+    if getattr(args, "delta", False):
+        from hal.bench.delta import format_table as format_delta_table
+
+        report = _run_delta(args)
+        print(format_delta_table(report))
+    elif args.engine == "vllm":
         report = importlib.import_module(_VLLM_MODULE).run(args)  # prints its own summary
     else:
         report = _run_transfer(args)
@@ -119,6 +146,41 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
     return run_transfer(config)
 
 
+def _run_delta(args: argparse.Namespace) -> dict[str, Any]:
+    from hal.bench.delta import WIRE_DTYPES, DeltaBenchConfig, run_delta
+
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--engine vllm", args.engine != "transfer"),
+            ("--methods", args.methods is not None),
+            ("--receivers", args.receivers != 1),
+            ("--nodes", args.nodes != 1),
+            ("--trace", args.trace),
+            ("--plot", bool(args.plot)),
+        )
+        if given
+    ]
+    if unsupported:
+        raise SystemExit(f"hal bench: --delta does not take {', '.join(unsupported)}")
+    try:
+        config = DeltaBenchConfig(
+            preset=args.preset,
+            lrs=tuple(args.lrs),
+            syncs=args.syncs,
+            wire_dtype=WIRE_DTYPES[args.wire_dtype],
+            bucket_bytes=_bucket_bytes(args, WIRE_DTYPES[args.wire_dtype].itemsize),
+            anchor_every=args.anchor_every,
+            baseline=args.baseline,
+            threads=args.threads,
+            timeout_s=args.timeout if args.timeout is not None else 1800.0,
+            verify=args.verify,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"hal bench: {exc}") from None
+    return run_delta(config)
+
+
 def _transfer_config(args: argparse.Namespace, methods: tuple[str, ...], receivers: int, nodes: int) -> Any:
     from hal.bench.transfer import TransferConfig
 
@@ -130,14 +192,14 @@ def _transfer_config(args: argparse.Namespace, methods: tuple[str, ...], receive
         repeats=args.repeats,
         warmup=args.warmup,
         bucket_bytes=_bucket_bytes(args),
-        timeout_s=args.timeout,
+        timeout_s=args.timeout if args.timeout is not None else 300.0,
         verify=args.verify,
         threads=args.threads,
         trace=args.trace,
     )
 
 
-def _bucket_bytes(args: argparse.Namespace) -> int:
+def _bucket_bytes(args: argparse.Namespace, itemsize: int | None = None) -> int:
     """The --bucket-mb given, else the size a Sender with SyncConfig(bucket_bytes=None)
     would choose for this preset on the cpu backend (the benchmark's weights live in host
     memory), so that the default run measures hal's default."""
@@ -147,7 +209,9 @@ def _bucket_bytes(args: argparse.Namespace) -> int:
     from hal.bench.presets import get_preset
     from hal.sync import default_bucket_bytes
 
-    largest = max(p.nbytes for p in get_preset(args.preset).params())
+    params = get_preset(args.preset).params()
+    # `itemsize`: the wire element size when it is not the preset's (hal bench --delta)
+    largest = max(p.nbytes if itemsize is None else p.nbytes // p.dtype.itemsize * itemsize for p in params)
     return default_bucket_bytes(hal.get_backend("cpu"), largest)
 
 
@@ -186,6 +250,16 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
 
 
 def comma_list(valid: tuple[str, ...], what: str) -> Callable[[str], tuple[str, ...]]:

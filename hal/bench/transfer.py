@@ -248,9 +248,11 @@ class PeakMemory:
         self.available = os.path.exists("/proc/self/clear_refs")
         self.baseline = 0
 
-    def reset(self) -> None:
-        """Take the current RSS as the baseline and start a new peak from it."""
-        gc.collect()
+    def reset(self, collect: bool = True) -> None:
+        """Take the current RSS as the baseline and start a new peak from it (after a
+        gc.collect() unless `collect` is False: the caller just ran one)."""
+        if collect:
+            gc.collect()
         self.restart_peak()
         self.baseline = _status_kib().get("VmRSS", 0)
 
