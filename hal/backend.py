@@ -64,6 +64,9 @@ class Backend:
     visible_devices_env: ClassVar[str | None] = None
     # Ray resource name of one device ("GPU", "NPU"); None: Ray schedules it as CPU only.
     ray_resource: ClassVar[str | None] = None
+    # Who makes the device ("nvidia", "huawei"; "cpu" for host memory). A build can say
+    # otherwise at run time (a ROCm torch on the cuda backend): ask `vendor_name()`.
+    vendor: ClassVar[str] = ""
     # Page-locked host memory exists, so host<->device copies from it can be asynchronous.
     supports_pinned_memory: ClassVar[bool] = False
     # A tensor in `empty_shared` memory can be opened by another process on the node without a copy.
@@ -302,11 +305,53 @@ class Backend:
             return False
         return bool(self._supports_device_memory_ipc())
 
+    def vendor_name(self) -> str:
+        """Who makes the device this process computes on: the declared `vendor`, unless the
+        torch build says otherwise (cuda on a ROCm build of torch: "amd")."""
+        return self._vendor_name()
+
+    def device_model(self, index: int | None = None, /) -> str | None:
+        """The product name the device's runtime reports for device `index` (the current
+        one when None): "NVIDIA H100 80GB HBM3", "Ascend910B2"; None on cpu and sim. A bad
+        index raises `ValueError` as `device()` does."""
+        if index is None:
+            index = self.current_device()
+        self._check_index(index)
+        model = self._device_model(index)
+        return None if model is None else str(model)
+
+    # ---- profiling ----------------------------------------------------------------------
+    def profiler_range(self, message: str, /) -> contextlib.AbstractContextManager:
+        """A context manager marking a named range for the device's profiler (NVTX on CUDA).
+
+        Where the device's runtime has no such ranges (npu, cpu, sim) it does nothing.
+        """
+        if not isinstance(message, str):
+            raise ValueError(f"profiler_range: message must be a str, got {type(message).__name__}")
+        marker = self._profiler_range(message)
+        return contextlib.nullcontext() if marker is None else marker
+
+    def profiler_control(self, *, start: bool) -> str | None:
+        """Start (`start=True`) or stop the device's own profiler capture (cudaProfilerStart
+        / Stop on CUDA); returns None when done, else why nothing happened (like
+        `set_allocator_settings`)."""
+        if not isinstance(start, bool):
+            raise ValueError(f"profiler_control: start must be a bool, got {type(start).__name__}")
+        return self._profiler_control(start)
+
     # ---- misc -----------------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:
         """Seed torch's CPU generator and every device generator of this backend."""
         torch.manual_seed(seed)
         self._manual_seed(seed)
+
+    def device_manual_seed(self, seed: int, /, *, all_devices: bool = False) -> None:
+        """Seed the device's generator only: the current device's, or every device's with
+        `all_devices`. On the CPU and sim backends the device generator is torch's CPU
+        generator. (`manual_seed` seeds torch's CPU generator and every device at once.)"""
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"device_manual_seed: seed must be an int, got {type(seed).__name__} {seed!r}")
+        self._device_manual_seed(seed, bool(all_devices))
 
     def dist_backend_string(self, *, with_cpu: bool = True) -> str:
         """The `backend=` argument for `torch.distributed.init_process_group`.
@@ -400,6 +445,21 @@ class Backend:
 
     def _manual_seed(self, seed: int) -> None:
         pass
+
+    def _device_manual_seed(self, seed: int, all_devices: bool) -> None:
+        raise NotImplementedError
+
+    def _vendor_name(self) -> str:
+        return self.vendor
+
+    def _device_model(self, index: int) -> str | None:
+        return None  # host memory (cpu, sim): no device with a product name
+
+    def _profiler_range(self, message: str) -> contextlib.AbstractContextManager | None:
+        return None  # only CUDA has NVTX ranges
+
+    def _profiler_control(self, start: bool) -> str | None:
+        return f"backend {self.name!r} has no device profiler to {'start' if start else 'stop'}"
 
     def _set_allocator_settings(self, expandable_segments: bool) -> str | None:
         return f"backend {self.name!r} has no caching allocator with settings: nothing to configure"

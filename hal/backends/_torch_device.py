@@ -219,3 +219,12 @@ class TorchDeviceBackend(Backend):
 
     def _manual_seed(self, seed: int) -> None:
         self.module.manual_seed_all(seed)
+
+    def _device_model(self, index: int) -> str | None:
+        return self.module.get_device_name(index)
+
+    def _device_manual_seed(self, seed: int, all_devices: bool) -> None:
+        if all_devices:
+            self.module.manual_seed_all(seed)
+        else:
+            self.module.manual_seed(seed)

@@ -119,6 +119,7 @@ class CpuBackend(Backend):
     dist_backend = "gloo"
     visible_devices_env = None
     ray_resource = None
+    vendor = "cpu"  # host memory: no accelerator vendor
     supports_pinned_memory = False  # pinning needs an accelerator runtime
     supports_ipc = True  # through files in /dev/shm
     supports_async_streams = False
@@ -170,6 +171,9 @@ class CpuBackend(Backend):
 
     def _synchronize(self) -> None:
         pass
+
+    def _device_manual_seed(self, seed: int, all_devices: bool) -> None:
+        torch.manual_seed(seed)  # the device is the host: its generator is torch's CPU one
 
     # memory
     def _memory_info(self) -> tuple[int, int]:

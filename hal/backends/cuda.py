@@ -6,6 +6,7 @@ usability must not initialise a CUDA context beyond what `torch.cuda.is_availabl
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ class CudaBackend(TorchDeviceBackend):
     dist_backend = "nccl"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_resource = "GPU"
+    vendor = "nvidia"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -62,6 +64,19 @@ class CudaBackend(TorchDeviceBackend):
         if _is_rocm():
             return {"hip": str(torch.version.hip)}
         return {"cuda": str(torch.version.cuda)} if torch.version.cuda else {}
+
+    def _vendor_name(self) -> str:
+        return "amd" if _is_rocm() else self.vendor
+
+    def _profiler_range(self, message: str) -> contextlib.AbstractContextManager:
+        return self.module.nvtx.range(message)
+
+    def _profiler_control(self, start: bool) -> str | None:
+        if start:
+            self.module.profiler.start()
+        else:
+            self.module.profiler.stop()
+        return None
 
     def _supports_device_memory_ipc(self) -> bool:
         # On ROCm, rebuilding HIP IPC handles fails in vLLM workers (as verl decides too).

@@ -62,6 +62,23 @@ def ipc_versions_supported(driver: str, cann: str) -> bool:
     return driver_ok and cann_ok
 
 
+# Ascend chip generations by the product name torch_npu reports (`device_model()`), first
+# match wins: the table verl's get_npu_versions uses (A5, A3, A2; any other Ascend: 999).
+ASCEND_GENERATIONS = (("Ascend910_95", 5), ("Ascend950", 5), ("Ascend910_93", 3), ("Ascend910B", 2), ("A2G", 2))
+ASCEND_GENERATION_UNKNOWN = 999
+
+
+def ascend_generation(model: str | None) -> int:
+    """The Ascend chip generation of a product name: 2 (A2), 3 (A3), 5 (A5), 999 for a
+    name not in `ASCEND_GENERATIONS`, 0 for None (no NPU, or its name could not be read)."""
+    if model is None:
+        return 0
+    for marker, generation in ASCEND_GENERATIONS:
+        if marker in model:
+            return generation
+    return ASCEND_GENERATION_UNKNOWN
+
+
 def read_npu_versions() -> dict[str, str]:
     """{"driver": npu-smi's Software Version, "cann": the toolkit's version=}, lower-cased.
 
@@ -105,6 +122,7 @@ class NpuBackend(TorchDeviceBackend):
     dist_backend = "hccl"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     ray_resource = "NPU"
+    vendor = "huawei"
 
     @classmethod
     def runtime_installed(cls) -> bool:

@@ -5,8 +5,11 @@ A trainer written against verl changes its device layer by changing one import:
     from verl.utils.device import get_device_name, get_nccl_backend   # before
     from hal.compat.verl import get_device_name, get_nccl_backend     # after
 
-Matched against verl-project/verl commit addf8056956991e76db9367706108e426be7bc2f
-(docs/verl-compat.md has the table). verl decides with module-level probes of
+Matched against verl 0.9.1's `verl/utils/device.py` (docs/verl-compat.md has the table;
+tests/compat/test_verl.py compares the names with the installed verl where there is one).
+verl 0.9.1 itself answers through its platform registry, where verl-hal is the platform
+"hal" (`VERL_PLATFORM=hal`, hal.integrations.verl_platform); this module gives the same
+answers without verl installed. verl decides with module-level probes of
 the device modules at import time; here every answer comes from the backend
 VERL_DEVICE resolved, so `VERL_DEVICE=cpu` on a GPU host makes every answer "cpu".
 Where verl's answer for the CPU is a GPU/NPU name that would fail later (NCCL's),
@@ -24,6 +27,7 @@ computed on first access (PEP 562), so importing this module resolves nothing.
 
 from __future__ import annotations
 
+import enum
 import logging
 import types
 from typing import Any
@@ -35,6 +39,7 @@ import hal
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AscendHardwareVersion",
     "auto_set_ascend_device_name",
     "auto_set_device",
     "check_ipc_version_support",
@@ -45,13 +50,17 @@ __all__ = [
     "get_npu_versions",
     "get_resource_name",
     "get_torch_device",
+    "get_vendor",
     "get_visible_devices_keyword",
     "is_ascend_npu_available",
     "is_cuda_available",
+    "is_device_available",
     "is_npu_available",
     "is_rocm_visible_devices",
     "is_support_ipc",
     "is_torch_npu_available",
+    "manual_seed",
+    "manual_seed_all",
     "set_expandable_segments",
 ]
 
@@ -92,6 +101,34 @@ def is_torch_npu_available(check_device: bool = True) -> bool:
 def is_ascend_npu_available() -> bool:
     """Older verl name of `is_torch_npu_available()`."""
     return is_torch_npu_available()
+
+
+def is_device_available() -> bool:
+    """True when the backend VERL_DEVICE selects is usable in this process (also on the
+    CPU, whose device is always there); False, not an error, when it is known but not
+    usable. An unknown VERL_DEVICE raises ValueError naming the valid backends."""
+    from hal.backend import BackendUnavailableError
+
+    try:
+        hal.current()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+def get_vendor() -> str:
+    """Who makes the device: "nvidia", "amd" (a ROCm build), "huawei"; "cpu" on cpu and sim."""
+    return hal.current().vendor_name()
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the current device's generator (torch's CPU generator on cpu and sim)."""
+    hal.current().device_manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seed every device's generator (torch's CPU generator on cpu and sim)."""
+    hal.current().device_manual_seed(int(seed), all_devices=True)
 
 
 def get_resource_name() -> str:
@@ -173,14 +210,29 @@ def get_device_capability(device_id: int = 0) -> tuple[int | None, int | None]:
     return (None, None) if capability is None else capability
 
 
-def get_npu_versions() -> tuple[str, str]:
-    """(driver software version, CANN toolkit version) of this Ascend host, lower-cased.
+class AscendHardwareVersion(enum.IntEnum):
+    """Ascend chip generations, with verl's names and values."""
 
-    Answered by the npu backend's `runtime_versions()`: `info -t board -i 1` through
-    npu-smi and the CANN toolkit's install-info file under ASCEND_HOME_PATH. Raises
-    RuntimeError naming what is missing (npu-smi, its version line, the file), or that the
-    resolved backend is not an NPU backend.
+    NONE = 0
+    A2 = 2
+    A3 = 3
+    A5 = 5
+    MAX_VERSION = 999
+
+
+def get_npu_versions() -> tuple[AscendHardwareVersion, str, str]:
+    """(chip generation, driver software version, CANN toolkit version) of this Ascend
+    host, the versions lower-cased.
+
+    The versions are the npu backend's `runtime_versions()`: `info -t board -i 1` through
+    npu-smi and the CANN toolkit's install-info file under ASCEND_HOME_PATH. The
+    generation comes from the device's product name (`device_model()`, e.g. Ascend910B2
+    is A2), `NONE` when it cannot be read, as in verl. Raises RuntimeError naming what is
+    missing (npu-smi, its version line, the file), or that the resolved backend is not an
+    NPU backend.
     """
+    from hal.backends.npu import ascend_generation
+
     backend = hal.current()
     try:
         versions = backend.runtime_versions()
@@ -191,7 +243,12 @@ def get_npu_versions() -> tuple[str, str]:
             f"get_npu_versions: backend {backend.name!r} reports no NPU driver and CANN versions "
             f"(runtime versions: {versions or 'none'}); select the npu backend with VERL_DEVICE"
         )
-    return versions["driver"], versions["cann"]
+    try:
+        model = backend.device_model()
+    except Exception as exc:  # noqa: BLE001 - verl answers NONE whatever stops the query
+        logger.debug("get_npu_versions: no device product name: %s", exc)
+        model = None
+    return AscendHardwareVersion(ascend_generation(model)), versions["driver"], versions["cann"]
 
 
 def check_ipc_version_support(software_version: str, cann_version: str) -> bool:

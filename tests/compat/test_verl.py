@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import types
+from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +17,10 @@ from hal.backends.npu import NpuBackend
 from hal.compat import verl
 from tests.conftest import run_python
 
-# Every public name of verl/utils/device.py at verl-project/verl@addf8056, plus the two
-# older names (is_ascend_npu_available, auto_set_ascend_device_name) trainers still import.
+# Every public name of verl 0.9.1's verl/utils/device.py (what `_public_names` reads from
+# an installed verl), and the two older names trainers still import.
 VERL_NAMES = [
-    "auto_set_ascend_device_name",
+    "AscendHardwareVersion",
     "auto_set_device",
     "check_ipc_version_support",
     "get_device_capability",
@@ -26,22 +30,51 @@ VERL_NAMES = [
     "get_npu_versions",
     "get_resource_name",
     "get_torch_device",
+    "get_vendor",
     "get_visible_devices_keyword",
-    "is_ascend_npu_available",
     "is_cuda_available",
+    "is_device_available",
     "is_npu_available",
-    "is_rocm_visible_devices",
     "is_support_ipc",
     "is_torch_npu_available",
+    "manual_seed",
+    "manual_seed_all",
     "set_expandable_segments",
 ]
+OLDER_NAMES = ["auto_set_ascend_device_name", "is_ascend_npu_available", "is_rocm_visible_devices"]  # earlier verl releases
+# Module-level names of verl's file that are not part of its API.
+NOT_API = {"logger"}
+
+
+def _public_names(source: str) -> list[str]:
+    """The names a module's source defines at top level (functions, classes, assignments),
+    without the private ones, the imported ones and `NOT_API`."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return sorted(n for n in names if not n.startswith("_") and n not in NOT_API)
 
 
 def test_every_verl_name_is_exported():
-    assert sorted(verl.__all__) == sorted(VERL_NAMES)
+    assert sorted(verl.__all__) == sorted(VERL_NAMES + OLDER_NAMES)
     with hal.use("cpu"):
-        for name in VERL_NAMES:
+        for name in VERL_NAMES + OLDER_NAMES:
             assert hasattr(verl, name), name
+
+
+@pytest.mark.verl
+def test_the_names_are_the_installed_verls():
+    """Where verl is installed (the verl lane), its own file is the list: read, not imported."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None:
+        pytest.skip("verl is not installed here (the verl lane, ci/verl.sh, has it)")
+    device_py = Path(spec.origin).parent / "utils" / "device.py"
+    installed = _public_names(device_py.read_text())
+    assert installed == VERL_NAMES, f"verl {version('verl')} ({device_py}) has other public names: update hal/compat/verl.py"
 
 
 def test_unknown_attribute_is_an_attribute_error():
@@ -68,6 +101,12 @@ def test_host_backends(name, caplog):
         assert verl.is_support_ipc() is False  # host shared files are not device IPC
         verl.set_expandable_segments(True)  # no-op off CUDA/NPU, with the backend's reason logged
         assert f"backend {name!r} has no caching allocator" in caplog.text
+        assert verl.get_vendor() == "cpu"
+        assert verl.is_device_available() is True
+        verl.manual_seed(7)
+        first = torch.rand(2)
+        verl.manual_seed_all(7)
+        assert torch.equal(first, torch.rand(2))  # the device generator is torch's CPU one
 
 
 def test_cuda_backend_answers(monkeypatch):
@@ -91,6 +130,13 @@ def test_cuda_backend_answers(monkeypatch):
         assert verl.get_device_capability() == (8, 0)
         assert verl.is_rocm_visible_devices() is False
         assert verl.is_support_ipc() is True
+        assert verl.get_vendor() == "nvidia"
+        seeds = []
+        monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: seeds.append(("current", s)))
+        monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: seeds.append(("all", s)))
+        verl.manual_seed(1)
+        verl.manual_seed_all(2)
+        assert seeds == [("current", 1), ("all", 2)]
         verl.set_expandable_segments(False)
         verl.set_expandable_segments(1)  # verl formats whatever it is given; hal wants a bool
         assert settings == ["expandable_segments:False", "expandable_segments:True"]
@@ -99,6 +145,7 @@ def test_cuda_backend_answers(monkeypatch):
         monkeypatch.setattr(torch.version, "hip", "6.2")
         assert verl.is_rocm_visible_devices() is True
         assert verl.is_support_ipc() is False
+        assert verl.get_vendor() == "amd"
 
 
 def test_npu_backend_answers(monkeypatch):
@@ -113,7 +160,8 @@ def test_npu_backend_answers(monkeypatch):
         assert verl.is_cuda_available is False
         assert verl.is_torch_npu_available() is True
         monkeypatch.setattr(NpuBackend, "runtime_versions", lambda self: {"driver": "25.5.0", "cann": "8.3.rc1"})
-        assert verl.get_npu_versions() == ("25.5.0", "8.3.rc1")
+        monkeypatch.setattr(NpuBackend, "device_model", lambda self, index=None: "Ascend910B2")
+        assert verl.get_npu_versions() == (verl.AscendHardwareVersion.A2, "25.5.0", "8.3.rc1")
         assert verl.is_rocm_visible_devices() is False
         assert verl.is_support_ipc() is True
         monkeypatch.setattr(NpuBackend, "runtime_versions", lambda self: {"driver": "25.2.0", "cann": "8.3.rc1"})
@@ -169,7 +217,7 @@ def test_get_npu_versions_reads_npu_smi_and_cann(monkeypatch, tmp_path):
     ran = []
     monkeypatch.setattr(subprocess, "run", lambda cmd, **k: ran.append(cmd) or types.SimpleNamespace(stdout=board))
     with hal.use(NpuBackend()):
-        assert verl.get_npu_versions() == ("25.3.rc1.2", "8.3.rc1")
+        assert verl.get_npu_versions() == (verl.AscendHardwareVersion.NONE, "25.3.rc1.2", "8.3.rc1")  # no torch_npu: no chip name
         assert verl.is_support_ipc() is True
     assert ran[0] == ["npu-smi", "info", "-t", "board", "-i", "1"]
 
@@ -229,3 +277,25 @@ def test_import_resolves_nothing():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_a_known_but_unusable_device_is_not_available(hal_reset, monkeypatch):
+    if CudaBackend.is_available():
+        pytest.skip("a usable GPU here")
+    monkeypatch.setenv("VERL_DEVICE", "cuda")
+    assert verl.is_device_available() is False
+    monkeypatch.setenv("VERL_DEVICE", "bogus")
+    hal.reset()
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+        verl.is_device_available()
+
+
+@pytest.mark.parametrize(
+    ("model", "generation"),
+    [("Ascend910B2", "A2"), ("Ascend910B4-1", "A2"), ("Ascend910_9382", "A3"), ("Ascend910_9591", "A5"),
+     ("Ascend950PR", "A5"), ("Ascend310P3", "MAX_VERSION"), (None, "NONE")],
+)
+def test_ascend_generation_from_the_product_name(model, generation):
+    from hal.backends.npu import ascend_generation
+
+    assert verl.AscendHardwareVersion(ascend_generation(model)) is verl.AscendHardwareVersion[generation]

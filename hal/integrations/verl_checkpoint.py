@@ -1,0 +1,539 @@
+"""verl's checkpoint engine "hal": verl's trainer→rollout weight update on `hal.sync`.
+
+verl 0.9.1 moves new weights from its trainer workers into its rollout workers through
+a checkpoint engine chosen by name (`actor_rollout_ref.rollout.checkpoint_engine.backend`).
+With `backend: hal`, `CheckpointEngineManager.update_weights()` drives this class on
+every worker, in verl's order:
+
+    prepare()                          every worker: where it is (node, current sync group)
+    build_topology(...)                the driver: sync ranks, the group (reused while its
+                                       members are), the transport
+    init_process_group(**kwargs)       every worker: join the sync group if it is new
+    send_weights(weights, global_steps)      every trainer rank, in lockstep (TrainerSync)
+    receive_weights(global_steps)            every rollout worker: yields (name, tensor)
+    finalize()                         every worker: buckets freed, the group kept
+
+The sync group joins trainer rank 0 (the master, which sends) and every rollout worker;
+the other trainer ranks iterate verl's weight generator in step with it (its
+`full_tensor()` gathers are collectives over the trainer's group) and send nothing
+(`hal.sync.TrainerSync`). `global_steps` is the weight version: a rollout worker refuses
+an older one (every rank then raises `StaleVersionError`); without it the version counts
+up from the last one. Every wait is bounded by `timeout_s`: a rollout worker that dies
+mid-sync makes every trainer rank raise `PeerError`, and the next update builds a new
+group.
+
+Settings: verl passes `bucket_size` (`update_weights_bucket_megabytes`) and the mapping
+`engine_kwargs["hal"]`, whose keys are `SyncConfig` fields (`bucket_bytes`,
+`segment_bytes`, `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`) plus this engine's own
+`transport`; any other key is refused naming the valid ones (`is_master` is verl's).
+verl's default bucket size (2048 MiB) means "hal sizes the buckets" (from free device
+memory); any other value is the bucket size.
+
+The names, shapes and dtypes of a sync come from verl's generator, which declares
+nothing before it yields: the first sync of an engine learns them by iterating the
+generator once in full (on the master each tensor is kept in host memory until it is
+sent: one copy of the weights, once), every later sync streams with that layout and
+checks each tensor against it; a sync whose tensors differ fails on every rank and the
+next one learns the layout again. `engine_kwargs["hal"]["delta"]` is refused by name
+(`UNSUPPORTED_SETTINGS`). Rollout workers
+accept the tensors the trainer's header declares (verl's rollout side has no model of
+its own to check them against).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from typing import Any, AsyncIterator, Iterator
+
+import torch
+from verl.checkpoint_engine import CheckpointEngine
+
+import hal
+from hal import env
+from hal.backend import Backend
+from hal.sync import (
+    BroadcastTransport,
+    HierarchicalTransport,
+    IpcTransport,
+    Receiver,
+    SyncConfig,
+    SyncError,
+    SyncHeader,
+    TensorSpec,
+    TrainerSync,
+)
+from hal.sync.errors import HeaderError, PeerError
+from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
+
+logger = logging.getLogger(__name__)
+
+# verl's default `update_weights_bucket_megabytes` (CheckpointEngineConfig, verl 0.9.1):
+# a bucket size of exactly this many MiB means the user left it alone, and hal sizes the
+# buckets from free device memory instead.
+VERL_DEFAULT_BUCKET_MEGABYTES = 2048
+# This engine's own settings in engine_kwargs["hal"], beside SyncConfig's fields.
+TRANSPORT_CHOICES = ("auto", "broadcast", "ipc", "hierarchical")
+ENGINE_SETTINGS = {
+    "transport": "how bytes travel: " + " | ".join(TRANSPORT_CHOICES) + " (default auto)",
+    "is_master": "set by verl on trainer rank 0 (the rank that sends)",
+}
+# SyncConfig fields this engine does not take yet, and why (docs/verl.md, "Not supported yet").
+UNSUPPORTED_SETTINGS = {
+    "delta": "delta syncs are not wired into the verl engine yet (verl's server adapters would "
+    "have to keep every tensor between syncs); use hal.sync directly, or verl's own delta engines",
+}
+# The sync rank of trainer ranks outside the sync group (they gather, they do not send).
+NOT_IN_GROUP = -1
+
+
+def sync_config_from(bucket_size: int, settings: dict[str, Any]) -> SyncConfig:
+    """The `SyncConfig` for verl's `bucket_size` (bytes) and `engine_kwargs["hal"]` settings
+    (already without this engine's own keys); ValueError naming an unknown setting."""
+    refused = sorted(set(settings) & set(UNSUPPORTED_SETTINGS))
+    if refused:
+        raise ValueError(f"checkpoint engine 'hal': setting {refused[0]!r} is not supported: {UNSUPPORTED_SETTINGS[refused[0]]}")
+    fields = [f.name for f in dataclasses.fields(SyncConfig) if f.name not in UNSUPPORTED_SETTINGS]
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"checkpoint engine 'hal': unknown setting(s) {', '.join(map(repr, unknown))} in "
+            f"engine_kwargs['hal']; valid: the SyncConfig fields {', '.join(fields)}, and "
+            f"{', '.join(sorted(ENGINE_SETTINGS))}"
+        )
+    values = dict(settings)
+    wire = values.get("wire_dtype")
+    if isinstance(wire, str):
+        dtype = getattr(torch, wire.strip(), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"checkpoint engine 'hal': wire_dtype {wire!r} is not a torch dtype name (e.g. 'bfloat16')")
+        values["wire_dtype"] = dtype
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
+        raise ValueError(f"checkpoint engine 'hal': bucket_size must be a positive int of bytes, got {bucket_size!r}")
+    if bucket_size != VERL_DEFAULT_BUCKET_MEGABYTES << 20:
+        given = values.get("bucket_bytes")
+        if given is not None and given != bucket_size:
+            raise ValueError(
+                f"checkpoint engine 'hal': update_weights_bucket_megabytes says {bucket_size >> 20} MiB "
+                f"({bucket_size} bytes) but engine_kwargs['hal'].bucket_bytes says {given}: set one"
+            )
+        values["bucket_bytes"] = bucket_size
+    return SyncConfig(**values)
+
+
+# ---- the rollout side adopts the specs the trainer's header declares -------------------------
+class _AdoptsHeaderSpecs:
+    """A transport mixin: as the header arrives, the receiver is told which tensors it
+    declares (verl's rollout side has no model of its own to check them against). The
+    receiver then decodes and checks the header itself, as always."""
+
+    adopt: Any = None
+
+    def exchange_header(self, payload: bytes | None) -> bytes:
+        data = super().exchange_header(payload)  # type: ignore[misc]
+        if self.adopt is not None:
+            try:
+                self.adopt(SyncHeader.decode(data).specs)
+            except HeaderError:
+                pass  # the receiver's own decode reports it, on every rank
+        return data
+
+
+_TRANSPORTS = {
+    "broadcast": BroadcastTransport,
+    "ipc": IpcTransport,
+    "hierarchical": HierarchicalTransport,
+}
+_ROLLOUT_TRANSPORTS = {
+    name: type(f"Verl{cls.__name__}", (_AdoptsHeaderSpecs, cls), {}) for name, cls in _TRANSPORTS.items()
+}
+
+
+# ---- the trainer side: verl's generator as a hal source ---------------------------------------
+class LayoutChanged(ValueError):
+    """verl's generator yielded other tensors than the layout this engine learned."""
+
+
+class GeneratorSource:
+    """verl's `(name, tensor)` generator (sync or async) as a hal `WeightSource`.
+
+    `layout`: the tensors of the previous sync, or None to learn them now: `metadata()`
+    then iterates the generator in full (every trainer rank's gathers run there, in
+    lockstep) and, with `keep` (the sending rank), keeps each tensor in host memory for the
+    sync to send; a rank without `keep` then iterates nothing more. With a layout,
+    iteration streams and checks every tensor against it. Iterated in a worker thread: an
+    async generator is stepped on `loop`.
+    """
+
+    def __init__(self, weights: Any, layout: list[TensorSpec] | None, loop: asyncio.AbstractEventLoop, *, keep: bool = True) -> None:
+        self._keep = keep
+        self._loop = loop
+        self._iterator = weights.__aiter__() if hasattr(weights, "__aiter__") else iter(weights)
+        self._async = hasattr(weights, "__aiter__")
+        self.layout = layout
+        self.learned = layout is None
+        self.changed = False
+        self._kept: list[tuple[str, torch.Tensor]] | None = None
+
+    def _next(self) -> tuple[str, torch.Tensor] | None:
+        if not self._async:
+            return next(self._iterator, None)
+        future = asyncio.run_coroutine_threadsafe(self._iterator.__anext__(), self._loop)
+        try:
+            return future.result()
+        except StopAsyncIteration:
+            return None
+
+    def _pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while (pair := self._next()) is not None:
+            name, tensor = pair
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"verl's weight generator yielded a {type(tensor).__name__} for {name!r}, not a tensor")
+            yield name, tensor
+
+    def metadata(self) -> list[TensorSpec]:
+        if self.layout is None:
+            layout, kept = [], []
+            for name, tensor in self._pairs():
+                layout.append(TensorSpec.of(name, tensor))
+                if self._keep:
+                    kept.append((name, tensor.detach().to("cpu")))
+            self.layout, self._kept = layout, kept
+        return self.layout
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        layout = self.metadata()
+        if self._kept is not None:
+            kept, self._kept = self._kept, None
+            kept.reverse()
+            while kept:  # hand each one over and forget it: host memory goes as the sync goes
+                yield kept.pop()
+            return
+        count = 0
+        for name, tensor in self._pairs():
+            if count >= len(layout):
+                self.changed = True
+                raise LayoutChanged(f"verl's generator yielded {name!r} after the {len(layout)} tensors of the learned layout")
+            spec = layout[count]
+            if (name, tuple(tensor.shape), tensor.dtype) != (spec.name, spec.shape, spec.dtype):
+                self.changed = True
+                raise LayoutChanged(
+                    f"tensor {count} of verl's generator is {name!r} {tuple(tensor.shape)} {tensor.dtype}; "
+                    f"the learned layout has {spec.name!r} {spec.shape} {spec.dtype}"
+                )
+            count += 1
+            yield name, tensor
+        if count != len(layout):
+            self.changed = True
+            raise LayoutChanged(f"verl's generator ended after {count} of the learned layout's {len(layout)} tensors")
+
+
+# ---- the rollout side: hal's push-style receive as verl's async generator ---------------------
+_END = object()
+
+
+class _Handoff:
+    """A `Sink` that hands each complete tensor to the event loop and waits until the consumer
+    is done with it (asks for the next one), so the receiver may reuse its buffer after."""
+
+    in_place = False
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, backend: Backend) -> None:
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self.backend = backend
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+        self._released = threading.Event()
+        self._consumer_done: Any = None  # an event recorded on the consumer's stream
+
+    def destination(self, name: str) -> None:
+        return None
+
+    def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        if self.closed:
+            raise RuntimeError("the rollout's consumer of receive_weights stopped before the sync ended")
+        self._released.clear()
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, list(pairs))
+        if not self._released.wait(self.timeout_s):
+            raise TimeoutError(f"the rollout's consumer took more than {self.timeout_s:g} s over {len(pairs)} tensor(s)")
+        if self.closed:
+            raise RuntimeError("the rollout's consumer of receive_weights stopped before the sync ended")
+        done, self._consumer_done = self._consumer_done, None
+        if done is not None:
+            done.synchronize()  # copies the consumer queued on its stream read these views
+
+    def abort(self) -> None:
+        pass
+
+    def release(self) -> None:
+        """On the loop: the consumer asked for more, so the tensors handed out are free."""
+        self._consumer_done = self.backend.current_stream().record_event()
+        self._released.set()
+
+    def finish(self, _result: Any = None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, _END)
+
+    def close(self) -> None:
+        self.closed = True
+        self._released.set()
+
+
+def _in_thread(fn: Any, *args: Any) -> "concurrent.futures.Future[Any]":
+    """Run `fn(*args)` in a new daemon thread on this thread's device; a future of its result."""
+    backend = hal.current()
+    device = backend.current_device()
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            backend.set_device(device)  # the current device is per thread on CUDA and NPU
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="hal-verl-sync", daemon=True).start()
+    return future
+
+
+def _node_address() -> str:
+    """This node's address as Ray knows it (127.0.0.1 on a loopback-only Ray), else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address().strip("[]")
+    except ImportError:
+        pass
+    return LOOPBACK
+
+
+def _group_key(spec: SyncGroupSpec | None) -> tuple[str, int, int] | None:
+    return None if spec is None else (spec.address, spec.port, spec.world_size)
+
+
+class HalCheckpointEngine(CheckpointEngine):
+    """verl's `CheckpointEngine` on hal.sync (see the module doc for the flow and settings)."""
+
+    def __init__(self, bucket_size: int, is_master: bool = False, transport: str = "auto", **settings: Any) -> None:
+        if transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"checkpoint engine 'hal': transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {transport!r}")
+        self.config = sync_config_from(bucket_size, settings)
+        self.is_master = bool(is_master)
+        self.transport = transport
+        self.version: int | None = None
+        """The weight version of the last sync this worker completed."""
+        self.metrics: dict[str, Any] = {}
+        """The last sync's `SyncMetrics.as_dict()` on this worker."""
+        self.last_error: str | None = None
+        """`"<SyncError class>: <message>"` of the last update that failed here; None after a success."""
+        self._role: str | None = None
+        self._rank: int | None = None
+        self._spec: SyncGroupSpec | None = None
+        self._group: Any = None
+        self._link: Any = None  # the sync transport of this worker (trainer rank 0, rollout workers)
+        self._trainer: TrainerSync | None = None
+        self._receiver: Receiver | None = None
+        self._layout: list[TensorSpec] | None = None
+
+    # ---- topology ---------------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        """What `build_topology` needs of this worker: its node, the sync group it is in, and
+        on the master where a new group's rendezvous can listen."""
+        metadata: dict[str, Any] = {
+            "master": self.is_master,
+            "node": env.node_key(),
+            "group": _group_key(self._spec),
+            "rank": self._rank,
+        }
+        if self.is_master:
+            from hal.procs import free_port
+
+            backend = hal.current()
+            address = _node_address()
+            metadata.update(
+                address=address,
+                port=free_port(address),
+                local_port=free_port(LOOPBACK),
+                transport=self.transport,
+                # Shared memory in host files (cpu, sim) works between any processes of a
+                # node; device IPC between Ray actors needs every actor to see every device
+                # (RAY_EXPERIMENTAL_NOSET_*), which verl's trainer workers do not: opt in.
+                host_ipc=bool(backend.supports_ipc and not backend.supports_device_memory_ipc()),
+            )
+        return metadata
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Sync rank 0 is trainer rank 0 (the master), rollout worker i is rank 1 + i; the
+        other trainer ranks are outside the group. The group of the previous update is kept
+        when every member still reports it under the same rank; otherwise a new one meets at
+        the master (on 127.0.0.1 when every worker is on the master's node)."""
+        if len(metadata) != actor_wg_world_size + rollout_world_size:
+            raise ValueError(f"build_topology: {len(metadata)} metadata for {actor_wg_world_size} + {rollout_world_size} workers")
+        master = metadata[0]
+        if not master.get("master") or any(m.get("master") for m in metadata[1:]):
+            raise ValueError("build_topology: trainer rank 0, and only it, must be the checkpoint engine's master (is_master=True)")
+        members = [master, *metadata[actor_wg_world_size:]]
+        world_size = len(members)
+        reuse = master["group"] is not None and master["group"][2] == world_size and all(
+            m["group"] == master["group"] and m["rank"] == rank for rank, m in enumerate(members)
+        )
+        one_node = all(m["node"] == master["node"] for m in members)
+        if reuse:
+            address, port, _ = master["group"]
+        elif one_node:
+            address, port = LOOPBACK, master["local_port"]
+        else:
+            address, port = master["address"], master["port"]
+        spec = SyncGroupSpec(address=address, port=port, world_size=world_size)
+        transport = master["transport"]
+        if transport == "auto":
+            if not master["host_ipc"]:
+                transport = "broadcast"
+            elif one_node:
+                transport = "ipc"
+            else:
+                transport = "hierarchical" if len({m["node"] for m in members}) < world_size else "broadcast"
+        common = {"spec": spec, "transport": transport, "reuse": reuse}
+        actor = {
+            "role": ["trainer"] * actor_wg_world_size,
+            "rank": [0] + [NOT_IN_GROUP] * (actor_wg_world_size - 1),
+            **{k: [v] * actor_wg_world_size for k, v in common.items()},
+        }
+        rollout = {
+            "role": ["rollout"] * rollout_world_size,
+            "rank": list(range(1, world_size)),
+            **{k: [v] * rollout_world_size for k, v in common.items()},
+        }
+        return actor, rollout
+
+    def init_process_group(self, *, role: str, rank: int, spec: SyncGroupSpec, transport: str, reuse: bool) -> None:
+        """Join the sync group `spec` as `rank` (trainer ranks outside it only set up their
+        lockstep), unless `reuse` says this worker is in it already."""
+        joined = self._trainer is not None if role == "trainer" else self._receiver is not None
+        if reuse and joined and (self._role, self._rank) == (role, rank):
+            return  # every member keeps the group, and the trainer ranks their lockstep
+        self._drop_group()
+        backend = hal.current()
+        self._role, self._rank = role, rank
+        if rank != NOT_IN_GROUP:
+            self._group = join_sync_group(spec, rank, backend=backend, timeout_s=self.config.timeout_s)
+            self._spec = spec
+            classes = _TRANSPORTS if role == "trainer" else _ROLLOUT_TRANSPORTS
+            control = "cpu" if backend.dist_backend == "gloo" else backend.device()
+            self._link = classes[transport](self._group, src=0, control_device=control, timeout_s=self.config.timeout_s)
+        token = env.sync_token()
+        if role == "trainer":
+            self._trainer = TrainerSync(transport=self._link, config=self.config, backend=backend, token=token)
+        else:
+            self._receiver = Receiver(self._link, [], timeout_s=self.config.timeout_s, token=token, backend=backend, version=self.version)
+            self._link.adopt = self._adopt
+
+    def _adopt(self, specs: tuple[TensorSpec, ...]) -> None:
+        self._receiver.specs = {s.name: s for s in specs}
+
+    def _drop_group(self) -> None:
+        if self._link is not None:
+            self._link.close()
+        if self._group is not None:
+            destroy_sync_group(self._group)
+        self._group = self._link = self._spec = self._trainer = self._receiver = None
+        self._rank = None
+
+    def finalize(self) -> None:
+        """Free the bucket buffers (the group stays for the next update)."""
+        if self._link is not None:
+            self._link.close()
+        hal.current().empty_cache()
+
+    # ---- one update ---------------------------------------------------------------------------
+    def _next_version(self, global_steps: int | None) -> int:
+        if global_steps is None:
+            return 0 if self.version is None else self.version + 1
+        if isinstance(global_steps, bool) or not isinstance(global_steps, int):
+            raise ValueError(f"checkpoint engine 'hal': global_steps must be an int or None, got {global_steps!r}")
+        return global_steps
+
+    def state(self) -> dict[str, Any]:
+        """This worker's side, for logs and tests (through verl's `execute_checkpoint_engine`)."""
+        return {
+            "role": self._role,
+            "sync_rank": self._rank,
+            "version": self.version,
+            "group": _group_key(self._spec),
+            "transport": None if self._link is None else self._link.name,
+            "last_error": self.last_error,
+            "metrics": dict(self.metrics),
+        }
+
+    def _failed(self, exc: SyncError) -> None:
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, PeerError):  # the group may be broken: the next update builds a new one
+            self._drop_group()
+
+    @torch.no_grad()
+    async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
+        """Every trainer rank: sync verl's weight generator as version `global_steps`.
+
+        Returns the sync's metrics (on the master; {} on the others) for verl to merge into
+        the step's metrics. Raises the sync's `SyncError` on every trainer rank."""
+        if self._trainer is None:
+            raise RuntimeError("checkpoint engine 'hal': send_weights before init_process_group on this trainer rank")
+        version = self._next_version(global_steps)
+        source = GeneratorSource(weights, self._layout, asyncio.get_running_loop(), keep=self._trainer.is_sender)
+        try:
+            metrics = await asyncio.wrap_future(_in_thread(lambda: self._trainer.sync(source, version=version)))
+        except SyncError as exc:
+            if source.changed or source.learned:
+                self._layout = None
+            self._failed(exc)
+            raise
+        self._layout = source.layout
+        self.version = version
+        self.metrics = metrics.as_dict()
+        self.last_error = None
+        if not self._trainer.is_sender:
+            return {}
+        return {f"checkpoint_engine/hal/{k}": v for k, v in self.metrics.items() if v is not None and k != "plan_reused"}
+
+    @torch.no_grad()
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Every rollout worker: yields each received tensor once it is whole (and checked).
+
+        A tensor is valid until the next one is asked for: copy what you keep (verl's
+        server adapters do). Raises the sync's `SyncError` at the end when it failed."""
+        if self._receiver is None:
+            raise RuntimeError("checkpoint engine 'hal': receive_weights before init_process_group on this rollout worker")
+        loop = asyncio.get_running_loop()
+        receiver = self._receiver
+        handoff = _Handoff(loop, self.config.timeout_s, receiver.backend)
+        done = _in_thread(self._receive, receiver, handoff)
+        done.add_done_callback(handoff.finish)
+        try:
+            while True:
+                batch = await handoff.queue.get()
+                if batch is _END:
+                    break
+                for pair in batch:
+                    yield pair
+                handoff.release()
+        finally:
+            handoff.close()
+            try:
+                metrics = await asyncio.wrap_future(done)
+            except SyncError as exc:
+                self._failed(exc)
+                raise
+        self.version = receiver.version
+        self.metrics = metrics.as_dict()
+        self.last_error = None
+
+    @staticmethod
+    def _receive(receiver: Receiver, handoff: _Handoff) -> Any:
+        return receiver.receive(handoff)

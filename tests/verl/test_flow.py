@@ -1,0 +1,146 @@
+"""verl's checkpoint-engine correctness flow with backend "hal" on the CPU (tests/verl/flow.py).
+
+2 FSDP trainer ranks and 2 rollout workers as Ray actors on a Ray instance bound to
+127.0.0.1, a tiny bf16 model saved locally, three `CheckpointEngineManager.update_weights()`
+each followed by verl's `check_weights()`. Then, with the same trainer processes and a
+second rollout group that can die on request: bit-exact chunked and verified updates, a
+stale `global_steps` refused on every rank, a rollout worker killed mid-update, and verl's
+rollout group updated again after it. The tests run in file order (one flow, one Ray).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.verl, pytest.mark.ray, pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+verl = pytest.importorskip("verl", reason="needs verl 0.9.1: make setup-verl, then run the verl lane (ci/verl.sh)")
+
+from tests.verl import flow  # noqa: E402
+
+# Every wait of a sync; a dead rollout worker must fail the update within this.
+TIMEOUT_S = 20.0
+# The checkpoint engine's settings (engine_kwargs["hal"]): 16 KiB buckets, so that every
+# matrix travels in chunks over several buckets; checksums on; transport "auto" (on one
+# CPU node: shared memory).
+HAL_SETTINGS = {"bucket_bytes": 16384, "verify": True, "timeout_s": TIMEOUT_S}
+
+
+@pytest.fixture(scope="module")
+def verl_flow(tmp_path_factory):
+    """Ray on loopback with the workers' environment, the model, and the started flow;
+    at the end every actor and placement group is checked gone, then Ray stops."""
+    from hal.integrations import ray as hal_ray
+    from hal.integrations.ray import ActorScope
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in flow.worker_env().items():
+            patch.setenv(key, value)  # the workers inherit the driver's environment
+        hal_ray.init_loopback(num_cpus=6)
+        import ray
+
+        try:
+            model_path = flow.build_model(tmp_path_factory.mktemp("verl-model"))
+            started = asyncio.run(flow.start(model_path, hal_settings=HAL_SETTINGS))
+            try:
+                yield started
+            finally:
+                scope = ActorScope(timeout_s=60)
+                for actor in started.actors():
+                    scope.add(actor)
+                for pg in started.placement_groups():
+                    scope.add_placement_group(pg)
+                scope.close()  # raises naming any actor, process or placement group left behind
+        finally:
+            ray.shutdown()
+
+
+def _states(group) -> list[dict]:
+    import ray
+
+    return ray.get(group.execute_checkpoint_engine(["state"] * group.world_size))
+
+
+def _failed_everywhere(*groups, limit_s: float) -> tuple[list[dict], float]:
+    """The workers' states once every one reports a failed update, or after `limit_s`;
+    and the seconds that took. verl's manager raises with the first failed call, while the
+    others may still be finishing theirs."""
+    began = time.monotonic()
+    while True:
+        states = [s for group in groups for s in _states(group)]
+        if all(s["last_error"] for s in states) or time.monotonic() - began > limit_s:
+            return states, time.monotonic() - began
+        time.sleep(0.2)
+
+
+def test_verl_flow_three_updates_with_backend_hal(verl_flow):
+    """verl's own classes end to end: `TrainingWorkerTest` (with the CPU stand-ins), verl's
+    rollout group (`CheckpointEngineWorkerTest`, `MockServerAdapter`, `MockReplica`), and
+    `CheckpointEngineManager.update_weights()` three times, each checked by verl's
+    `check_weights()` (every weight received and allclose; here bit-exact, below)."""
+    timings = []
+    for step in (1, 2, 3):
+        began = time.monotonic()
+        verl_flow.manager.update_weights(global_steps=step)
+        timings.append(time.monotonic() - began)
+        verl_flow.rollouts.check_weights()  # verl's check; raises in the worker on any difference
+        trainer_states, rollout_states = _states(verl_flow.trainers), _states(verl_flow.rollouts)
+        assert [s["version"] for s in trainer_states + rollout_states] == [step] * 4
+        assert [s["sync_rank"] for s in trainer_states] == [0, -1]
+        assert [s["sync_rank"] for s in rollout_states] == [1, 2]
+        assert {s["transport"] for s in rollout_states} == {"ipc"}
+        assert trainer_states[0]["metrics"]["buckets"] > 10  # chunked over many 16 KiB buckets
+    assert len({s["group"] for s in _states(verl_flow.rollouts)}) == 1, "the sync group was rebuilt between updates"
+    print(f"\nverl flow: start {verl_flow.timings['start_s']:.1f} s, updates {', '.join(f'{t:.2f}' for t in timings)} s")
+
+
+def test_updates_are_bit_exact(verl_flow):
+    """The second rollout group (a new sync group with the same trainers) compares every
+    received tensor with the checkpoint bit for bit, then runs verl's check too."""
+    for step in (10, 11):
+        verl_flow.failing_manager.update_weights(global_steps=step)
+        assert verl_flow.failing.check_weights() == [[], []]
+    states = _states(verl_flow.trainers) + _states(verl_flow.failing)
+    assert [s["version"] for s in states] == [11] * 4
+
+
+def test_stale_global_steps_is_refused_on_every_rank(verl_flow):
+    from hal.sync import StaleVersionError
+
+    with pytest.raises(Exception, match="refusing older version 5"):
+        verl_flow.failing_manager.update_weights(global_steps=5)  # the rollout workers hold 11
+    states, _ = _failed_everywhere(verl_flow.trainers, verl_flow.failing, limit_s=2 * TIMEOUT_S)
+    assert all(s["last_error"] and s["last_error"].startswith(StaleVersionError.__name__) for s in states), states
+    assert [s["version"] for s in states] == [11] * 4  # nothing moved
+    verl_flow.failing_manager.update_weights(global_steps=12)  # the group is intact: a newer version goes through
+    assert verl_flow.failing.check_weights() == [[], []]
+
+
+def test_a_rollout_worker_killed_mid_update_fails_every_trainer_rank_in_time(verl_flow):
+    import ray
+
+    verl_flow.failing.die_during_next_update(rank=1, after=3)
+    began = time.monotonic()
+    with pytest.raises(Exception) as failure:
+        verl_flow.failing_manager.update_weights(global_steps=13)
+    # verl's manager raises as soon as one of its calls fails (here the dead worker's);
+    # the trainer ranks' own send_weights must end too, with PeerError, within the timeout.
+    assert "PeerError" in str(failure.value) or "died" in str(failure.value), failure.value
+    limit = 2 * TIMEOUT_S + 15  # the sender's wait, then the trainer ranks' agreement
+    trainer_states, _ = _failed_everywhere(verl_flow.trainers, limit_s=limit)
+    elapsed = time.monotonic() - began
+    assert all(s["last_error"] and s["last_error"].startswith("PeerError") for s in trainer_states), trainer_states
+    assert elapsed < limit, f"the trainer ranks took {elapsed:.1f} s to fail"
+    assert all(s["version"] == 12 for s in trainer_states)
+    survivor = verl_flow.failing.workers[0]
+    assert ray.get(survivor.execute_checkpoint_engine.remote(method="state"))["version"] == 12
+    print(f"\nkilled rollout worker: every trainer rank raised after {elapsed:.1f} s")
+
+    # the trainers build a new group with verl's rollout group, which still holds version 3
+    verl_flow.manager.update_weights(global_steps=14)
+    verl_flow.rollouts.check_weights()
+    assert [s["version"] for s in _states(verl_flow.trainers) + _states(verl_flow.rollouts)] == [14] * 4
+    # the fixture's teardown (ActorScope) then checks that no actor, process or placement group is left

@@ -1,0 +1,308 @@
+"""The `verl.plugins` entry point, verl's platform "hal" and the checkpoint engine's settings.
+
+Questions to verl's platform singleton (`get_platform()`, resolved once per process) run
+in fresh interpreters; the platform class itself is asked directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+import hal
+
+pytestmark = [pytest.mark.verl, pytest.mark.cpu]
+
+pytest.importorskip("verl", reason="needs verl 0.9.1: make setup-verl, then run the verl lane (ci/verl.sh)")
+
+from tests.conftest import run_python  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def test_one_entry_point_and_verls_device_code_through_hal():
+    """In one fresh interpreter (importing verl takes seconds): `import verl` loads our
+    entry point, which registers the platform and the checkpoint engine and does nothing
+    else; then the issue's command, and more of `verl.utils.device`, with VERL_PLATFORM=hal."""
+    ours = [ep for ep in entry_points(group="verl.plugins") if ep.value.startswith("hal.")]
+    assert [(ep.name, ep.value) for ep in ours] == [("hal", "hal.integrations.verl_plugin")]
+    proc = run_python(
+        """
+        import json, sys
+        import verl  # loads every verl.plugins entry point, ours among them
+        from verl.checkpoint_engine import CheckpointEngineRegistry
+        from verl.plugin.platform import PlatformRegistry, get_platform
+        import hal.device
+        from hal.integrations import verl_internals
+        registered = {
+            "platform": PlatformRegistry.get("hal").__qualname__,
+            "engine": CheckpointEngineRegistry.get("hal").__qualname__,
+            "platforms": sorted(PlatformRegistry.registered_names()),
+            "optional": sorted(m for m in sys.modules if m.split(".")[0] in ("torch_npu", "vllm")),
+            "resolved": hal.device._resolved is not None,
+            "platform_chosen": verl_internals.platform_chosen(),
+        }
+        from verl.utils.device import get_device_name
+        print(get_device_name())  # the issue's command
+        from verl.utils import device as d
+        p = get_platform()
+        d.manual_seed(5); d.manual_seed_all(5); d.set_expandable_segments(True)
+        with p.nvtx_range("step"):
+            pass
+        p.profiler_start(); p.profiler_stop(); p.synchronize(); p.empty_cache()
+        answers = [d.get_device_name(), d.get_nccl_backend(), d.get_resource_name(), d.get_vendor(),
+                   d.get_visible_devices_keyword(), d.get_device_id(), d.get_torch_device().__name__,
+                   d.is_device_available(), d.is_support_ipc(), list(d.get_device_capability()),
+                   p.ray_resource_options(1), p.ray_noset_envvars(), type(p).__name__]
+        print(json.dumps([registered, answers]))
+        """,
+        env={"VERL_PLATFORM": "hal", "VERL_DEVICE": "cpu"},
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    *_, command_output, last = proc.stdout.strip().splitlines()
+    assert command_output == "cpu"
+    registered, answers = json.loads(last)
+    assert registered == {
+        "platform": "HalPlatform",
+        "engine": "HalCheckpointEngine",
+        "platforms": ["amd", "hal", "huawei", "nvidia"],  # verl's three and ours
+        "optional": [],  # no torch_npu, no vLLM
+        "resolved": False,  # importing resolved no backend
+        "platform_chosen": False,  # and chose no platform
+    }
+    assert answers == [
+        "cpu", "gloo", "CPU", "cpu", "CUDA_VISIBLE_DEVICES", 0, "torch.cpu", True, False, [None, None], {}, [], "HalPlatform",
+    ]
+
+
+def test_the_docs_check_commands_print_what_the_doc_says():
+    """docs/verl.md's first bash block, run as written (its `.venv-verl/bin/python` is this
+    interpreter, wherever VENV_VERL put it), prints the text block after it: `cpu`, then
+    hal's one-line error naming the valid backends. The two run side by side."""
+    doc = (REPO_ROOT / "docs" / "verl.md").read_text()
+    commands = re.search(r"```bash\n(.*?)```", doc, re.S).group(1).strip().splitlines()
+    expected = re.search(r"```text\n(.*?)```", doc, re.S).group(1).strip().splitlines()
+    assert len(commands) == len(expected) == 2
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_DEVICE")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    procs = [
+        subprocess.Popen(
+            ["bash", "-c", command.replace(".venv-verl/bin/python", shlex.quote(sys.executable))],
+            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for command in commands
+    ]
+    outputs = [proc.communicate(timeout=240) for proc in procs]
+    for command, (out, err), want in zip(commands, outputs, expected):
+        assert out.strip().splitlines()[-1:] == [want], f"{command}\nstdout: {out}\nstderr: {err}"
+
+
+def test_sim_answers_as_the_cpu_it_computes_on(hal_reset, monkeypatch):
+    from hal.integrations.verl_platform import HalPlatform
+
+    monkeypatch.setenv("VERL_DEVICE", "sim")
+    platform = HalPlatform()
+    assert (platform.device_name, platform.communication_backend_name(), platform.ray_resource_name()) == ("cpu", "gloo", "CPU")
+    assert platform.is_available() and hal.current().name == "sim"
+    platform.synchronize()  # waits for the simulated streams
+
+
+def test_a_driver_without_the_device_still_plans_for_it(hal_reset, monkeypatch):
+    """A CPU-only Ray driver with VERL_DEVICE=cuda: the declared answers come from the
+    backend's class, device work raises hal's reason."""
+    from hal.backend import BackendUnavailableError
+    from hal.backends.cuda import CudaBackend
+    from hal.integrations.verl_platform import HalPlatform
+
+    if CudaBackend.is_available():
+        pytest.skip("a usable GPU here: the planning-only path is not taken")
+    monkeypatch.setenv("VERL_DEVICE", "cuda")
+    p = HalPlatform()
+    assert [p.device_name, p.communication_backend_name(), p.ray_resource_name(), p.visible_devices_envvar()] == [
+        "cuda", "nccl", "GPU", "CUDA_VISIBLE_DEVICES",
+    ]
+    assert p.ray_resource_options(0.5) == {"num_gpus": 0.5}
+    assert p.ray_noset_envvars() == ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]
+    assert p.vendor_name == "nvidia" and p.is_available() is False
+    with pytest.raises(BackendUnavailableError, match="backend 'cuda' is not usable"):
+        p.synchronize()
+    monkeypatch.setenv("VERL_DEVICE", "bogus")
+    hal.reset()
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+        p.device_name  # noqa: B018
+
+
+def test_the_installed_verl_is_one_the_plugin_was_checked_against(monkeypatch):
+    from hal.integrations import verl_internals
+
+    assert verl_internals.unsupported_verl() is None, verl_internals.verl_version()
+    monkeypatch.setattr(verl_internals, "verl_version", lambda: "0.10.0")
+    assert verl_internals.unsupported_verl() == (
+        "verl-hal's verl plugin was checked against verl 0.9.x; verl 0.10.0 is installed (see hal/integrations/verl_internals.py)"
+    )
+
+
+def test_hal_is_never_auto_detected():
+    from hal.integrations.verl_platform import HalPlatform
+
+    assert HalPlatform().is_platform_available(use_smi_check=True) is False
+
+
+def test_allocator_settings_and_seeds(hal_reset, monkeypatch, caplog):
+    from hal.integrations.verl_platform import HalPlatform
+
+    monkeypatch.setenv("VERL_DEVICE", "cpu")
+    platform = HalPlatform()
+    caplog.set_level("DEBUG", logger="hal.integrations.verl_platform")
+    platform.set_allocator_settings("expandable_segments:True")
+    assert "has no caching allocator" in caplog.text
+    with pytest.raises(ValueError, match="allocator setting 'max_split_size_mb:128' is not supported"):
+        platform.set_allocator_settings("max_split_size_mb:128")
+    with pytest.raises(ValueError, match="expected True or False"):
+        platform.set_allocator_settings("expandable_segments:maybe")
+    platform.manual_seed(11)
+    first = torch.rand(3)
+    platform.manual_seed_all(11)
+    assert torch.equal(first, torch.rand(3))  # on the CPU the device generator is torch's own
+    assert platform.device_module is torch.cpu and platform.cudart() is None
+    assert platform.get_device_capability(0) == (None, None)
+    with pytest.raises(ValueError, match="out of range"):
+        platform.get_device_capability(3)
+
+
+def test_cuda_answers_through_the_backend_hooks(monkeypatch):
+    """With a fake torch.cuda: every answer is the cuda backend's (no device branch in the plugin)."""
+    from hal.backends.cuda import CudaBackend
+    from hal.integrations.verl_platform import HalPlatform
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize",)))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: calls.append(("manual_seed", s)))
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: calls.append(("manual_seed_all", s)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: calls.append(("profiler_start",)))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append(("profiler_stop",)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda msg: calls.append(("push", msg)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop",)))
+    monkeypatch.setattr(torch.version, "hip", None)
+    settings = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append, raising=False)
+    with hal.use(CudaBackend()):
+        platform = HalPlatform()
+        assert (platform.device_name, platform.vendor_name, platform.communication_backend_name()) == ("cuda", "nvidia", "nccl")
+        assert platform.device_module is torch.cuda
+        assert platform.ray_resource_options(1) == {"num_gpus": 1}
+        assert platform.current_device() == 1 and platform.device_count() == 2
+        platform.synchronize()
+        platform.synchronize(0)  # another device: selected for the call, then the current one again
+        platform.manual_seed(3)
+        platform.manual_seed_all(4)
+        with platform.nvtx_range("rollout"):
+            pass
+        platform.profiler_start()
+        platform.profiler_stop()
+        platform.set_allocator_settings("expandable_segments:False")
+        assert platform.get_device_capability(1) == (9, 0)
+        assert platform.is_ipc_supported() is True
+        monkeypatch.setattr(torch.version, "hip", "6.2")
+        assert platform.vendor_name == "amd" and platform.is_ipc_supported() is False
+    assert calls == [
+        ("synchronize",),
+        ("set_device", 0), ("synchronize",), ("set_device", 1),
+        ("manual_seed", 3), ("manual_seed_all", 4),
+        ("push", "rollout"), ("pop",),
+        ("profiler_start",), ("profiler_stop",),
+    ]
+    assert settings == ["expandable_segments:False"]
+
+
+# ---- the checkpoint engine's settings ---------------------------------------------------------
+def test_settings_map_onto_sync_config_by_field_name():
+    from hal.integrations.verl_checkpoint import HalCheckpointEngine, sync_config_from
+
+    default = 2048 << 20  # verl's update_weights_bucket_megabytes default: hal sizes the buckets
+    assert sync_config_from(default, {}).bucket_bytes is None
+    assert sync_config_from(128 << 20, {}).bucket_bytes == 128 << 20  # the user said otherwise
+    config = sync_config_from(default, {"bucket_bytes": 1 << 20, "verify": True, "wire_dtype": "bfloat16", "timeout_s": 5})
+    assert (config.bucket_bytes, config.verify, config.wire_dtype, config.timeout_s) == (1 << 20, True, torch.bfloat16, 5)
+    engine = HalCheckpointEngine(bucket_size=default, is_master=True, transport="broadcast", bypass_cpu=False, segment_bytes=None)
+    assert (engine.config.bypass_cpu, engine.config.segment_bytes, engine.is_master) == (False, None, True)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"bucket_size_mb": 1}, "unknown setting(s) 'bucket_size_mb' in engine_kwargs['hal']; valid: the SyncConfig fields bucket_bytes"),
+        ({"rebuild_group": True}, "unknown setting(s) 'rebuild_group'"),
+        ({"wire_dtype": "bf17"}, "wire_dtype 'bf17' is not a torch dtype name"),
+        ({"timeout_s": 0}, "SyncConfig.timeout_s must be positive"),
+        ({"delta": {"anchor_every": 8}}, "setting 'delta' is not supported: delta syncs are not wired into the verl engine"),
+    ],
+)
+def test_an_unknown_or_bad_setting_is_refused_by_name(settings, message):
+    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+
+    with pytest.raises(ValueError) as error:
+        HalCheckpointEngine(bucket_size=2048 << 20, **settings)
+    assert message in str(error.value)
+
+
+def test_two_bucket_sizes_that_disagree_are_refused():
+    from hal.integrations.verl_checkpoint import sync_config_from
+
+    with pytest.raises(ValueError, match=r"update_weights_bucket_megabytes says 128 MiB .*bucket_bytes says 1048576: set one"):
+        sync_config_from(128 << 20, {"bucket_bytes": 1 << 20})
+    with pytest.raises(ValueError, match="transport must be one of auto, broadcast, ipc, hierarchical"):
+        from hal.integrations.verl_checkpoint import HalCheckpointEngine
+
+        HalCheckpointEngine(bucket_size=1 << 20, transport="nccl-ish")
+
+
+def _metadata(node: str, *, master: bool = False, group=None, rank=None, host_ipc=True, transport="auto"):
+    m = {"master": master, "node": node, "group": group, "rank": rank}
+    if master:
+        m.update(address="10.0.0.1", port=30000, local_port=30001, transport=transport, host_ipc=host_ipc)
+    return m
+
+
+def test_topology_sync_ranks_transport_and_group_reuse():
+    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+
+    build = HalCheckpointEngine.build_topology
+    one_node = [_metadata("a", master=True), _metadata("a"), _metadata("a"), _metadata("a")]
+    actor, rollout = build(2, 2, one_node)
+    assert actor["rank"] == [0, -1] and rollout["rank"] == [1, 2]
+    spec = actor["spec"][0]
+    assert (spec.address, spec.port, spec.world_size) == ("127.0.0.1", 30001, 3)  # one node: loopback only
+    assert actor["transport"] == ["ipc", "ipc"] and rollout["reuse"] == [False, False]
+    # device memory IPC is opt-in: auto goes over the collective library
+    assert build(2, 2, [_metadata("a", master=True, host_ipc=False), *one_node[1:]])[0]["transport"][0] == "broadcast"
+    # two nodes: the rendezvous on the master's address; one rollout worker per node: broadcast
+    two = [_metadata("a", master=True), _metadata("a"), _metadata("b"), _metadata("c")]
+    actor, _ = build(2, 2, two)
+    assert (actor["spec"][0].address, actor["transport"][0]) == ("10.0.0.1", "broadcast")
+    three = [_metadata("a", master=True), _metadata("a"), _metadata("b"), _metadata("b")]
+    assert build(2, 2, three)[0]["transport"][0] == "hierarchical"
+    # every member still in the same group under the same rank: kept
+    key = ("127.0.0.1", 40000, 3)
+    kept = [_metadata("a", master=True, group=key, rank=0), _metadata("a"), _metadata("a", group=key, rank=1), _metadata("a", group=key, rank=2)]
+    actor, rollout = build(2, 2, kept)
+    assert rollout["reuse"] == [True, True] and actor["spec"][0].port == 40000
+    # a new rollout worker (no group): everyone meets in a new one
+    kept[3] = _metadata("a")
+    assert build(2, 2, kept)[1]["reuse"] == [False, False]
+    with pytest.raises(ValueError, match="trainer rank 0, and only it"):
+        build(2, 2, [_metadata("a"), _metadata("a", master=True), _metadata("a"), _metadata("a")])
