@@ -50,8 +50,12 @@ demo: $(STAMP)
 demo-ray: $(STAMP)
 	$(VENV)/bin/hal demo --ray
 
-# The main suite (the cpu lane), then the verl lane (ci/verl.sh, in $(VENV_VERL)).
-test: test-cpu test-verl
+# The main suite (the cpu lane), then the verl lane (ci/verl.sh, in $(VENV_VERL)). The two
+# environments are built at once first: pip spends much of its time waiting on downloads.
+test:
+	$(MAKE) --no-print-directory -j2 setup setup-verl
+	$(MAKE) --no-print-directory test-cpu
+	$(MAKE) --no-print-directory test-verl
 
 # Two pytest-xdist workers, a file each at a time (`--dist loadfile`: a file's module- and
 # class-scoped engines start once, and every Ray test is in tests/integrations/test_ray.py,
