@@ -173,6 +173,13 @@ def engine_greedy_logprobs(llm: Any, prompts: list[list[int]], max_tokens: int) 
     return tokens, logprobs
 
 
+def token_logprobs(logits: Any, targets: Any) -> Any:
+    """log p(target) at each position, from logits [..., T, vocab] and targets [..., T]."""
+    import torch
+
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
 def trainer_logprobs(model: Any, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
     """The transformers model's log-probability of each completion token, one prompt at a time."""
     import torch
@@ -182,8 +189,8 @@ def trainer_logprobs(model: Any, prompts: list[list[int]], completions: list[lis
     with torch.no_grad():
         for prompt, completion in zip(prompts, completions):
             ids = torch.tensor([prompt + completion])
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-            out.append(torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist())
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            out.append(token_logprobs(logits, torch.tensor(completion)).tolist())
     return out
 
 
@@ -228,7 +235,7 @@ def reinforce_step(model: Any, optimizer: Any, prompts: list[list[int]], complet
     adv = torch.tensor(advs)
     logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1 : -1]
     targets = ids[:, PROMPT_LEN:]
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp = token_logprobs(logits, targets)
     loss = -(adv.unsqueeze(1) * logp).sum(dim=1).mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

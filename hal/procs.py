@@ -45,6 +45,36 @@ def _with_environ(environ: dict[str, str], target: Callable[..., None], *args: A
     target(*args)
 
 
+def run_gloo_rank(out: Any, rank: int, world_size: int, port: int, timeout_s: float, body: Callable[[], Any], *, init: bool = True) -> None:
+    """A rank's whole life under `spawn_ranks`: join the gloo group of `world_size` on
+    127.0.0.1:`port` (every collective bounded by `timeout_s`; skipped without `init`),
+    run `body()`, and put its value, or the traceback of whatever it raised, on `out`.
+    The group is destroyed whatever happened."""
+    import datetime
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        if init:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        out.put((rank, "ok", body()))
+    except BaseException:  # noqa: BLE001 - reported to the parent whatever it is
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
 class RankFailed(RuntimeError):
     """A rank raised or died; `rank` says which, the message carries its traceback."""
 

@@ -13,42 +13,17 @@ the child exits (send `torch.save` bytes or lists instead).
 
 from __future__ import annotations
 
-import datetime
 import os
-import traceback
 from typing import Any, Callable
 
-from hal.procs import RankFailed, free_port, spawn_ranks
+from hal.procs import RankFailed, free_port, run_gloo_rank, spawn_ranks
 
 __all__ = ["RankError", "free_port", "run_group"]
 
 
 def _child(rank: int, out, fn: Callable, world_size: int, port: int, timeout: float, init: bool, args: tuple, env: dict) -> None:
     os.environ.update(env)
-    try:
-        if init:
-            import torch.distributed as dist
-
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=timeout),
-            )
-        result = fn(rank, world_size, *args)
-        out.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - reported to the parent whatever it is
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
-        if init:
-            try:
-                import torch.distributed as dist
-
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            except Exception:
-                pass
+    run_gloo_rank(out, rank, world_size, port, timeout, lambda: fn(rank, world_size, *args), init=init)
 
 
 def run_group(

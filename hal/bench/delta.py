@@ -41,12 +41,10 @@ issue 11's targets (`TARGETS`), and for every lr a wire-bound projection
 
 from __future__ import annotations
 
-import datetime
 import gc
 import os
 import statistics
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -54,7 +52,7 @@ import torch
 
 from hal.bench.presets import Param, get_preset
 from hal.bench.transfer import GIB, MIB, RECEIVER, SENDER, PeakMemory, _bytes_equal, _close, _layout, _metrics_dict, _views
-from hal.procs import free_port, spawn_ranks
+from hal.procs import free_port, run_gloo_rank, spawn_ranks
 
 METHODS = ("floor", "hal_bucketed", "hal_delta")
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -325,26 +323,8 @@ def _rank_body(rank: int, config: DeltaBenchConfig) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, out: Any, port: int, config: DeltaBenchConfig) -> None:
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(config.threads)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=datetime.timedelta(seconds=config.collective_timeout_s),
-        )
-        out.put((rank, "ok", _rank_body(rank, config)))
-    except BaseException:  # noqa: BLE001 - reported to the parent whatever it is
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+    torch.set_num_threads(config.threads)
+    run_gloo_rank(out, rank, 2, port, config.collective_timeout_s, lambda: _rank_body(rank, config))
 
 
 # ---------------------------------------------------------------------------------------

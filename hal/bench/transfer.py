@@ -95,14 +95,13 @@ import gc
 import os
 import statistics
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from hal.bench.presets import Param, get_preset
-from hal.procs import free_port, spawn_ranks
+from hal.procs import free_port, run_gloo_rank, spawn_ranks
 
 GIB = 1024**3
 MIB = 1024**2
@@ -619,29 +618,12 @@ def fills(method: str, rank: int, config: TransferConfig) -> bool:
 
 
 def _rank_main(rank: int, out: Any, port: int, config: TransferConfig) -> None:
-    import torch.distributed as dist
-
-    try:
-        # This process's simulated node, before any transport exists (HierarchicalTransport
-        # reads it at construction; the other methods ignore it).
-        os.environ["VERL_HAL_NODE"] = node_keys(config.receivers, config.nodes)[rank]
-        torch.set_num_threads(config.threads)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=1 + config.receivers,
-            timeout=datetime.timedelta(seconds=config.collective_timeout_s),
-        )
-        out.put((rank, "ok", _rank_body(rank, config)))
-    except BaseException:  # noqa: BLE001 - reported to the parent whatever it is
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+    # This process's simulated node, before any transport exists (HierarchicalTransport
+    # reads it at construction; the other methods ignore it).
+    os.environ["VERL_HAL_NODE"] = node_keys(config.receivers, config.nodes)[rank]
+    torch.set_num_threads(config.threads)
+    world_size = 1 + config.receivers
+    run_gloo_rank(out, rank, world_size, port, config.collective_timeout_s, lambda: _rank_body(rank, config))
 
 
 @dataclass(slots=True)

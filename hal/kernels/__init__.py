@@ -432,13 +432,14 @@ def _unpack_bits(payload: torch.Tensor, words: int) -> torch.Tensor:
     return spread.view(torch.uint8).view(torch.bool)[:words]
 
 
-def delta_apply(target: torch.Tensor, payload: torch.Tensor, encoding: int, word: int) -> int:
+def delta_apply(target: torch.Tensor, payload: torch.Tensor, encoding: int, word: int, *, checked: int | None = None) -> int:
     """Write the changed words of `payload` into the flat uint8 `target` (the old bytes
     before, the new bytes after); returns how many words changed. ValueError for a payload
-    that does not fit `target` (nothing is written then)."""
+    that does not fit `target` (nothing is written then). `checked`: what `delta_check`
+    returned for this payload and target size already (it is not checked again)."""
     t = word_view(target, word)
     n = t.numel()
-    changed = delta_check(payload, encoding, n, word)
+    changed = delta_check(payload, encoding, n, word) if checked is None else checked
     if changed == 0:
         return 0
     values = payload[payload.numel() - changed * word :].view(t.dtype)

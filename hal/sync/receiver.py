@@ -469,22 +469,26 @@ class _Delivery:
         if self.error is not None:
             return []
         buffer = self.transport.buffer(bucket.index)
+        words: list[int] = []  # per pending segment: its word size
+        counts: list[int] = []  # per pending segment: the words its delta changes (checked once, here)
         for segment, status in pending:
+            words.append(word := segment_word(bucket, segment))
             if status.encoding != kernels.DENSE:
-                word = segment_word(bucket, segment)
-                kernels.delta_check(buffer[segment.start : segment.start + status.nbytes], status.encoding, (segment.stop - segment.start) // word, word)
+                payload = buffer[segment.start : segment.start + status.nbytes]
+                counts.append(kernels.delta_check(payload, status.encoding, (segment.stop - segment.start) // word, word))
+            else:
+                counts.append(-1)
         out: Pairs = []
-        for segment, status in pending:
+        for (segment, status), word, count in zip(pending, words, counts):
             names = [bucket.pieces[i].spec.name for i, _, _ in segment.parts]
             source, changed = buffer, True
             if status.encoding != kernels.DENSE:
-                word = segment_word(bucket, segment)
                 payload = buffer[segment.start : segment.start + status.nbytes]
                 first = bucket.pieces[segment.parts[0][0]] if segment.parts else None
                 if first is not None and first.is_whole and is_solo(bucket, segment):
                     _, lo, hi = segment.parts[0]
                     self.touched = True
-                    if kernels.delta_apply(kernels.as_bytes(self.exact[first.spec.name])[lo:hi], payload, status.encoding, word):
+                    if kernels.delta_apply(kernels.as_bytes(self.exact[first.spec.name])[lo:hi], payload, status.encoding, word, checked=count):
                         self.changed.add(first.spec.name)
                     if hi == first.nbytes:
                         out.append((first.spec.name, self.exact[first.spec.name]))
@@ -494,7 +498,7 @@ class _Delivery:
                     piece = bucket.pieces[index]
                     old = kernels.as_bytes(self.exact[piece.spec.name])[piece.tensor_offset + lo : piece.tensor_offset + hi]
                     source[piece.offset + lo : piece.offset + hi].copy_(old)
-                changed = bool(kernels.delta_apply(source[segment.start : segment.stop], payload, status.encoding, word))
+                changed = bool(kernels.delta_apply(source[segment.start : segment.stop], payload, status.encoding, word, checked=count))
             if changed:
                 self.changed.update(names)
             for index, lo, hi in segment.parts:

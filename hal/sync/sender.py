@@ -192,11 +192,12 @@ class Sender:
         began = time.perf_counter()
         ready.synchronize()  # the pack is done: its bytes are read here
         k = bucket.index
+        word = segment_word(bucket, segment)
         base = self._baseline[deltas.offsets[k] + segment.start : deltas.offsets[k] + segment.stop]
         encoding, payload, changed = kernels.DENSE, None, 0
         if deltas.active and segment.parts:
             compare = base if base.device == data.device else base.to(data.device)
-            encoding, payload, changed = kernels.delta_encode(data, compare, segment_word(bucket, segment))
+            encoding, payload, changed = kernels.delta_encode(data, compare, word)
         if self.backend.supports_async_streams:  # the encoding ran on the current stream
             self._stream.wait_stream(self.backend.current_stream())
         self.backend.copy_(base, data, stream=self._stream)  # the baseline becomes this sync's bytes
@@ -205,7 +206,7 @@ class Sender:
             self.backend.copy_(out, payload, stream=self._stream)
             data = out
         ready = self._stream.record_event()
-        deltas.count(encoding, segment, data.numel(), changed, segment_word(bucket, segment), time.perf_counter() - began)
+        deltas.count(encoding, segment, data.numel(), changed, word, time.perf_counter() - began)
         return data, encoding, ready
 
     def _size_buckets(self, specs: list[TensorSpec]) -> None:
