@@ -11,7 +11,7 @@
    (Hugging Face `generate`, greedy) on fixed prompts, and that the engine reports the
    trainer's step as its weight version.
 
-With --delta the syncs are delta syncs (`SyncConfig(delta=DeltaConfig(anchor_every=N))`):
+With --delta the syncs are delta syncs (`SyncConfig(delta=DeltaConfig(anchor_every=N, choose="bytes"))`):
 after a whole (anchor) sync, each segment carries only the words that changed since the
 previous version when that is smaller, and every N-th sync is a whole anchor again. The
 table and plot then also show, per step, whether the sync was an anchor or a delta, the
@@ -415,7 +415,9 @@ def main(args: argparse.Namespace) -> int:
     failures: list[str] = []
     if delta:
         config = SyncConfig(
-            delta=DeltaConfig(anchor_every=args.anchor_every),
+            # by bytes: on loopback the wire costs almost nothing, so choosing by time would
+            # send whole syncs here; the demo shows what deltas carry (docs/delta.md)
+            delta=DeltaConfig(anchor_every=args.anchor_every, choose="bytes"),
             wire_dtype=None if wire_dtype == torch.float32 else wire_dtype,
             segment_bytes=DELTA_SEGMENT_BYTES,
         )

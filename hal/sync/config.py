@@ -23,11 +23,22 @@ class DeltaConfig:
     """Where the sender keeps the bytes it last sent (the baseline it compares against):
     "device" (fastest to compare) or "host" (pinned host memory, freeing device memory)."""
 
+    choose: str = "time"
+    """How a sync decides to send deltas. "time": only while they make syncs faster, by the
+    sender's own measurements: a delta sync only while the compare is faster per byte than
+    recent whole syncs (timed on small samples during whole ones), stopped partway when its
+    encode falls behind, and paused for 2, 4, ... up to 64 syncs after each loss; whole
+    syncs cost no more than without delta. "bytes": every segment in its smallest
+    encoding, whatever the encode costs (metered or very slow links). docs/delta.md,
+    "Choosing by time"."""
+
     def __post_init__(self) -> None:
         if isinstance(self.anchor_every, bool) or not isinstance(self.anchor_every, int) or self.anchor_every < 1:
             raise ValueError(f"DeltaConfig.anchor_every must be an int of at least 1, got {self.anchor_every!r}")
         if self.baseline not in ("device", "host"):
             raise ValueError(f"DeltaConfig.baseline must be 'device' or 'host', got {self.baseline!r}")
+        if self.choose not in ("time", "bytes"):
+            raise ValueError(f"DeltaConfig.choose must be 'time' or 'bytes', got {self.choose!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -43,6 +43,15 @@ class SyncMetrics:
     """How many segments went whole ("dense") or as "indices" / "bitmask" deltas."""
     encode_s: float | None = None
     """Comparing with the baseline and encoding, sender only."""
+    delta_choice: str | None = None
+    """Why this sync went as it did: "anchor" (whole, by rule: first sync, `anchor_every`,
+    after a failure, a new layout, a receiver without the base), "delta" (every segment
+    compared), "stopped" (comparing stopped partway: the encode cost more than the wire
+    time it could save), "paused" (whole: delta syncs have not paid lately)."""
+    compared_bytes: int | None = None
+    """Bytes compared with the baseline (the rest went whole without a compare)."""
+    sampled_bytes: int | None = None
+    """Bytes encoded only to time the compare (choose="time"; their segments went whole)."""
     baseline_bytes: int | None = None
     """Memory the sender keeps for delta sync: one image of the last complete sync."""
 

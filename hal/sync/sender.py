@@ -14,6 +14,7 @@ receiver stops before landing anything of that segment (docs/design.md, "Failure
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Callable, Iterator
 
 import torch
@@ -64,6 +65,7 @@ class Sender:
         self._baseline_version: int | None = None
         self._baseline_digest: str | None = None
         self._since_anchor = 0
+        self._pacer = _DeltaPacer() if self.config.delta is not None and self.config.delta.choose == "time" else None
         self.anchors_after_refusal = 0
         """Delta syncs some receiver refused (it did not hold the base) and that went whole."""
 
@@ -102,7 +104,8 @@ class Sender:
         where = f"sync of version {version}"
 
         delta = self.config.delta
-        base = self._delta_base(plan)
+        base_held = self._baseline_version is not None and self._baseline_digest == plan.digest
+        base, choice, sample = self._delta_base(plan)
         while True:
             header = SyncHeader.from_plan(plan, version=version, token=self.token, delta=delta is not None, delta_base=base)
             try:
@@ -111,7 +114,7 @@ class Sender:
                 break
             except errors.SyncError as exc:
                 if base is not None and exc.only_delta_base:
-                    base = None  # some receiver does not hold the base: the same sync, whole, at once
+                    base, choice = None, "anchor"  # some receiver does not hold the base: the same sync, whole, at once
                     self.anchors_after_refusal += 1
                     continue
                 if gate is not None:
@@ -127,10 +130,16 @@ class Sender:
         if not self.config.bypass_cpu:
             self._ensure_staging(plan.max_bucket_nbytes)
 
-        if delta is not None:
-            self._ensure_baseline(plan)
+        cold = delta is not None and (self._ensure_baseline(plan) or self.plans.builds != builds)
         self._baseline_version = None  # until this sync completes, the baseline is neither old nor new
-        deltas = _DeltaState(plan, base is not None) if delta is not None else None
+        deltas = None
+        if delta is not None:
+            budget = self._pacer.whole_s_per_byte() if self._pacer is not None else None
+            # whole segments are packed straight into the baseline, so that they cost no copy more than without delta
+            into_baseline = self.config.bypass_cpu and bool(plan.buckets) and self._baseline.device == transport.buffer(0).device
+            # a whole sync measures the compare's speed on a few samples, if the baseline holds the last version
+            sample = self._pacer is not None and base is None and base_held and (sample or choice == "anchor")
+            deltas = _DeltaState(plan, base is not None, choice, budget, into_baseline, sample)
         if gate_error is None:
             failure = self._send_buckets(plan, iter(source), timer, deltas)
         else:  # the receivers wait for a first segment: tell them none comes
@@ -146,9 +155,14 @@ class Sender:
         errors.raise_if_any(transport.agree(report, "sync status"), transport.rank, where)
 
         self.version = version
+        total_s = time.perf_counter() - start
         if deltas is not None:
             self._baseline_version, self._baseline_digest = version, plan.digest
             self._since_anchor = self._since_anchor + 1 if deltas.active else 0
+            if self._pacer is not None:
+                # (less the samples' time: a whole sync without them is what a delta competes with)
+                seconds = total_s - deltas.sampled_s
+                self._pacer.record(deltas.choice, seconds, deltas.dense_bytes, warm=not cold, encode_rate=deltas.encode_rate())
         return SyncMetrics(
             version=version,
             bytes=plan.total_bytes,
@@ -157,56 +171,80 @@ class Sender:
             gather_s=timer.get("gather"),
             pack_s=timer.get("pack"),
             transfer_s=timer.get("transfer"),
-            total_s=time.perf_counter() - start,
+            total_s=total_s,
             plan_reused=self.plans.builds == builds,
             **(deltas.metrics(self._baseline.numel()) if deltas is not None else {}),
         )
 
     # ---- delta sync --------------------------------------------------------------------
-    def _delta_base(self, plan: BucketPlan) -> int | None:
-        """The version a delta can be computed from, or None for a whole (anchor) sync:
-        the first sync, a new layout, every `anchor_every`-th sync, and after any failure."""
+    def _delta_base(self, plan: BucketPlan) -> tuple[int | None, str | None, bool]:
+        """The version a delta can be computed from, or None for a whole sync; why
+        (`SyncMetrics.delta_choice`): an anchor on the first sync, a new layout, every
+        `anchor_every`-th sync and after any failure, a pause while deltas do not pay; and
+        whether a paused sync samples the compare's speed."""
         delta = self.config.delta
-        if delta is None or self._baseline_version is None or self._baseline_digest != plan.digest:
-            return None
+        if delta is None:
+            return None, None, False
+        if self._baseline_version is None or self._baseline_digest != plan.digest:
+            return None, "anchor", False
         if self._since_anchor + 1 >= delta.anchor_every:
-            return None
-        return self._baseline_version
+            return None, "anchor", False
+        if self._pacer is not None:
+            choice, sample = self._pacer.choose()
+            if choice == "paused":
+                return None, choice, sample
+        return self._baseline_version, "delta", False
 
-    def _ensure_baseline(self, plan: BucketPlan) -> None:
+    def _ensure_baseline(self, plan: BucketPlan) -> bool:
+        """Allocate the baseline for this layout; True when it was (its pages are new)."""
         nbytes = sum(b.nbytes for b in plan.buckets)
         if self._baseline is None or self._baseline.numel() != nbytes:
             self._baseline = None  # free the old one first
             on_host = self.config.delta.baseline == "host"
             self._baseline = self.backend.empty_pinned(nbytes) if on_host else self.backend.empty(nbytes)
             self._baseline_version = self._baseline_digest = None
+            return True
+        return False
 
     @property
     def baseline_bytes(self) -> int:
         """Memory held for delta syncs: the bytes of the last complete sync (0 without delta)."""
         return 0 if self._baseline is None else self._baseline.numel()
 
-    def _encode(self, deltas: "_DeltaState", bucket: Bucket, segment: Segment, data: torch.Tensor, ready: Any) -> tuple[torch.Tensor, int, Any]:
-        """The segment's new bytes into the baseline, and what to send: the bytes, or the
-        words that changed since the baseline when that is smaller (a delta sync)."""
-        began = time.perf_counter()
-        ready.synchronize()  # the pack is done: its bytes are read here
+    def _encode(
+        self, deltas: "_DeltaState", bucket: Bucket, segment: Segment, data: torch.Tensor, ready: Any, compare: bool, sample: bool
+    ) -> tuple[torch.Tensor, int, Any]:
+        """The segment's new bytes into the baseline, and what to send: the bytes, or (when
+        `compare`) the words that changed since the baseline when that is smaller. With
+        `sample`, the start of the segment is encoded only to time it (it goes whole)."""
         k = bucket.index
         word = segment_word(bucket, segment)
         base = self._baseline[deltas.offsets[k] + segment.start : deltas.offsets[k] + segment.stop]
-        encoding, payload, changed = kernels.DENSE, None, 0
-        if deltas.active and segment.parts:
-            compare = base if base.device == data.device else base.to(data.device)
-            encoding, payload, changed = kernels.delta_encode(data, compare, word)
-        if self.backend.supports_async_streams:  # the encoding ran on the current stream
-            self._stream.wait_stream(self.backend.current_stream())
-        self.backend.copy_(base, data, stream=self._stream)  # the baseline becomes this sync's bytes
+        encoding, payload, changed, sampled, sample_s = kernels.DENSE, None, 0, 0, 0.0
+        compare = compare and bool(segment.parts)
+        sample = sample and not compare and bool(segment.parts)
+        if compare or sample:
+            ready.synchronize()  # the pack is done: its bytes are read here
+        began = time.perf_counter()
+        if compare or sample:
+            sampled = min(data.numel(), _DeltaPacer.SAMPLE_BYTES) // word * word
+            new = data if compare else data[:sampled]
+            old = base[: new.numel()]
+            old = old if old.device == data.device else old.to(data.device)
+            result = kernels.delta_encode(new, old, word)
+            sample_s = time.perf_counter() - began  # the encode alone (a delta sync's also copies)
+            if compare:
+                encoding, payload, changed = result
+            if self.backend.supports_async_streams:  # the encoding ran on the current stream
+                self._stream.wait_stream(self.backend.current_stream())
+        if data.data_ptr() != base.data_ptr():  # (packed straight into the baseline: nothing to copy)
+            self.backend.copy_(base, data, stream=self._stream)  # the baseline becomes this sync's bytes
         if payload is not None:  # into the bucket buffer, where the segment's own bytes were
             out = self.transport.buffer(k)[segment.start : segment.start + payload.numel()]
             self.backend.copy_(out, payload, stream=self._stream)
             data = out
         ready = self._stream.record_event()
-        deltas.count(encoding, segment, data.numel(), changed, word, time.perf_counter() - began)
+        deltas.count(encoding, segment, data.numel(), changed, word, time.perf_counter() - began, compare, (sampled, sample_s) if sample else None)
         return data, encoding, ready
 
     def _size_buckets(self, specs: list[TensorSpec]) -> None:
@@ -247,11 +285,14 @@ class Sender:
                 try:
                     gathered = timer.get("gather") or 0.0
                     began = time.perf_counter()
-                    data, direct = self._pack(packing, bucket, segment, keep, timer, deltas)
+                    compare = deltas is not None and deltas.compare_next()
+                    sample = deltas is not None and (k, j) in deltas.samples
+                    into_baseline = deltas is not None and not compare and not sample and deltas.into_baseline
+                    data, direct = self._pack(packing, bucket, segment, keep, timer, deltas, into_baseline)
                     ready = self._stream.record_event()
                     encoding = kernels.DENSE
                     if deltas is not None:
-                        data, encoding, ready = self._encode(deltas, bucket, segment, data, ready)
+                        data, encoding, ready = self._encode(deltas, bucket, segment, data, ready, compare, sample)
                         direct = direct and encoding == kernels.DENSE
                     # on synchronous backends the copies happen here, not on the stream
                     timer.add("pack", time.perf_counter() - began - ((timer.get("gather") or 0.0) - gathered))
@@ -273,14 +314,16 @@ class Sender:
 
     def _pack(
         self, packing: "_Packing", bucket: Bucket, segment: Segment, keep: list[torch.Tensor], timer: PhaseTimer,
-        deltas: "_DeltaState | None" = None,
+        deltas: "_DeltaState | None" = None, into_baseline: bool = False,
     ) -> tuple[torch.Tensor, bool]:
-        """Pack one segment; returns the bytes to send (a range of the bucket buffer, or a
-        tensor's own bytes) and whether they come straight from a tensor that sends every
-        range that way."""
+        """Pack one segment; returns the bytes to send (a range of the bucket buffer, of the
+        delta baseline with `into_baseline`, or a tensor's own bytes) and whether they come
+        straight from a tensor that sends every range that way."""
         backend, stream = self.backend, self._stream
         buffer = self.transport.buffer(bucket.index)
         target = buffer if self.config.bypass_cpu else self._staging
+        if into_baseline:
+            target = buffer = self._baseline[deltas.offsets[bucket.index] :][: bucket.nbytes]
         if deltas is not None and len(segment.parts) > 1:
             # the alignment gaps between packed tensors hold whatever the buffer held before
             # (an earlier payload): zero them, or every delta would carry them as changes
@@ -386,36 +429,136 @@ def _zero(target: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
         target[a:b].zero_()
 
 
+class _DeltaPacer:
+    """`DeltaConfig.choose == "time"`: whether delta syncs pay for their time, from the
+    sender's own measurements (docs/delta.md, "Choosing by time"), in seconds per byte of
+    the segments. A whole sync's time ends with its receivers' statuses, so it includes
+    their apply; the encode's comes from the last delta sync or from samples: a whole sync
+    before a decision encodes the start of a few segments only to time it."""
+
+    FIRST_PAUSE = 2
+    LONGEST_PAUSE = 64
+    WHOLE_KEPT = 4
+    SAMPLE_SEGMENTS = 4
+    SAMPLE_BYTES = 4 << 20
+
+    def __init__(self) -> None:
+        self.whole: deque[float] = deque(maxlen=self.WHOLE_KEPT)  # recent whole syncs that allocated nothing
+        self.encode_rate: float | None = None
+        self.pause_next = self.FIRST_PAUSE
+        self.pausing = 0  # whole syncs left before the next decision
+
+    def whole_s_per_byte(self) -> float | None:
+        """The fastest recent whole sync: the minimum, so that noise makes deltas look worse, not better."""
+        return min(self.whole) if self.whole else None
+
+    def choose(self) -> tuple[str, bool]:
+        """For a sync that could carry deltas: "delta" or "paused", and whether it samples
+        (the last sync of a pause does, for the decision after it)."""
+        if self.pausing:
+            self.pausing -= 1
+            return "paused", self.pausing == 0
+        best = self.whole_s_per_byte()
+        if best is None or self.encode_rate is None:
+            return "paused", True  # nothing to judge by yet: measure both
+        if self.encode_rate > best:  # the encode alone costs more than a whole sync: no delta can win
+            self._lost()
+            return self.choose()
+        return "delta", False
+
+    def _lost(self) -> None:
+        self.pausing = self.pause_next  # twice as long each time in a row
+        self.pause_next = min(2 * self.pause_next, self.LONGEST_PAUSE)
+
+    def record(self, choice: str, seconds: float, nbytes: int, *, warm: bool, encode_rate: float | None) -> None:
+        if encode_rate is not None:
+            self.encode_rate = encode_rate
+        if not nbytes:
+            return
+        rate = seconds / nbytes
+        best = self.whole_s_per_byte()
+        if choice in ("anchor", "paused"):
+            if warm:  # (a sync that allocated the baseline or built a plan is slower than the next)
+                self.whole.append(rate)
+        elif choice == "stopped" or (best is not None and rate > best):
+            self._lost()
+        else:
+            self.pause_next = self.FIRST_PAUSE
+
+
 class _DeltaState:
     """One delta-enabled sync on the sender: whether it may send deltas, and what it did."""
 
-    def __init__(self, plan: BucketPlan, active: bool) -> None:
+    MIN_COMPARED = 2
+    """Segments compared before the encode's cost is judged (the first one pays warm-up)."""
+
+    def __init__(self, plan: BucketPlan, active: bool, choice: str, budget: float | None, into_baseline: bool, sample: bool) -> None:
         self.active = active
+        self.choice = choice
+        self.budget = budget  # seconds per byte of a whole sync, when choosing by time
+        self.into_baseline = into_baseline
         self.offsets = bucket_offsets(plan)
         self.segments = {kernels.DENSE: 0, kernels.INDICES: 0, kernels.BITMASK: 0}
         self.wire_bytes = 0
         self.dense_bytes = 0
         self.changed_bytes = 0  # words that differ from the baseline, in bytes
         self.encode_s = 0.0
+        self.compared = 0  # segments
+        self.compared_bytes = 0
+        self.compared_s = 0.0
+        self.sampled_bytes = 0
+        self.sampled_s = 0.0
+        self.samples: set[tuple[int, int]] = set()  # (bucket, segment): the start of each is encoded only to time it
+        if sample:
+            spots = [(b.index, j) for b in plan.buckets for j, seg in enumerate(b.segments) if seg.parts]
+            n, m = len(spots), _DeltaPacer.SAMPLE_SEGMENTS
+            self.samples = set(spots) if n <= m else {spots[round(i * (n - 1) / (m - 1))] for i in range(m)}
 
-    def count(self, encoding: int, segment: Segment, sent: int, changed: int, word: int, seconds: float) -> None:
+    def compare_next(self) -> bool:
+        return self.active and self.choice != "stopped"
+
+    def count(
+        self, encoding: int, segment: Segment, sent: int, changed: int, word: int, seconds: float, compared: bool,
+        sampled: tuple[int, float] | None = None,
+    ) -> None:
+        nbytes = segment.stop - segment.start
         self.segments[encoding] += 1
         self.wire_bytes += sent
-        self.dense_bytes += segment.stop - segment.start
+        self.dense_bytes += nbytes
         self.changed_bytes += changed * word
         self.encode_s += seconds
+        if compared:
+            self.compared += 1
+            self.compared_bytes += nbytes
+            self.compared_s += seconds
+            # the encode alone cost more than a whole sync of these bytes takes: delta cannot win
+            if self.budget is not None and self.compared >= self.MIN_COMPARED and self.compared_s > self.budget * self.compared_bytes:
+                self.choice = "stopped"
+        elif sampled is not None:
+            self.sampled_bytes += sampled[0]
+            self.sampled_s += sampled[1]
+
+    def encode_rate(self) -> float | None:
+        """Seconds per byte this sync's compares took (those that decided what was sent,
+        else the samples), or None."""
+        if self.compared_bytes:
+            return self.compared_s / self.compared_bytes
+        return self.sampled_s / self.sampled_bytes if self.sampled_bytes else None
 
     def metrics(self, baseline_bytes: int) -> dict[str, Any]:
         return {
             "delta": self.active,
             "wire_bytes": self.wire_bytes,
             "dense_wire_bytes": self.dense_bytes,
-            "changed_fraction": self.changed_bytes / self.dense_bytes if self.active and self.dense_bytes else None,
+            "changed_fraction": self.changed_bytes / self.compared_bytes if self.compared_bytes else None,
             "segments_by_encoding": {
                 "dense": self.segments[kernels.DENSE],
                 "indices": self.segments[kernels.INDICES],
                 "bitmask": self.segments[kernels.BITMASK],
             },
             "encode_s": self.encode_s,
+            "delta_choice": self.choice,
+            "compared_bytes": self.compared_bytes,
+            "sampled_bytes": self.sampled_bytes,
             "baseline_bytes": baseline_bytes,
         }

@@ -97,7 +97,7 @@ class Views:
 def delta_worker(rank, world, backend, kind, sink_kind):
     with hal.use(backend):
         transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
-        config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=8))
+        config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=8, choose="bytes"))
         if rank == 0:
             sender = Sender(transport, config)
             tensors = initial()
@@ -169,7 +169,7 @@ def test_twenty_delta_syncs_are_bit_identical_to_dense(backend, kind, world, sin
 # ---- the rules: refused bases, failures, what joins ---------------------------------------
 def rules_worker(rank, world):
     transport = BroadcastTransport(None, src=0)
-    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100))
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100, choose="bytes"))
     tensors = initial()
     if rank == 0:
         sender = Sender(transport, config)
@@ -218,7 +218,7 @@ def refused_base_worker(rank, world, how):
     """The last receiver restarts, or is handed other destinations, between syncs: the
     delta is refused on every rank and the same sync lands whole at once."""
     transport = BroadcastTransport(None, src=0)
-    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100))
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100, choose="bytes"))
     tensors = initial()
     if rank == 0:
         sender = Sender(transport, config)
@@ -281,7 +281,7 @@ def test_delta_encoding_round_trips_and_refuses_payloads_that_do_not_fit():
 # ---- verification: the checksum is of the resulting tensor, so drift is caught ------------
 def drift_worker(rank, world):
     transport = BroadcastTransport(None, src=0)
-    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, verify=True, delta=DeltaConfig(anchor_every=100))
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, verify=True, delta=DeltaConfig(anchor_every=100, choose="bytes"))
     tensors = initial()
     if rank == 0:
         sender = Sender(transport, config)
@@ -322,3 +322,123 @@ def test_verify_checks_the_resulting_tensor_so_a_drifted_base_is_caught_and_heal
     assert [o[0] for o in sent_outcomes] == ["ok", "ok", "ChecksumMismatchError", "ok", "ok"]
     assert [o[1] for o in sent_outcomes] == [False, True, None, False, True]
     assert received == ["ok/exact", "ok/exact", "ChecksumMismatchError/old bytes/True", "ok/exact", "ok/exact"]
+
+
+# ---- choosing by time (DeltaConfig.choose="time", the default) -----------------------------
+SLOW_ENCODE_S = 0.1
+SLOW_WIRE_S_PER_BYTE = 2e-6
+
+
+class SlowWire(BroadcastTransport):
+    """A link of about 0.5 MB/s: sending costs time in proportion to the bytes sent."""
+
+    def send_segment(self, k, j, start, data, **kw):
+        import time
+
+        time.sleep(data.numel() * SLOW_WIRE_S_PER_BYTE)
+        super().send_segment(k, j, start, data, **kw)
+
+
+def few_changes(tensors: dict[str, torch.Tensor], step: int) -> None:
+    """About 3% of the elements of every tensor, every step."""
+    g = torch.Generator().manual_seed(2000 + step)
+    for t in tensors.values():
+        if t.numel() == 0:
+            continue
+        flat = t.view(-1) if t.dim() else t.view(1)
+        hit = torch.rand(flat.numel(), generator=g) < 0.03
+        if t.dtype == torch.bool:
+            flat[hit] = ~flat[hit]
+        elif t.dtype.itemsize == 1 and t.is_floating_point():
+            flat.view(torch.uint8)[hit] ^= 1
+        elif not t.is_floating_point():
+            flat[hit] += 1
+        else:
+            flat[hit] = (flat[hit].float() * 1.01 + 0.01).to(t.dtype)
+
+
+def pacing_worker(rank, world, link, steps):
+    """Delta syncs chosen by time, on three links: `slow-encode` (every compare far slower
+    than the wire), `slow-compare` (a slow wire; the samples of whole syncs faster than
+    it, but a delta sync's compares slower still), `slow-wire` (the wire far slower than
+    any compare). Every step must land bit for bit whatever was chosen."""
+    from hal.sync.sender import _DeltaPacer
+
+    transport = (BroadcastTransport if link == "slow-encode" else SlowWire)(None, src=0)
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100))
+    tensors = initial()
+    if rank == 0:
+        if link in ("slow-encode", "slow-compare"):
+            import time
+
+            real = kernels.delta_encode
+            _DeltaPacer.SAMPLE_BYTES = 1024  # samples smaller than any compare of a delta sync
+
+            def slow_encode(new, *a, **kw):
+                if link == "slow-encode" or new.numel() > 1024:
+                    time.sleep(SLOW_ENCODE_S)
+                return real(new, *a, **kw)
+
+            kernels.delta_encode = slow_encode
+        sender = Sender(transport, config)
+        out = []
+        for step in range(steps):
+            if step:
+                few_changes(tensors, step)
+            m = sender.send(TensorSource(sent(tensors)), version=step)
+            out.append((m.delta_choice, m.delta, m.compared_bytes, m.sampled_bytes, m.wire_bytes, m.dense_wire_bytes, m.segments_by_encoding))
+        return out
+    receiver = Receiver(transport, specs())
+    held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs()}
+    reference = initial()
+    exact = []
+    for step in range(steps):
+        if step:
+            few_changes(reference, step)
+        receiver.receive(copy_into(held))
+        exact.append(all(same_bytes(held[n], t) for n, t in sent(reference)))
+    return exact
+
+
+def test_by_time_a_compare_slower_than_the_wire_never_sends_deltas_and_samples_ever_less_often():
+    steps = 16
+    out, *receivers = run_group(pacing_worker, 3, args=("slow-encode", steps), timeout=120)
+    assert receivers == [[True] * steps] * 2
+    assert [o[0] for o in out] == ["anchor"] + ["paused"] * (steps - 1)
+    # the samples: sync 1 (nothing to judge by yet), then the last sync of each pause, the
+    # pauses doubling: 2 (syncs 2-3), 4 (4-7), 8 (8-15)
+    assert [s for s, o in enumerate(out) if o[3]] == [1, 3, 7, 15]
+    for choice, delta, compared, sampled, wire, dense, segments in out:
+        assert not delta and compared == 0 and wire == dense and segments["indices"] == segments["bitmask"] == 0
+        assert sampled in (0, 4 * 1024)  # the start of four segments, 1 KiB each
+
+
+def test_by_time_a_delta_sync_whose_compare_is_slow_stops_after_two_segments():
+    steps = 12
+    out, receiver = run_group(pacing_worker, 2, args=("slow-compare", steps), timeout=120)
+    assert receiver == [True] * steps
+    # 1 samples (fast), 2 tries a delta and stops, pauses 2 (3, 4: samples, fast again),
+    # 5 stops, pauses 4 (6-9), 10 stops, 11 paused
+    assert [o[0] for o in out] == (
+        ["anchor", "paused", "stopped", "paused", "paused", "stopped"] + ["paused"] * 4 + ["stopped", "paused"]
+    )
+    for choice, delta, compared, sampled, wire, dense, segments in out:
+        assert delta == (choice == "stopped")
+        if choice == "stopped":  # two segments compared, the rest sent whole without a compare
+            assert compared == 2 * SEGMENT and sampled == 0 and segments["dense"] >= 2 and wire < dense
+        else:
+            assert compared == 0 and wire == dense
+
+
+def test_by_time_a_wire_slower_than_the_compare_keeps_sending_deltas():
+    steps = 8
+    out, receiver = run_group(pacing_worker, 2, args=("slow-wire", steps), timeout=120)
+    assert receiver == [True] * steps
+    assert [o[0] for o in out] == ["anchor", "paused"] + ["delta"] * (steps - 2)
+    for choice, delta, compared, sampled, wire, dense, segments in out[2:]:
+        assert delta and compared == dense and sampled == 0 and wire < dense // 2
+
+
+def test_delta_config_names_a_bad_choice():
+    with pytest.raises(ValueError, match="DeltaConfig.choose"):
+        DeltaConfig(choose="speed")
