@@ -202,7 +202,7 @@ def test_bench_delta_cli_on_tiny_preset(tmp_path):
         assert r["verified_syncs"] == 4  # every sync of both hal methods byte-equal to the floor's
         assert [s["sync"] for s in r["syncs"]] == [0, 1, 2, 3] and all(s["verified"] for s in r["syncs"])
         assert r["anchor_syncs"] == [0, 2] and r["steady_syncs"] == 2
-        for method in ("floor", "hal_bucketed", "hal_delta"):
+        for method in ("floor", "hal_bucketed", "hal_delta_bytes", "hal_delta_time"):
             assert r["seconds"][method] > 0 and r["anchor"][method]["seconds"] > 0
         assert r["ratio_to_dense"] > 0 and r["ratio_to_floor"] > 0
         assert r["encode_s"] >= 0 and r["apply_s"] > 0 and r["dense_apply_s"] > 0
@@ -211,10 +211,20 @@ def test_bench_delta_cli_on_tiny_preset(tmp_path):
         segments = r["segments_by_encoding"]
         assert set(segments) == {"dense", "indices", "bitmask"} and sum(segments.values()) >= 2 * 3
         assert r["dense_wire_bytes"] >= report["wire_bytes_total"]
-        anchor = r["syncs"][0]["hal_delta"]["sender_metrics"]
-        assert anchor["delta"] is False and anchor["wire_bytes"] == anchor["dense_wire_bytes"]
+        for method in ("hal_delta_bytes", "hal_delta_time"):
+            anchor = r["syncs"][0][method]["sender_metrics"]
+            assert anchor["delta"] is False and anchor["wire_bytes"] == anchor["dense_wire_bytes"]
+            assert anchor["delta_choice"] == "anchor"
+        # by time: one choice per steady sync, each a known one, and its ratios measured
+        t = r["by_time"]
+        assert len(t["per_sync"]) == 2 and set(t["per_sync"]) <= {"anchor", "delta", "stopped", "paused"}  # (a whole sync restarts anchor_every)
+        assert t["ratio_to_dense"] > 0 and t["mean_ratio_to_dense"] > 0 and 0 < t["bytes_ratio"] <= 1
     # issue 11's targets exist for lr 1e-6 (bytes and time) and 1e-5 (time), not for 0.1
-    assert [t["target"] for t in small["targets"]] == ["wire bytes <= 0.12x dense", "seconds <= 0.6x dense hal_bucketed"]
+    assert [(t["choose"], t["target"]) for t in small["targets"]] == [
+        ("bytes", "wire bytes <= 0.12x dense"), ("bytes", "seconds <= 0.6x dense hal_bucketed"),
+        ("time", "wire bytes <= 0.12x dense"), ("time", "seconds <= 0.6x dense hal_bucketed"),
+        ("time", "mean seconds <= 0.6x dense hal_bucketed"),
+    ]
     assert all(isinstance(t["met"], bool) and t["value"] > 0 for t in small["targets"]) and large["targets"] == []
     assert small["wire_bound"]["break_even_gb_per_s"] > 0 and large["wire_bound"] is None  # no fewer bytes: no projection
     # a small step: a few percent of the words change, and the delta is far smaller than dense
@@ -271,6 +281,9 @@ def test_delta_targets_and_projection():
     verdicts = {t["target"]: t["met"] for t in delta.target_verdicts(summary)}
     assert verdicts == {"wire bytes <= 0.12x dense": True, "seconds <= 0.6x dense hal_bucketed": False}
     assert [t["met"] for t in delta.target_verdicts({**summary, "lr": 1e-5, "ratio_to_dense": 1.04})] == [True]
+    by_time = {"bytes_ratio": 1.0, "ratio_to_dense": 1.01, "mean_ratio_to_dense": 1.08}
+    verdicts = delta.target_verdicts({**summary, "lr": 1e-5, "ratio_to_dense": 1.04, "by_time": by_time})
+    assert [(t["choose"], t["met"]) for t in verdicts] == [("bytes", True), ("time", True), ("time", False)]
     assert delta.target_verdicts({**summary, "lr": 3e-6}) == []  # no target at this lr
     wb = delta.wire_bound_projection(summary)
     assert wb["extra_s"] == pytest.approx(0.6)  # encode plus the apply time dense sync does not spend

@@ -23,7 +23,8 @@ K); `--nodes N` spreads them over N simulated nodes (VERL_HAL_NODE per process) 
 
 `--delta` runs hal.bench.delta instead: fp32 master weights shaped like the preset, one
 Adam step on random gradients between syncs, each sync measured as `floor`, dense
-`hal_bucketed` and `hal_delta` (SyncConfig.delta) with the wire dtype `--wire-dtype`;
+`hal_bucketed`, `hal_delta_bytes` and `hal_delta_time` (SyncConfig.delta with
+DeltaConfig.choose "bytes" and "time") with the wire dtype `--wire-dtype`;
 the JSON holds {"preset", "mode": "delta", "results": [one summary per learning rate]}.
 `--methods`, `--repeats`, `--warmup`, `--receivers`, `--nodes`, `--trace` and `--plot`
 do not apply to it.
