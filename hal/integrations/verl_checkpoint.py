@@ -24,8 +24,9 @@ group.
 
 Settings: verl passes `bucket_size` (`update_weights_bucket_megabytes`) and the mapping
 `engine_kwargs["hal"]`, whose keys are `SyncConfig` fields (`bucket_bytes`,
-`segment_bytes`, `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`) plus this engine's own
-`transport`; any other key is refused naming the valid ones (`is_master` is verl's).
+`segment_bytes`, `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`, `delta`) plus this
+engine's own `transport`; `delta` is true (`DeltaConfig()`), false, or a mapping of
+`DeltaConfig` fields (`{"anchor_every": 16, "choose": "time"}`); any other key is refused naming the valid ones (`is_master` is verl's).
 verl's default bucket size (2048 MiB) means "hal sizes the buckets" (from free device
 memory); any other value is the bucket size.
 
@@ -34,10 +35,13 @@ nothing before it yields: the first sync of an engine learns them by iterating t
 generator once in full (on the master each tensor is kept in host memory until it is
 sent: one copy of the weights, once), every later sync streams with that layout and
 checks each tensor against it; a sync whose tensors differ fails on every rank and the
-next one learns the layout again. `engine_kwargs["hal"]["delta"]` is refused by name
-(`UNSUPPORTED_SETTINGS`). Rollout workers
-accept the tensors the trainer's header declares (verl's rollout side has no model of
-its own to check them against).
+next one learns the layout again. Rollout workers accept the tensors the trainer's header
+declares (verl's rollout side has no model of its own to check them against).
+
+With `delta`, the wire carries only the changed words (docs/delta.md); each rollout worker
+keeps an image of the last sync (one model at the wire dtype, on its device) and still
+yields every tensor each update, rebuilt from it: verl's server adapters hand the weights
+to vLLM, whose layerwise reload re-processes a layer from all its tensors.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from hal import env
 from hal.backend import Backend
 from hal.sync import (
     BroadcastTransport,
+    DeltaConfig,
     HierarchicalTransport,
     IpcTransport,
     Receiver,
@@ -81,11 +86,8 @@ ENGINE_SETTINGS = {
     "transport": "how bytes travel: " + " | ".join(TRANSPORT_CHOICES) + " (default auto)",
     "is_master": "set by verl on trainer rank 0 (the rank that sends)",
 }
-# SyncConfig fields this engine does not take yet, and why (docs/verl.md, "Not supported yet").
-UNSUPPORTED_SETTINGS = {
-    "delta": "delta syncs are not wired into the verl engine yet (verl's server adapters would "
-    "have to keep every tensor between syncs); use hal.sync directly, or verl's own delta engines",
-}
+# SyncConfig fields this engine does not take, and why (docs/verl.md, "Not supported yet").
+UNSUPPORTED_SETTINGS: dict[str, str] = {}
 # The sync rank of trainer ranks outside the sync group (they gather, they do not send).
 NOT_IN_GROUP = -1
 
@@ -111,6 +113,8 @@ def sync_config_from(bucket_size: int, settings: dict[str, Any]) -> SyncConfig:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"checkpoint engine 'hal': wire_dtype {wire!r} is not a torch dtype name (e.g. 'bfloat16')")
         values["wire_dtype"] = dtype
+    if "delta" in values:
+        values["delta"] = _delta_config(values["delta"])
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
         raise ValueError(f"checkpoint engine 'hal': bucket_size must be a positive int of bytes, got {bucket_size!r}")
     if bucket_size != VERL_DEFAULT_BUCKET_MEGABYTES << 20:
@@ -122,6 +126,23 @@ def sync_config_from(bucket_size: int, settings: dict[str, Any]) -> SyncConfig:
             )
         values["bucket_bytes"] = bucket_size
     return SyncConfig(**values)
+
+
+def _delta_config(value: Any) -> DeltaConfig | None:
+    """engine_kwargs["hal"]["delta"]: true, false/None, a mapping of DeltaConfig fields, or a DeltaConfig."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DeltaConfig()
+    if isinstance(value, DeltaConfig):
+        return value
+    fields = [f.name for f in dataclasses.fields(DeltaConfig)]
+    if not hasattr(value, "keys"):  # (OmegaConf's DictConfig is a mapping too)
+        raise ValueError(f"checkpoint engine 'hal': delta must be true, false or a mapping of {', '.join(fields)}; got {value!r}")
+    unknown = sorted(set(value.keys()) - set(fields))
+    if unknown:
+        raise ValueError(f"checkpoint engine 'hal': unknown delta setting(s) {', '.join(map(repr, unknown))}; valid: {', '.join(fields)}")
+    return DeltaConfig(**{k: value[k] for k in value.keys()})
 
 
 # ---- the rollout side adopts the specs the trainer's header declares -------------------------
@@ -240,6 +261,7 @@ class _Handoff:
     is done with it (asks for the next one), so the receiver may reuse its buffer after."""
 
     in_place = False
+    apply_unchanged = True  # with delta syncs too: every tensor, every update (see the module doc)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, backend: Backend) -> None:
         self.loop = loop
@@ -280,6 +302,20 @@ class _Handoff:
     def close(self) -> None:
         self.closed = True
         self._released.set()
+
+
+def _numeric_metrics(metrics: dict[str, Any]) -> dict[str, float | int]:
+    """The sync's metrics as verl merges them into a step's: numbers only (verl averages
+    them), dicts flattened (`segments_by_encoding/dense`), words and Nones left out."""
+    out: dict[str, float | int] = {}
+    for key, value in metrics.items():
+        if key == "plan_reused":
+            continue
+        if isinstance(value, dict):
+            out.update({f"checkpoint_engine/hal/{key}/{k}": v for k, v in value.items() if isinstance(v, (int, float))})
+        elif isinstance(value, (int, float)):  # (bools too: delta)
+            out[f"checkpoint_engine/hal/{key}"] = value
+    return out
 
 
 def _in_thread(fn: Any, *args: Any) -> "concurrent.futures.Future[Any]":
@@ -500,7 +536,7 @@ class HalCheckpointEngine(CheckpointEngine):
         self.last_error = None
         if not self._trainer.is_sender:
             return {}
-        return {f"checkpoint_engine/hal/{k}": v for k, v in self.metrics.items() if v is not None and k != "plan_reused"}
+        return _numeric_metrics(self.metrics)
 
     @torch.no_grad()
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:

@@ -24,9 +24,13 @@ from tests.verl import flow  # noqa: E402
 # Every wait of a sync; a dead rollout worker must fail the update within this.
 TIMEOUT_S = 20.0
 # The checkpoint engine's settings (engine_kwargs["hal"]): 16 KiB buckets, so that every
-# matrix travels in chunks over several buckets; checksums on; transport "auto" (on one
-# CPU node: shared memory).
-HAL_SETTINGS = {"bucket_bytes": 16384, "verify": True, "timeout_s": TIMEOUT_S}
+# matrix travels in chunks over several buckets; checksums on; delta syncs chosen by bytes
+# (the first update of a group whole, the later ones deltas: the trainers' weights do not
+# change here, so they carry no words, and the rollout workers must rebuild every tensor
+# from their image); transport "auto" (on one CPU node: shared memory).
+HAL_SETTINGS = {
+    "bucket_bytes": 16384, "verify": True, "timeout_s": TIMEOUT_S, "delta": {"anchor_every": 100, "choose": "bytes"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +97,10 @@ def test_verl_flow_three_updates_with_backend_hal(verl_flow):
         assert [s["sync_rank"] for s in rollout_states] == [1, 2]
         assert {s["transport"] for s in rollout_states} == {"ipc"}
         assert trainer_states[0]["metrics"]["buckets"] > 10  # chunked over many 16 KiB buckets
+        sent = trainer_states[0]["metrics"]
+        assert sent["delta_choice"] == ("anchor" if step == 1 else "delta")
+        if step > 1:  # nothing changed: only the segments' counts travel
+            assert sent["changed_fraction"] == 0 and sent["wire_bytes"] < sent["dense_wire_bytes"] // 10
     assert len({s["group"] for s in _states(verl_flow.rollouts)}) == 1, "the sync group was rebuilt between updates"
     print(f"\nverl flow: start {verl_flow.timings['start_s']:.1f} s, updates {', '.join(f'{t:.2f}' for t in timings)} s")
 

@@ -240,6 +240,11 @@ def test_settings_map_onto_sync_config_by_field_name():
     assert (config.bucket_bytes, config.verify, config.wire_dtype, config.timeout_s) == (1 << 20, True, torch.bfloat16, 5)
     engine = HalCheckpointEngine(bucket_size=default, is_master=True, transport="broadcast", bypass_cpu=False, segment_bytes=None)
     assert (engine.config.bypass_cpu, engine.config.segment_bytes, engine.is_master) == (False, None, True)
+    from hal.sync import DeltaConfig
+
+    assert sync_config_from(default, {"delta": {"anchor_every": 8, "choose": "bytes"}}).delta == DeltaConfig(anchor_every=8, choose="bytes")
+    assert sync_config_from(default, {"delta": True}).delta == DeltaConfig()
+    assert sync_config_from(default, {"delta": False}).delta is None and sync_config_from(default, {}).delta is None
 
 
 @pytest.mark.parametrize(
@@ -249,7 +254,9 @@ def test_settings_map_onto_sync_config_by_field_name():
         ({"rebuild_group": True}, "unknown setting(s) 'rebuild_group'"),
         ({"wire_dtype": "bf17"}, "wire_dtype 'bf17' is not a torch dtype name"),
         ({"timeout_s": 0}, "SyncConfig.timeout_s must be positive"),
-        ({"delta": {"anchor_every": 8}}, "setting 'delta' is not supported: delta syncs are not wired into the verl engine"),
+        ({"delta": {"anchor_every": 8, "every": 2}}, "unknown delta setting(s) 'every'; valid: anchor_every, baseline, choose"),
+        ({"delta": "yes"}, "delta must be true, false or a mapping"),
+        ({"delta": {"choose": "speed"}}, "DeltaConfig.choose must be 'time' or 'bytes'"),
     ],
 )
 def test_an_unknown_or_bad_setting_is_refused_by_name(settings, message):
