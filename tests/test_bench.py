@@ -237,9 +237,31 @@ def test_bench_delta_cli_on_tiny_preset(tmp_path):
     assert large["wire_bytes"] == large["dense_wire_bytes"] and large["bytes_ratio"] == pytest.approx(1.0)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_bench_delta_on_an_emulated_slow_link_the_time_choice_sends_deltas(tmp_path):
+    """On a link of 5 MB/s (emulated) a dense sync of the tiny preset takes about 60 ms of
+    wire, far more than comparing it: choosing by time sends deltas, at a few percent of
+    the bytes, and faster than dense."""
+    out_json = tmp_path / "delta.json"
+    argv = ["bench", "--delta", "--preset", "tiny", "--lrs", "1e-6", "--syncs", "4", "--link-gbps", "0.005",
+            "--bucket-mb", "0.0625", "--timeout", "200", "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    report = json.loads(out_json.read_text())
+    assert "EMULATED link of 0.005 GB/s" in report["timing"] and report["config"]["link_gb_per_s"] == 0.005
+    (r,) = report["results"]
+    assert r["verified_syncs"] == 5
+    t = r["by_time"]
+    assert t["per_sync"][0] == "paused" and set(t["per_sync"][1:]) == {"delta"}  # measured once, then deltas
+    assert t["bytes_ratio"] < 0.2 and r["bytes_ratio"] < 0.2
+    assert r["seconds"]["hal_bucketed"] > 0.05  # the wire's 60 ms are in the dense sync's time
+    assert t["ratio_to_dense"] < 1
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["--link-gbps", "0"], "0"),
         (["--wire-dtype", "fp64"], "fp64"),
         (["--lrs", "1e-6,fast"], "comma-separated numbers"),
         (["--lrs", "1e-6,-1e-5"], "positive"),

@@ -103,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     delta.add_argument("--wire-dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="SyncConfig.wire_dtype (default: bf16)")
     delta.add_argument("--anchor-every", type=_positive_int, default=16, help="DeltaConfig.anchor_every (default: 16)")
     delta.add_argument("--baseline", choices=("device", "host"), default="device", help="DeltaConfig.baseline (default: device)")
+    delta.add_argument(
+        "--link-gbps", type=_positive_float, default=None, metavar="GB_PER_S",
+        help="emulate a link of this many GB/s (1e9 bytes/s) for every method: a send's bytes count as arrived only at "
+        "that rate, overlapping the work around it (default: the transport as it is)",
+    )
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results")
     try:
         vllm_engine = importlib.import_module(_VLLM_MODULE)
@@ -173,6 +178,7 @@ def _run_delta(args: argparse.Namespace) -> dict[str, Any]:
             bucket_bytes=_bucket_bytes(args, WIRE_DTYPES[args.wire_dtype].itemsize),
             anchor_every=args.anchor_every,
             baseline=args.baseline,
+            link_gb_per_s=args.link_gbps,
             threads=args.threads,
             timeout_s=args.timeout if args.timeout is not None else 1800.0,
             verify=args.verify,

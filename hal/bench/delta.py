@@ -30,6 +30,10 @@ hal.bench.transfer). For each learning rate, from the same initial weights:
   all again). The delta's destinations are never cleared: a delta sync writes only what
   changed.
 
+With `link_gb_per_s` (`--link-gbps`) every method's sends go over an emulated link of that
+rate (`_Link`: the bytes count as arrived at that rate, overlapping the work around them):
+to see what each choice does where the wire costs more than loopback. An emulation.
+
 Reported per learning rate, over the steady-state syncs (those where `hal_delta_bytes`
 carried deltas; the anchor is reported on its own): for `hal_delta_bytes` the changed
 fraction, wire bytes against dense, segments by encoding, the sender's encode time, the
@@ -88,6 +92,8 @@ class DeltaBenchConfig:
     """`DeltaConfig.anchor_every`: a sync that lands on it is whole and is counted as an anchor."""
     baseline: str = "device"
     """`DeltaConfig.baseline`."""
+    link_gb_per_s: float | None = None
+    """Emulate a link of this many GB/s for every method (`PacedLink`); None: the transport as it is."""
     init_std: float = 0.02
     """Standard deviation of the initial matrices and biases (Qwen2's initializer_range)."""
     grad_std: float = 1.0
@@ -120,6 +126,8 @@ class DeltaBenchConfig:
             raise ValueError("init_std and grad_std must be positive")
         if self.timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ValueError("timeout_s and collective_timeout_s must be positive")
+        if self.link_gb_per_s is not None and not self.link_gb_per_s > 0:
+            raise ValueError(f"link_gb_per_s must be positive or None, got {self.link_gb_per_s!r}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -188,6 +196,43 @@ class _Side:
         return self.rank == SENDER
 
 
+class _Link:
+    """An emulated link of `bytes_per_s` on the sending side: each send's bytes count as
+    arrived only when a link of that rate, busy with the sends before it, would have
+    carried them; the work around the sends (packing the next segment, the receiver's
+    apply) overlaps it. The sync, or the floor's broadcast, ends no earlier than its last
+    byte. An emulation, not a measurement of a link."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.busy_until = 0.0
+
+    def carry(self, nbytes: int) -> None:
+        self.busy_until = max(time.perf_counter(), self.busy_until) + nbytes / self.bytes_per_s
+
+    def drain(self) -> None:
+        delay = self.busy_until - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+
+def _paced_transport(link: _Link) -> Any:
+    from hal.sync import BroadcastTransport
+
+    class PacedBroadcast(BroadcastTransport):
+        """BroadcastTransport whose sends go over the emulated `link`."""
+
+        def send_segment(self, k: int, j: int, start: int, data: torch.Tensor, **kw: Any) -> None:
+            link.carry(data.numel())
+            super().send_segment(k, j, start, data, **kw)
+
+        def finish(self) -> None:
+            super().finish()
+            link.drain()
+
+    return PacedBroadcast(group=None, src=SENDER)
+
+
 def _setup(side: _Side, method: str) -> None:
     """Create `method`'s objects on this rank and its run(version) -> metrics."""
     import torch.distributed as dist
@@ -198,17 +243,22 @@ def _setup(side: _Side, method: str) -> None:
     from hal.sync.rollout import copy_into
 
     config = side.config
+    link = _Link(config.link_gb_per_s * 1e9) if config.link_gb_per_s and side.is_sender else None
     if method == "floor":
         flat = side.flat["floor"]
 
         def run_floor(version: int) -> dict[str, Any]:
+            if link is not None:
+                link.carry(flat.numel())
             dist.broadcast(flat, src=SENDER)
+            if link is not None:
+                link.drain()
             return {}
 
         side.runs[method] = run_floor
         return
     backend = get_backend("cpu")  # host weights and gloo, whatever VERL_DEVICE says
-    transport = BroadcastTransport(group=None, src=SENDER)
+    transport = _paced_transport(link) if link is not None else BroadcastTransport(group=None, src=SENDER)
     delta = None
     if method in DELTA_METHODS:
         delta = DeltaConfig(anchor_every=config.anchor_every, baseline=config.baseline, choose=DELTA_METHODS[method])
@@ -537,7 +587,8 @@ def run_delta(config: DeltaBenchConfig) -> dict[str, Any]:
         "wire_bytes_total": reports[SENDER]["lrs"][0]["total_bytes"],
         "fused_adam": reports[SENDER]["lrs"][0]["fused_adam"],
         "config": cfg,
-        "timing": f"median over the steady-state syncs of {config.syncs} per lr; anchor reported apart",
+        "timing": f"median over the steady-state syncs of {config.syncs} per lr; anchor reported apart"
+        + (f"; EMULATED link of {config.link_gb_per_s:g} GB/s" if config.link_gb_per_s else ""),
         "wall_s": time.perf_counter() - began,
         "pids": [r["pid"] for r in reports],
         "results": results,
