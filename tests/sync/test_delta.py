@@ -357,7 +357,7 @@ def few_changes(tensors: dict[str, torch.Tensor], step: int) -> None:
             flat[hit] = (flat[hit].float() * 1.01 + 0.01).to(t.dtype)
 
 
-def pacing_worker(rank, world, link, steps):
+def pacing_worker(rank, world, link, steps, fail_at=None):
     """Delta syncs chosen by time, on three links: `slow-encode` (every compare far slower
     than the wire), `slow-compare` (a slow wire; the samples of whole syncs faster than
     it, but a delta sync's compares slower still), `slow-wire` (the wire far slower than
@@ -385,7 +385,11 @@ def pacing_worker(rank, world, link, steps):
         for step in range(steps):
             if step:
                 few_changes(tensors, step)
-            m = sender.send(TensorSource(sent(tensors)), version=step)
+            try:
+                m = sender.send(FailingSource(sent(tensors), "fp8.weight" if step == fail_at else None), version=step)
+            except SyncError as exc:
+                out.append((type(exc).__name__,) + (None,) * 6)
+                continue
             out.append((m.delta_choice, m.delta, m.compared_bytes, m.sampled_bytes, m.wire_bytes, m.dense_wire_bytes, m.segments_by_encoding))
         return out
     receiver = Receiver(transport, specs())
@@ -393,11 +397,28 @@ def pacing_worker(rank, world, link, steps):
     reference = initial()
     exact = []
     for step in range(steps):
+        old = dict(sent({n: t.clone() for n, t in reference.items()}))
         if step:
             few_changes(reference, step)
-        receiver.receive(copy_into(held))
+        try:
+            receiver.receive(copy_into(held))
+        except SyncError:  # per tensor its old bytes or its new ones, never others
+            exact.append(all(same_bytes(held[n], t) or same_bytes(held[n], old[n]) for n, t in sent(reference)) and "old or new")
+            continue
         exact.append(all(same_bytes(held[n], t) for n, t in sent(reference)))
     return exact
+
+
+@pytest.mark.parametrize("link,fail_at", [("slow-encode", 2), ("slow-wire", 4)], ids=["during-a-pause", "during-a-delta"])
+def test_by_time_a_failed_sync_leaves_old_or_new_bytes_and_the_next_is_an_anchor(link, fail_at):
+    """Whole syncs pack straight into the baseline: one that fails part-way leaves it
+    neither old nor new, so the next sync must be whole, whatever the pacing says."""
+    steps = 7
+    out, receiver = run_group(pacing_worker, 2, args=(link, steps, fail_at), timeout=120)
+    assert out[fail_at][0] == "SourceError" and out[fail_at + 1][0] == "anchor"
+    assert out[fail_at - 1][0] == ("paused" if link == "slow-encode" else "delta")
+    assert receiver[fail_at] == "old or new"
+    assert receiver[:fail_at] + receiver[fail_at + 1 :] == [True] * (steps - 1)
 
 
 def test_by_time_a_compare_slower_than_the_wire_never_sends_deltas_and_samples_ever_less_often():
