@@ -24,11 +24,11 @@ hal.bench.transfer). For each learning rate, from the same initial weights:
                   while they make syncs faster (docs/delta.md, "Choosing by time").
   Each is timed from a barrier (taken after the untimed RSS reset and, at the first
   sync, the set-up): the latest end minus the earliest start over both ranks.
-- Outside the timed region the receiver checks that the bytes `hal_bucketed` and
-  both delta methods left in their destinations equal the bytes the floor delivered (libc memcmp),
-  every sync; then it zeroes the dense destinations (the next dense sync must write them
-  all again). The delta's destinations are never cleared: a delta sync writes only what
-  changed.
+- Outside the timed region the receiver checks that the bytes `hal_bucketed` and both
+  delta methods left in their destinations equal the bytes the floor delivered (libc
+  memcmp), every sync; then it zeroes the dense destinations (the next dense sync must
+  write them all again). The deltas' destinations are never cleared: a delta sync writes
+  only what changed.
 
 With `link_gb_per_s` (`--link-gbps`) every method's sends go over an emulated link of that
 rate (`_Link`: the bytes count as arrived at that rate, overlapping the work around them):
@@ -39,9 +39,9 @@ carried deltas; the anchor is reported on its own): for `hal_delta_bytes` the ch
 fraction, wire bytes against dense, segments by encoding, the sender's encode time, the
 receiver's apply time, its ratio to `hal_bucketed` and to `floor` (medians of same-sync
 ratios, and the ratio of sums); for `hal_delta_time` (`by_time`) what it chose per sync,
-its bytes and its ratios to `hal_bucketed`; every method's seconds, the baseline each side keeps (`baseline_bytes`) and the resident
-memory each method added (RSS high-water mark, as in hal.bench.transfer: at set-up plus
-the anchor sync, and per steady sync). Then, for lr 1e-6 and 1e-5, the verdicts against
+its bytes and its ratios to `hal_bucketed`; every method's seconds, the baseline each
+side keeps (`baseline_bytes`) and the resident memory each method added (RSS high-water
+mark, as in hal.bench.transfer: at set-up plus the anchor sync, and per steady sync). Then, for lr 1e-6 and 1e-5, the verdicts against
 issue 11's targets (`TARGETS`), and for every lr a wire-bound projection
 (`wire_bound_projection`: computed from the measured bytes and CPU times, not measured).
 """
