@@ -445,6 +445,9 @@ class _DeltaPacer:
     def __init__(self) -> None:
         self.whole: deque[float] = deque(maxlen=self.WHOLE_KEPT)  # recent whole syncs that allocated nothing
         self.encode_rate: float | None = None
+        # what a delta sync cost beyond its encode (pack, wire, the receivers' apply), from
+        # the last complete one: the samples time the encode alone
+        self.delta_rest = 0.0
         self.pause_next = self.FIRST_PAUSE
         self.pausing = 0  # whole syncs left before the next decision
 
@@ -461,7 +464,7 @@ class _DeltaPacer:
         best = self.whole_s_per_byte()
         if best is None or self.encode_rate is None:
             return "paused", True  # nothing to judge by yet: measure both
-        if self.encode_rate > best:  # the encode alone costs more than a whole sync: no delta can win
+        if self.encode_rate + self.delta_rest > best:  # a delta sync would cost more than a whole one
             self._lost()
             return self.choose()
         return "delta", False
@@ -480,10 +483,13 @@ class _DeltaPacer:
         if choice in ("anchor", "paused"):
             if warm:  # (a sync that allocated the baseline or built a plan is slower than the next)
                 self.whole.append(rate)
-        elif choice == "stopped" or (best is not None and rate > best):
-            self._lost()
         else:
-            self.pause_next = self.FIRST_PAUSE
+            if choice == "delta" and encode_rate is not None:
+                self.delta_rest = max(0.0, rate - encode_rate)
+            if choice == "stopped" or (best is not None and rate > best):
+                self._lost()
+            else:
+                self.pause_next = self.FIRST_PAUSE
 
 
 class _DeltaState:

@@ -358,10 +358,11 @@ def few_changes(tensors: dict[str, torch.Tensor], step: int) -> None:
 
 
 def pacing_worker(rank, world, link, steps, fail_at=None):
-    """Delta syncs chosen by time, on three links: `slow-encode` (every compare far slower
+    """Delta syncs chosen by time, on four links: `slow-encode` (every compare far slower
     than the wire), `slow-compare` (a slow wire; the samples of whole syncs faster than
-    it, but a delta sync's compares slower still), `slow-wire` (the wire far slower than
-    any compare). Every step must land bit for bit whatever was chosen."""
+    it, but a delta sync's compares slower still), `slow-apply` (a slow wire, fast
+    compares, but the receiver patches deltas slowly), `slow-wire` (the wire far slower
+    than any compare). Every step must land bit for bit whatever was chosen."""
     from hal.sync.sender import _DeltaPacer
 
     transport = (BroadcastTransport if link == "slow-encode" else SlowWire)(None, src=0)
@@ -392,6 +393,16 @@ def pacing_worker(rank, world, link, steps, fail_at=None):
                 continue
             out.append((m.delta_choice, m.delta, m.compared_bytes, m.sampled_bytes, m.wire_bytes, m.dense_wire_bytes, m.segments_by_encoding))
         return out
+    if link == "slow-apply":  # patching the receivers' tensors with a delta is slow
+        import time
+
+        real_apply = kernels.delta_apply
+
+        def slow_apply(*a, **kw):
+            time.sleep(SLOW_ENCODE_S)
+            return real_apply(*a, **kw)
+
+        kernels.delta_apply = slow_apply
     receiver = Receiver(transport, specs())
     held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs()}
     reference = initial()
@@ -449,6 +460,17 @@ def test_by_time_a_delta_sync_whose_compare_is_slow_stops_after_two_segments():
             assert compared == 2 * SEGMENT and sampled == 0 and segments["dense"] >= 2 and wire < dense
         else:
             assert compared == 0 and wire == dense
+
+
+def test_by_time_a_delta_sync_lost_to_the_receivers_apply_is_not_tried_again_on_samples_alone():
+    """The samples time the sender's encode only. After one delta sync that lost by its
+    receivers' slow apply, what it cost beyond its encode is added to every later sample:
+    the pauses end in pauses, not in another losing delta sync."""
+    steps = 10
+    out, receiver = run_group(pacing_worker, 2, args=("slow-apply", steps), timeout=120)
+    assert receiver == [True] * steps
+    assert [o[0] for o in out] == ["anchor", "paused", "delta"] + ["paused"] * (steps - 3)
+    assert [s for s, o in enumerate(out) if o[3]] == [1, 4, 8]  # samples: measure, then after pauses of 2 and 4
 
 
 def test_by_time_a_wire_slower_than_the_compare_keeps_sending_deltas():
