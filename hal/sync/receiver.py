@@ -349,7 +349,11 @@ class _Delivery:
         names = [bucket.pieces[i].spec.name for i, _, _ in segment.parts]
         if status.encoding == kernels.DENSE:
             if not landed:  # the transport kept them in its own (shared) buffer
-                self.backend.copy_(target, self.transport.buffer(bucket.index)[segment.start : segment.stop])
+                stream = self.backend.current_stream()
+                self.backend.copy_(target, self.transport.buffer(bucket.index)[segment.start : segment.stop], stream=stream)
+                # the image is read next by torch ops (patches, checksums) and by the sink, which
+                # may read views on the host: the copy must be done, not only queued
+                stream.synchronize()
             self.changed.update(names)  # not compared: counted as changed
             return
         payload = self.transport.buffer(bucket.index)[segment.start : segment.start + status.nbytes]

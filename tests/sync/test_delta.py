@@ -16,7 +16,7 @@ import torch
 
 import hal
 from hal import kernels
-from hal.sync import BroadcastTransport, IpcTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, TensorSpec, copy_into
+from hal.sync import BroadcastTransport, HierarchicalTransport, IpcTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, TensorSpec, copy_into
 from hal.sync.config import DeltaConfig
 from hal.sync.plan import bucket_offsets
 from tests.multiproc import run_group
@@ -96,7 +96,10 @@ class Views:
 
 def delta_worker(rank, world, backend, kind, sink_kind):
     with hal.use(backend):
-        transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
+        if kind == "hier":  # ranks 1-2 on one node (1 leads, 2 reads its buffer), rank 3 on another
+            transport = HierarchicalTransport(None, src=0, node="trainer" if rank == 0 else f"node{int(rank > 2)}")
+        else:
+            transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
         config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=8, choose="bytes"))
         if rank == 0:
             sender = Sender(transport, config)
@@ -136,8 +139,14 @@ def delta_worker(rank, world, backend, kind, sink_kind):
         ("sim", "broadcast", 2, "views"),
         ("cpu", "ipc", 2, "staged"),
         ("sim", "ipc", 3, "dest"),
+        ("cpu", "hier", 4, "dest"),
+        ("sim", "hier", 3, "views"),
+        ("sim", "ipc", 2, "views"),
     ],
-    ids=["cpu-p2p-copy_into", "cpu-broadcast-2-views", "sim-p2p-views", "cpu-shm-copy_into-staged", "sim-shm-2-copy_into"],
+    ids=[
+        "cpu-p2p-copy_into", "cpu-broadcast-2-views", "sim-p2p-views", "cpu-shm-copy_into-staged", "sim-shm-2-copy_into",
+        "cpu-hierarchical-2-nodes-copy_into", "sim-hierarchical-leader-and-follower-views", "sim-shm-views",
+    ],
 )
 def test_twenty_delta_syncs_are_bit_identical_to_dense(backend, kind, world, sink_kind):
     (metrics, _), *receivers = run_group(delta_worker, world, args=(backend, kind, sink_kind), timeout=240)
