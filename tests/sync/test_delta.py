@@ -11,6 +11,8 @@ anchors come every `anchor_every` syncs.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -342,8 +344,6 @@ class SlowWire(BroadcastTransport):
     """A link of about 0.5 MB/s: sending costs time in proportion to the bytes sent."""
 
     def send_segment(self, k, j, start, data, **kw):
-        import time
-
         time.sleep(data.numel() * SLOW_WIRE_S_PER_BYTE)
         super().send_segment(k, j, start, data, **kw)
 
@@ -379,8 +379,6 @@ def pacing_worker(rank, world, link, steps, fail_at=None):
     tensors = initial()
     if rank == 0:
         if link in ("slow-encode", "slow-compare"):
-            import time
-
             real = kernels.delta_encode
             _DeltaPacer.SAMPLE_BYTES = 1024  # samples smaller than any compare of a delta sync
 
@@ -403,8 +401,6 @@ def pacing_worker(rank, world, link, steps, fail_at=None):
             out.append((m.delta_choice, m.delta, m.compared_bytes, m.sampled_bytes, m.wire_bytes, m.dense_wire_bytes, m.segments_by_encoding))
         return out
     if link == "slow-apply":  # patching the receivers' tensors with a delta is slow
-        import time
-
         real_apply = kernels.delta_apply
 
         def slow_apply(*a, **kw):
