@@ -39,8 +39,8 @@ def make_model() -> torch.nn.Module:
     )
 
 
-def engine_specs() -> list[TensorSpec]:
-    return [TensorSpec.of(n, p.detach()) for n, p in make_model().named_parameters()]
+def engine_specs(dtype: torch.dtype | None = None) -> list[TensorSpec]:
+    return [TensorSpec.of(n, p.detach() if dtype is None else p.detach().to(dtype)) for n, p in make_model().named_parameters()]
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -68,15 +68,24 @@ def fsdp_worker(rank, world, scenario):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    from hal.sync import DeltaConfig
+
     trainer_group, sync_group = groups(rank)
     config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=8192, timeout_s=TIMEOUT_S)
+    wire = None
+    if scenario == "delta":  # a bf16 engine, a small learning rate: most bf16 words stay the same
+        wire = torch.bfloat16
+        config = SyncConfig(
+            bucket_bytes=BUCKET, segment_bytes=8192, timeout_s=TIMEOUT_S, wire_dtype=wire,
+            delta=DeltaConfig(anchor_every=100, choose="bytes"),
+        )
     if rank in (0, 1):
         model = make_model()
         mesh = DeviceMesh.from_group(trainer_group, "cpu")
         for layer in (model[0], model[1], model[3]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4 if scenario == "delta" else 1e-2)
         trainer = TrainerSync(
             transport=BroadcastTransport(sync_group, src=0) if rank == 0 else None, config=config, trainer_group=trainer_group
         )
@@ -90,16 +99,20 @@ def fsdp_worker(rank, world, scenario):
             try:
                 metrics = trainer.sync(source, version=version)
                 outcome = ("ok", metrics.tensors)
+                if scenario == "delta" and rank == 0:
+                    outcome += (metrics.delta, metrics.wire_bytes / metrics.dense_wire_bytes)
             except SyncError as exc:
                 outcome = (type(exc).__name__, str(exc)[:300])
             full = {n: p.full_tensor() for n, p in model.named_parameters()}  # every trainer rank, in lockstep
+            if wire is not None:
+                full = {n: t.to(wire) for n, t in full.items()}
             results.append((outcome, digest(full), time.monotonic() - start))
-            if scenario != "ok":
+            if scenario not in ("ok", "delta"):
                 break
         return results
     # ranks 2 and 3: engine workers of the sync group, never in the trainer's group
-    receiver = Receiver(BroadcastTransport(sync_group, src=0), engine_specs(), timeout_s=TIMEOUT_S)
-    weights = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in engine_specs()}
+    receiver = Receiver(BroadcastTransport(sync_group, src=0), engine_specs(wire), timeout_s=TIMEOUT_S)
+    weights = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in engine_specs(wire)}
     results = []
     for _ in (1, 2, 3):
         start = time.monotonic()
@@ -118,7 +131,7 @@ def fsdp_worker(rank, world, scenario):
         except SyncError as exc:
             outcome = (type(exc).__name__, str(exc)[:300])
         results.append((outcome, digest(weights), time.monotonic() - start))
-        if scenario != "ok":
+        if scenario not in ("ok", "delta"):
             break
     return results
 
@@ -133,6 +146,23 @@ def test_fsdp2_trainer_in_lockstep_syncs_bit_exact_into_two_receivers():
         for engine in (engine2, engine3):
             assert engine[step][0] == ("ok", step + 1)
             assert engine[step][1] == full, f"sync {step + 1}: the engine does not hold the trainer's weights"
+    assert trainer0[0][1] != trainer0[1][1] != trainer0[2][1]  # the optimizer moved the weights each step
+
+
+def test_fsdp2_trainer_delta_syncs_bit_exact_into_two_bf16_receivers():
+    """The same lockstep with delta sync: after the first (whole) sync the sending rank
+    sends only the bf16 words that changed, the follower rank only gathers."""
+    trainer0, trainer1, engine2, engine3 = run_group(fsdp_worker, 4, args=("delta",), timeout=240, collective_timeout=TIMEOUT_S)
+    ratios = []
+    for step in range(3):
+        (sent, tensors, delta, ratio), full, _ = trainer0[step]
+        assert sent == "ok" and tensors == len(engine_specs()) and delta == (step > 0)
+        ratios.append(ratio)
+        assert trainer1[step][0] == ("ok", len(engine_specs())) and trainer1[step][1] == full
+        for engine in (engine2, engine3):
+            assert engine[step][0] == ("ok", step + 1)
+            assert engine[step][1] == full, f"sync {step + 1}: the engine does not hold the trainer's bf16 weights"
+    assert ratios[0] == 1 and ratios[1] < 1 and ratios[2] < 1, ratios  # later syncs carried fewer bytes
     assert trainer0[0][1] != trainer0[1][1] != trainer0[2][1]  # the optimizer moved the weights each step
 
 
