@@ -223,6 +223,36 @@ class TestTensorParallel2:
             sync.close()
         assert outputs[0] != outputs[1] != outputs[2], "each perturbation should change greedy output"
 
+    def test_delta_syncs_reach_both_workers_through_shared_memory(self, tp2):
+        """Delta syncs into the TP=2 engine (both workers keep an image and rebuild every
+        tensor from it for vLLM's layerwise reload): a whole sync, then two that change one
+        layer only, so most segments carry no words at all."""
+        from hal.integrations.vllm_client import OfflineEngine, WeightSync
+        from hal.sync import DeltaConfig
+
+        llm, model = tp2
+        config = SyncConfig(**SYNC_CONFIG, delta=DeltaConfig(anchor_every=100, choose="bytes"))
+        sync = WeightSync([OfflineEngine(llm, name="tp2")], config=config, timeout_s=60, transport="ipc")
+        sync.init()
+        try:
+            start = engine_version(llm)
+            layer = dict(model.named_parameters())
+            for step, version in enumerate((start + 1, start + 2, start + 3)):
+                if step:
+                    gen = torch.Generator().manual_seed(300 + step)
+                    with torch.no_grad():
+                        for name, p in layer.items():
+                            if ".layers.0." in name:
+                                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+                result = sync.sync(model, version=version)
+                assert result.metrics.delta == (step > 0)
+                if step:  # one layer of two changed: well under the whole sync's bytes
+                    assert 0 < result.metrics.changed_fraction < 0.8, result.metrics
+                    assert result.metrics.wire_bytes < 0.8 * result.metrics.dense_wire_bytes, result.metrics
+                assert_synced(llm, version, 2, trainer_greedy(model, PROMPTS, MAX_TOKENS), "tp2")
+        finally:
+            sync.close()
+
 
 # ---- two engine replicas, one sync --------------------------------------------------------------
 @pytest.fixture(scope="class")
