@@ -98,11 +98,14 @@ class Views:
 
 def delta_worker(rank, world, backend, kind, sink_kind):
     with hal.use(backend):
-        if kind == "hier":  # ranks 1-2 on one node (1 leads, 2 reads its buffer), rank 3 on another
+        if kind.startswith("hier"):  # ranks 1-2 on one node (1 leads, 2 reads its buffer), rank 3 on another
             transport = HierarchicalTransport(None, src=0, node="trainer" if rank == 0 else f"node{int(rank > 2)}")
         else:
-            transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
-        config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=8, choose="bytes"))
+            transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind.partition("+")[0]](None, src=0)
+        # "+host-staged": the baseline in pinned host memory, packs staged through the host
+        kind, _, how = kind.partition("+")
+        delta = DeltaConfig(anchor_every=8, choose="bytes", baseline="host" if how else "device")
+        config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=delta, bypass_cpu=not how)
         if rank == 0:
             sender = Sender(transport, config)
             tensors = initial()
@@ -144,10 +147,12 @@ def delta_worker(rank, world, backend, kind, sink_kind):
         ("cpu", "hier", 4, "dest"),
         ("sim", "hier", 3, "views"),
         ("sim", "ipc", 2, "views"),
+        ("sim", "broadcast+host-staged", 2, "dest"),
     ],
     ids=[
         "cpu-p2p-copy_into", "cpu-broadcast-2-views", "sim-p2p-views", "cpu-shm-copy_into-staged", "sim-shm-2-copy_into",
         "cpu-hierarchical-2-nodes-copy_into", "sim-hierarchical-leader-and-follower-views", "sim-shm-views",
+        "sim-p2p-host-baseline-staged",
     ],
 )
 def test_twenty_delta_syncs_are_bit_identical_to_dense(backend, kind, world, sink_kind):
