@@ -371,7 +371,12 @@ def few_changes(tensors: dict[str, torch.Tensor], step: int) -> None:
             flat[hit] = (flat[hit].float() * 1.01 + 0.01).to(t.dtype)
 
 
-def pacing_worker(rank, world, link, steps, fail_at=None):
+def pacing_worker(rank, world, link, steps, fail_at=None, backend="cpu"):
+    with hal.use(backend):
+        return _pacing(rank, link, steps, fail_at)
+
+
+def _pacing(rank, link, steps, fail_at):
     """Delta syncs chosen by time, on four links: `slow-encode` (every compare far slower
     than the wire), `slow-compare` (a slow wire; the samples of whole syncs faster than
     it, but a delta sync's compares slower still), `slow-apply` (a slow wire, fast
@@ -430,12 +435,15 @@ def pacing_worker(rank, world, link, steps, fail_at=None):
     return exact
 
 
-@pytest.mark.parametrize("link,fail_at", [("slow-encode", 2), ("slow-wire", 4)], ids=["during-a-pause", "during-a-delta"])
-def test_by_time_a_failed_sync_leaves_old_or_new_bytes_and_the_next_is_an_anchor(link, fail_at):
+@pytest.mark.parametrize(
+    "link,fail_at,backend", [("slow-encode", 2, "cpu"), ("slow-wire", 4, "cpu"), ("slow-encode", 2, "sim")],
+    ids=["during-a-pause", "during-a-delta", "during-a-pause-sim"],
+)
+def test_by_time_a_failed_sync_leaves_old_or_new_bytes_and_the_next_is_an_anchor(link, fail_at, backend):
     """Whole syncs pack straight into the baseline: one that fails part-way leaves it
     neither old nor new, so the next sync must be whole, whatever the pacing says."""
     steps = 7
-    out, receiver = run_group(pacing_worker, 2, args=(link, steps, fail_at), timeout=120)
+    out, receiver = run_group(pacing_worker, 2, args=(link, steps, fail_at, backend), timeout=120)
     assert out[fail_at][0] == "SourceError" and out[fail_at + 1][0] == "anchor"
     assert out[fail_at - 1][0] == ("paused" if link == "slow-encode" else "delta")
     assert receiver[fail_at] == "old or new"
@@ -483,9 +491,10 @@ def test_by_time_a_delta_sync_lost_to_the_receivers_apply_is_not_tried_again_on_
     assert [s for s, o in enumerate(out) if o[3]] == [1, 4, 8]  # samples: measure, then after pauses of 2 and 4
 
 
-def test_by_time_a_wire_slower_than_the_compare_keeps_sending_deltas():
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+def test_by_time_a_wire_slower_than_the_compare_keeps_sending_deltas(backend):
     steps = 8
-    out, receiver = run_group(pacing_worker, 2, args=("slow-wire", steps), timeout=120)
+    out, receiver = run_group(pacing_worker, 2, args=("slow-wire", steps, None, backend), timeout=120)
     assert receiver == [True] * steps
     assert [o[0] for o in out] == ["anchor", "paused"] + ["delta"] * (steps - 2)
     for choice, delta, compared, sampled, wire, dense, segments in out[2:]:
