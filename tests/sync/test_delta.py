@@ -371,12 +371,12 @@ def few_changes(tensors: dict[str, torch.Tensor], step: int) -> None:
             flat[hit] = (flat[hit].float() * 1.01 + 0.01).to(t.dtype)
 
 
-def pacing_worker(rank, world, link, steps, fail_at=None, backend="cpu"):
+def pacing_worker(rank, world, link, steps, fail_at=None, backend="cpu", verify=False):
     with hal.use(backend):
-        return _pacing(rank, link, steps, fail_at)
+        return _pacing(rank, link, steps, fail_at, verify)
 
 
-def _pacing(rank, link, steps, fail_at):
+def _pacing(rank, link, steps, fail_at, verify):
     """Delta syncs chosen by time, on four links: `slow-encode` (every compare far slower
     than the wire), `slow-compare` (a slow wire; the samples of whole syncs faster than
     it, but a delta sync's compares slower still), `slow-apply` (a slow wire, fast
@@ -385,7 +385,7 @@ def _pacing(rank, link, steps, fail_at):
     from hal.sync.sender import _DeltaPacer
 
     transport = (BroadcastTransport if link == "slow-encode" else SlowWire)(None, src=0)
-    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100))
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100), verify=verify)
     tensors = initial()
     if rank == 0:
         if link in ("slow-encode", "slow-compare"):
@@ -491,14 +491,16 @@ def test_by_time_a_delta_sync_lost_to_the_receivers_apply_is_not_tried_again_on_
     assert [s for s, o in enumerate(out) if o[3]] == [1, 4, 8]  # samples: measure, then after pauses of 2 and 4
 
 
-@pytest.mark.parametrize("backend", ["cpu", "sim"])
-def test_by_time_a_wire_slower_than_the_compare_keeps_sending_deltas(backend):
+@pytest.mark.parametrize("backend,verify", [("cpu", False), ("sim", False), ("sim", True)], ids=["cpu", "sim", "sim-verified"])
+def test_by_time_a_wire_slower_than_the_compare_keeps_sending_deltas(backend, verify):
     steps = 8
-    out, receiver = run_group(pacing_worker, 2, args=("slow-wire", steps, None, backend), timeout=120)
+    out, receiver = run_group(pacing_worker, 2, args=("slow-wire", steps, None, backend, verify), timeout=120)
     assert receiver == [True] * steps
     assert [o[0] for o in out] == ["anchor", "paused"] + ["delta"] * (steps - 2)
     for choice, delta, compared, sampled, wire, dense, segments in out[2:]:
-        assert delta and compared == dense and sampled == 0 and wire < dense // 2
+        # every segment compared but those holding only checksums (verify)
+        assert delta and 0.95 * dense <= compared <= dense and sampled == 0 and wire < dense // 2
+        assert verify or compared == dense
 
 
 def test_delta_config_names_a_bad_choice():
