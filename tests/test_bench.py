@@ -282,6 +282,37 @@ def test_bench_delta_rejects_unknown_values(argv, message, capsys):
     assert message in f"{exc.value.code} {captured.err}"
 
 
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_bench_delta_kernels_times_each_kernel_and_checks_each_apply(device, tmp_path, monkeypatch, hal_reset):
+    monkeypatch.setenv("VERL_DEVICE", device)
+    out_json = tmp_path / "kernels.json"
+    assert cli.main(["bench", "--delta-kernels", "--segment-mb", "0.25", "--repeats", "1", "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["mode"] == "delta-kernels" and report["backend"] == device and report["segment_bytes"] == 256 << 10
+    assert report["copy_ms"] > 0
+    rows = {r["fraction"]: r for r in report["results"]}
+    assert list(rows) == [0.0, 0.01, 0.03, 0.1, 0.2, 0.5, 1.0]
+    for fraction, r in rows.items():
+        assert abs(r["changed_fraction"] - fraction) < 0.02, r  # the share asked for is the share changed
+        assert r["encode_ms"] > 0
+    # few changes travel as indices, more as a bitmask, all as the dense bytes (no check, no apply)
+    assert rows[0.01]["encoding"] == "indices" and rows[0.2]["encoding"] == "bitmask" and rows[1.0]["encoding"] == "dense"
+    assert rows[0.01]["payload_ratio"] < rows[0.2]["payload_ratio"] < rows[1.0]["payload_ratio"] == 1.0
+    assert rows[1.0]["apply_ms"] is None and all(rows[f]["apply_ms"] > 0 and rows[f]["check_ms"] >= 0 for f in (0.01, 0.2, 0.5))
+
+
+def test_bench_delta_kernels_refuses_bad_settings():
+    from hal.bench import delta_kernels
+
+    with pytest.raises(ValueError, match="word"):
+        delta_kernels.KernelBenchConfig(word=3)
+    with pytest.raises(ValueError, match="fractions"):
+        delta_kernels.KernelBenchConfig(fractions=(0.5, 1.5))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--delta-kernels", "--delta"])
+    assert "two benchmarks" in str(exc.value.code)
+
+
 def test_delta_bench_config_checks_its_fields():
     from hal.bench import delta
 

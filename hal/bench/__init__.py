@@ -29,6 +29,14 @@ the JSON holds {"preset", "mode": "delta", "results": [one summary per learning 
 `--methods`, `--repeats`, `--warmup`, `--receivers`, `--nodes`, `--trace` and `--plot`
 do not apply to it.
 
+    VERL_DEVICE=cuda hal bench --delta-kernels --segment-mb 32   # hal.bench.delta_kernels
+
+`--delta-kernels` times `hal.kernels.delta_encode` / `delta_check` / `delta_apply` on one
+segment on the current backend's device, for shares of its words changed from 0 to 1,
+with a plain copy for scale: how fast this device finds and patches changes (the JSON
+holds {"mode": "delta-kernels", "results": [one row per share]}). It takes `--repeats`
+and `--json` only.
+
 `--engine vllm` hands the parsed arguments to `hal.bench.vllm_engine.run(args)`, which
 returns a dict; that module is imported only then (it needs vllm). If it defines
 `add_arguments(parser)`, its options are declared here too.
@@ -108,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="emulate a link of this many GB/s (1e9 bytes/s) for every method: a send's bytes count as arrived only at "
         "that rate, overlapping the work around it (default: the transport as it is)",
     )
+    kernels = parser.add_argument_group("--delta-kernels (hal.bench.delta_kernels)")
+    kernels.add_argument(
+        "--delta-kernels", action="store_true",
+        help="time the delta kernels (encode, check, apply) on one segment on the current backend's device",
+    )
+    kernels.add_argument("--segment-mb", type=_positive_float, default=32.0, help="segment size in MiB (default: 32)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results")
     try:
         vllm_engine = importlib.import_module(_VLLM_MODULE)
@@ -122,7 +136,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "delta", False):
+    if getattr(args, "delta_kernels", False):
+        from hal.bench.delta_kernels import KernelBenchConfig, format_table as format_kernel_table, run_delta_kernels
+
+        if getattr(args, "delta", False):
+            raise SystemExit("hal bench: --delta and --delta-kernels are two benchmarks: give one")
+        try:
+            config = KernelBenchConfig(segment_bytes=int(args.segment_mb * (1 << 20)), repeats=args.repeats)
+        except ValueError as exc:
+            raise SystemExit(f"hal bench: {exc}") from None
+        report = run_delta_kernels(config)
+        print(format_kernel_table(report))
+    elif getattr(args, "delta", False):
         from hal.bench.delta import format_table as format_delta_table
 
         report = _run_delta(args)
