@@ -311,6 +311,9 @@ def test_bench_delta_kernels_refuses_bad_settings():
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--delta-kernels", "--delta"])
     assert "two benchmarks" in str(exc.value.code)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--segment-mb", "4"])
+    assert "--segment-mb applies to --delta-kernels only" in str(exc.value.code)
 
 
 def test_delta_bench_config_checks_its_fields():

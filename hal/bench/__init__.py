@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--delta-kernels", action="store_true",
         help="time the delta kernels (encode, check, apply) on one segment on the current backend's device",
     )
-    kernels.add_argument("--segment-mb", type=_positive_float, default=32.0, help="segment size in MiB (default: 32)")
+    kernels.add_argument("--segment-mb", type=_positive_float, default=None, help="segment size in MiB (default: 32)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results")
     try:
         vllm_engine = importlib.import_module(_VLLM_MODULE)
@@ -142,11 +142,13 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, "delta", False):
             raise SystemExit("hal bench: --delta and --delta-kernels are two benchmarks: give one")
         try:
-            config = KernelBenchConfig(segment_bytes=int(args.segment_mb * (1 << 20)), repeats=args.repeats)
+            config = KernelBenchConfig(segment_bytes=int((args.segment_mb or 32.0) * (1 << 20)), repeats=args.repeats)
         except ValueError as exc:
             raise SystemExit(f"hal bench: {exc}") from None
         report = run_delta_kernels(config)
         print(format_kernel_table(report))
+    elif getattr(args, "segment_mb", None) is not None:
+        raise SystemExit("hal bench: --segment-mb applies to --delta-kernels only")
     elif getattr(args, "delta", False):
         from hal.bench.delta import format_table as format_delta_table
 
