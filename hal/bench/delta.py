@@ -93,7 +93,7 @@ class DeltaBenchConfig:
     baseline: str = "device"
     """`DeltaConfig.baseline`."""
     link_gb_per_s: float | None = None
-    """Emulate a link of this many GB/s for every method (`PacedLink`); None: the transport as it is."""
+    """Emulate a link of this many GB/s for every method (`_Link`); None: the transport as it is."""
     init_std: float = 0.02
     """Standard deviation of the initial matrices and biases (Qwen2's initializer_range)."""
     grad_std: float = 1.0

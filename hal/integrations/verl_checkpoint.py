@@ -59,6 +59,7 @@ from verl.checkpoint_engine import CheckpointEngine
 import hal
 from hal import env
 from hal.backend import Backend
+from hal.integrations._shared import in_daemon_thread
 from hal.sync import (
     BroadcastTransport,
     DeltaConfig,
@@ -322,17 +323,12 @@ def _in_thread(fn: Any, *args: Any) -> "concurrent.futures.Future[Any]":
     """Run `fn(*args)` in a new daemon thread on this thread's device; a future of its result."""
     backend = hal.current()
     device = backend.current_device()
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
-    def run() -> None:
-        try:
-            backend.set_device(device)  # the current device is per thread on CUDA and NPU
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            future.set_exception(exc)
+    def run() -> Any:
+        backend.set_device(device)  # the current device is per thread on CUDA and NPU
+        return fn(*args)
 
-    threading.Thread(target=run, name="hal-verl-sync", daemon=True).start()
-    return future
+    return in_daemon_thread("hal-verl-sync", run)
 
 
 def _node_address() -> str:

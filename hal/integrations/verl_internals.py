@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 from importlib import metadata
 
+from hal.integrations._shared import release_of
+
 # The verl releases (major, minor) whose plugin interfaces verl-hal was checked against.
 SUPPORTED_VERL = ((0, 9),)
 
@@ -29,12 +31,7 @@ def verl_version() -> str:
 def unsupported_verl() -> str | None:
     """None when the installed verl is one of `SUPPORTED_VERL`, else a one-line reason."""
     version = verl_version()
-    parts = version.split("+")[0].split(".")
-    try:
-        key = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        key = None
-    if key in SUPPORTED_VERL:
+    if release_of(version) in SUPPORTED_VERL:
         return None
     wanted = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VERL)
     return f"verl-hal's verl plugin was checked against verl {wanted}; verl {version} is installed (see hal/integrations/verl_internals.py)"

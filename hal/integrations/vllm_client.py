@@ -26,14 +26,14 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence
+from typing import Any, ClassVar, Iterator, Protocol, Sequence
 
 import hal
 from hal import env
 from hal.integrations import vllm_internals
+from hal.integrations._shared import in_daemon_thread
 from hal.integrations.vllm import BACKEND_NAME, TRANSPORTS, HalInitInfo, dtype_name
 from hal.procs import free_port
 from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics
@@ -252,26 +252,6 @@ def _keep_stdout() -> Iterator[None]:
             os.close(saved)
 
 
-def _in_thread(what: str, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
-    """Run one engine call in a daemon thread; its `concurrent.futures.Future`.
-
-    Not a ThreadPoolExecutor: its worker threads are joined at interpreter exit, so an
-    engine call that never returns (a dead server) would hang the trainer's exit.
-    """
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - surfaced by result()
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name=f"hal-{what}", daemon=True).start()
-    return future
-
-
 def _result(future: "concurrent.futures.Future[Any]", what: str, timeout: float) -> Any:
     try:
         return future.result(timeout)
@@ -382,12 +362,12 @@ class WeightSync:
             offset += engine.num_workers
             payload = asdict(info)
             what = f"{engine.name}: init_weight_transfer_engine"
-            calls.append((what, _in_thread(what, lambda e=engine, p=payload: e.init_weight_transfer_engine(p))))
+            calls.append((what, in_daemon_thread(f"hal-{what}", lambda e=engine, p=payload: e.init_weight_transfer_engine(p))))
         # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
         # workers use to join, would listen on every interface: hal.sync.group)
         spec = SyncGroupSpec(address=self.master_address, port=port, world_size=self.world_size)
-        group_call = _in_thread(
-            "trainer: join the weight-sync group",
+        group_call = in_daemon_thread(
+            "hal-trainer: join the weight-sync group",
             lambda: join_sync_group(spec, 0, backend=backend.dist_backend, timeout_s=self.timeout_s),
         )
         # An engine that refuses (bad init info, a wrong token, already connected) fails
@@ -478,7 +458,7 @@ class WeightSync:
         for engine in self.engines:
             engine.start_weight_update()
         calls = [
-            (f"{e.name}: update_weights", _in_thread(f"{e.name}-update", lambda e=e: e.update_weights({"version": version})))
+            (f"{e.name}: update_weights", in_daemon_thread(f"hal-{e.name}-update", lambda e=e: e.update_weights({"version": version})))
             for e in self.engines
         ]
         try:

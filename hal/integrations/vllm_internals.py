@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import torch
 
+from hal.integrations._shared import release_of
+
 # The vLLM releases (major, minor) whose internals this module was checked against.
 SUPPORTED_VLLM = ((0, 32),)
 
@@ -39,12 +41,7 @@ def vllm_version() -> str:
 def require_supported_vllm() -> str:
     """The installed vLLM's version, or UnsupportedVllmError in one line."""
     version = vllm_version()
-    parts = version.split("+")[0].split(".")
-    try:
-        key = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        key = None
-    if key not in SUPPORTED_VLLM:
+    if release_of(version) not in SUPPORTED_VLLM:
         wanted = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM)
         raise UnsupportedVllmError(
             f"verl-hal's vLLM integration supports vLLM {wanted}; vLLM {version} is installed (see hal/integrations/vllm_internals.py)"

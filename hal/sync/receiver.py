@@ -349,11 +349,9 @@ class _Delivery:
         names = [bucket.pieces[i].spec.name for i, _, _ in segment.parts]
         if status.encoding == kernels.DENSE:
             if not landed:  # the transport kept them in its own (shared) buffer
-                stream = self.backend.current_stream()
-                self.backend.copy_(target, self.transport.buffer(bucket.index)[segment.start : segment.stop], stream=stream)
-                # the image is read next by torch ops (patches, checksums) and by the sink, which
-                # may read views on the host: the copy must be done, not only queued
-                stream.synchronize()
+                # a torch op, as the patches and checksums that read the image next: ordered
+                # with them on the current stream (not queued on another, which they would race)
+                target.copy_(self.transport.buffer(bucket.index)[segment.start : segment.stop])
             self.changed.update(names)  # not compared: counted as changed
             return
         payload = self.transport.buffer(bucket.index)[segment.start : segment.start + status.nbytes]
@@ -473,17 +471,15 @@ class _Delivery:
         if self.error is not None:
             return []
         buffer = self.transport.buffer(bucket.index)
-        words: list[int] = []  # per pending segment: its word size
-        counts: list[int] = []  # per pending segment: the words its delta changes (checked once, here)
+        checked: list[tuple[int, int | None]] = []  # per pending segment: its word size, the words its delta changes
         for segment, status in pending:
-            words.append(word := segment_word(bucket, segment))
+            word, count = segment_word(bucket, segment), None
             if status.encoding != kernels.DENSE:
                 payload = buffer[segment.start : segment.start + status.nbytes]
-                counts.append(kernels.delta_check(payload, status.encoding, (segment.stop - segment.start) // word, word))
-            else:
-                counts.append(-1)
+                count = kernels.delta_check(payload, status.encoding, (segment.stop - segment.start) // word, word)
+            checked.append((word, count))
         out: Pairs = []
-        for (segment, status), word, count in zip(pending, words, counts):
+        for (segment, status), (word, count) in zip(pending, checked):
             names = [bucket.pieces[i].spec.name for i, _, _ in segment.parts]
             source, changed = buffer, True
             if status.encoding != kernels.DENSE:

@@ -104,7 +104,6 @@ class Sender:
         where = f"sync of version {version}"
 
         delta = self.config.delta
-        base_held = self._baseline_version is not None and self._baseline_digest == plan.digest
         base, choice, sample = self._delta_base(plan)
         while True:
             header = SyncHeader.from_plan(plan, version=version, token=self.token, delta=delta is not None, delta_base=base)
@@ -114,7 +113,9 @@ class Sender:
                 break
             except errors.SyncError as exc:
                 if base is not None and exc.only_delta_base:
-                    base, choice = None, "anchor"  # some receiver does not hold the base: the same sync, whole, at once
+                    # some receiver does not hold the base: the same sync, whole, at once (and, the
+                    # sender's base being good, a measure of the compare when choosing by time)
+                    base, choice, sample = None, "anchor", self._pacer is not None
                     self.anchors_after_refusal += 1
                     continue
                 if gate is not None:
@@ -137,8 +138,6 @@ class Sender:
             budget = self._pacer.whole_s_per_byte() if self._pacer is not None else None
             # whole segments are packed straight into the baseline, so that they cost no copy more than without delta
             into_baseline = self.config.bypass_cpu and bool(plan.buckets) and self._baseline.device == transport.buffer(0).device
-            # a whole sync measures the compare's speed on a few samples, if the baseline holds the last version
-            sample = self._pacer is not None and base is None and base_held and (sample or choice == "anchor")
             deltas = _DeltaState(plan, base is not None, choice, budget, into_baseline, sample)
         if gate_error is None:
             failure = self._send_buckets(plan, iter(source), timer, deltas)
@@ -181,14 +180,15 @@ class Sender:
         """The version a delta can be computed from, or None for a whole sync; why
         (`SyncMetrics.delta_choice`): an anchor on the first sync, a new layout, every
         `anchor_every`-th sync and after any failure, a pause while deltas do not pay; and
-        whether a paused sync samples the compare's speed."""
+        whether this whole sync samples the compare's speed (choosing by time, with a
+        baseline that holds the last version to compare against)."""
         delta = self.config.delta
         if delta is None:
             return None, None, False
         if self._baseline_version is None or self._baseline_digest != plan.digest:
             return None, "anchor", False
         if self._since_anchor + 1 >= delta.anchor_every:
-            return None, "anchor", False
+            return None, "anchor", self._pacer is not None
         if self._pacer is not None:
             choice, sample = self._pacer.choose()
             if choice == "paused":
@@ -220,21 +220,21 @@ class Sender:
         k = bucket.index
         word = segment_word(bucket, segment)
         base = self._baseline[deltas.offsets[k] + segment.start : deltas.offsets[k] + segment.stop]
-        encoding, payload, changed, sampled, sample_s = kernels.DENSE, None, 0, 0, 0.0
+        encoding, payload, changed, sampled = kernels.DENSE, None, 0, None
         compare = compare and bool(segment.parts)
         sample = sample and not compare and bool(segment.parts)
         if compare or sample:
             ready.synchronize()  # the pack is done: its bytes are read here
         began = time.perf_counter()
         if compare or sample:
-            sampled = min(data.numel(), _DeltaPacer.SAMPLE_BYTES) // word * word
-            new = data if compare else data[:sampled]
+            new = data if compare else data[: min(data.numel(), _DeltaPacer.SAMPLE_BYTES) // word * word]
             old = base[: new.numel()]
             old = old if old.device == data.device else old.to(data.device)
             result = kernels.delta_encode(new, old, word)
-            sample_s = time.perf_counter() - began  # the encode alone (a delta sync's also copies)
             if compare:
                 encoding, payload, changed = result
+            else:  # timed alone: a delta sync's encode also copies, below
+                sampled = (new.numel(), time.perf_counter() - began)
             if self.backend.supports_async_streams:  # the encoding ran on the current stream
                 self._stream.wait_stream(self.backend.current_stream())
         if data.data_ptr() != base.data_ptr():  # (packed straight into the baseline: nothing to copy)
@@ -244,7 +244,7 @@ class Sender:
             self.backend.copy_(out, payload, stream=self._stream)
             data = out
         ready = self._stream.record_event()
-        deltas.count(encoding, segment, data.numel(), changed, word, time.perf_counter() - began, compare, (sampled, sample_s) if sample else None)
+        deltas.count(encoding, segment, data.numel(), changed, word, time.perf_counter() - began, compare, sampled)
         return data, encoding, ready
 
     def _size_buckets(self, specs: list[TensorSpec]) -> None:

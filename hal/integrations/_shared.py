@@ -1,0 +1,36 @@
+"""Small helpers the integrations share. Imports no host project (vLLM, verl)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any, Callable
+
+
+def in_daemon_thread(name: str, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
+    """Run `fn()` in a new daemon thread called `name`; a future of its result.
+
+    Not a ThreadPoolExecutor: its worker threads are joined at interpreter exit, so a call
+    that never returns (a dead engine or peer) would hang the caller's exit.
+    """
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - surfaced by result()
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def release_of(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string such as "0.32.1+cpu", or None when it has none."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
