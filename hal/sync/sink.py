@@ -17,7 +17,10 @@ when a sync it took part of failed (`abort`):
 receiver lands them in place when they travel alone and the sender vouches that the
 whole tensor follows, and copies them there otherwise, casting if the dtype differs),
 and `apply` then receives that very tensor. Returning None means: hand me a view in
-`apply`, valid only during the call (copy what you keep, as `load_weights` does).
+`apply`, valid only during the call (copy what you keep, as `load_weights` does). On a
+device, a view is ready in the order of the receiver's current stream: torch ops on that
+stream (the default) read it after the bytes landed; reading it on another stream or on
+the host needs that stream synchronized first.
 
 A tensor is written into a destination, or handed to `apply`, only once all of its
 bytes are here and, with verification, checked: after a failed sync every destination
