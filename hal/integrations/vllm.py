@@ -100,7 +100,14 @@ class HalInitInfo(WeightTransferInitInfo):
     must support IPC); the group only carries control messages."""
     auth: str | None = None
     """The trainer's proof that it knows the engine's token (`hal.sync.header.init_proof`
-    over this rendezvous); None from a trainer without one."""
+    over every other field, `proven()`); None from a trainer without one."""
+
+    def proven(self) -> dict[str, str | int | float | None]:
+        """The fields `auth` proves (`hal.sync.header.init_proof`): all but the proof itself."""
+        return {
+            "master_address": self.master_address, "master_port": self.master_port, "rank_offset": self.rank_offset,
+            "world_size": self.world_size, "wire_dtype": self.wire_dtype, "timeout_s": self.timeout_s, "transport": self.transport,
+        }
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -167,10 +174,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
                 "(docs/security.md)", env.VERL_HAL_SYNC_TOKEN,
             )
         else:  # refused before joining the group: no byte of a stranger's is ever received
-            check_init_proof(
-                self._token, init_info.auth,
-                address=init_info.master_address, port=init_info.master_port, world_size=init_info.world_size,
-            )
+            check_init_proof(self._token, init_info.auth, **init_info.proven())
         backend = hal.current()
         specs = checkpoint_specs(
             resolve_model_dir(self.model_config.model, getattr(self.model_config, "revision", None)),

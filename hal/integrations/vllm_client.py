@@ -344,7 +344,6 @@ class WeightSync:
             local = all(getattr(e, "same_node", False) for e in self.engines)
             self.transport = "ipc" if local and backend.supports_ipc else "broadcast"
         port = self.master_port or free_port(self.master_address)
-        proof = None if self.token is None else init_proof(self.token, address=self.master_address, port=port, world_size=self.world_size)
         calls = []
         offset = 1
         for engine in self.engines:
@@ -356,8 +355,9 @@ class WeightSync:
                 wire_dtype=dtype_name(self.config.wire_dtype),
                 timeout_s=self.config.timeout_s,
                 transport=self.transport,
-                auth=proof,
             )
+            if self.token is not None:  # bound to every field, this engine's rank offset included
+                info.auth = init_proof(self.token, **info.proven())
             self._ranks[engine.name] = range(offset, offset + engine.num_workers)
             offset += engine.num_workers
             payload = asdict(info)

@@ -6,9 +6,10 @@ its input as hostile: anything malformed, truncated, oversize or of another prot
 raises `HeaderError` naming what is wrong, in time and memory bounded by
 `MAX_HEADER_BYTES`, and no other exception gets out.
 
-    data = SyncHeader.from_plan(plan, version=step, token=token).encode()  # trainer
+    challenge = transport.challenge()                                      # every rank
+    data = SyncHeader.from_plan(plan, version=step, token=token, challenge=challenge).encode()  # trainer
     header = SyncHeader.decode(data)                                       # each engine worker
-    check_auth(header, engine_token)
+    check_auth(header, engine_token, challenge)
 
 Decoding is linear in the input; the worst input (64 MiB of tiny JSON arrays) costs
 about 1.5 GiB of Python objects and some seconds while it is parsed, then is refused.
@@ -32,8 +33,9 @@ import torch
 from hal.sync.errors import AuthError, HeaderError
 from hal.sync.plan import BucketPlan, TensorSpec
 
-HEADER_PROTOCOL = 2
-"""Wire format version; bumped whenever the header's keys or their meaning change."""
+HEADER_PROTOCOL = 3
+"""Wire format version; bumped whenever the header's keys or their meaning change (3: the
+proof covers the receivers' challenge, `Transport.challenge`)."""
 
 MAX_HEADER_BYTES = 64 * 2**20
 """Largest encoded header either side accepts: bounds what a hostile peer can make a receiver parse."""
@@ -174,10 +176,14 @@ class SyncHeader:
 
     @classmethod
     def from_plan(
-        cls, plan: BucketPlan, *, version: int, token: str | None = None, delta: bool = False, delta_base: int | None = None
+        cls, plan: BucketPlan, *, version: int, token: str | None = None, challenge: str | None = None,
+        delta: bool = False, delta_base: int | None = None,
     ) -> SyncHeader:
-        """The header announcing `plan` as weight `version`, with a proof of `token` when given."""
-        auth = None if token is None else auth_proof(token, version=version, digest=plan.digest)
+        """The header announcing `plan` as weight `version`, with a proof of `token` over
+        this sync's `challenge` (`Transport.challenge`) when a token is given."""
+        if token is not None and challenge is None:
+            raise ValueError("SyncHeader.from_plan: a token needs this sync's challenge (Transport.challenge()) to prove")
+        auth = None if token is None else auth_proof(token, version=version, digest=plan.digest, challenge=challenge)
         return cls(
             version=version,
             specs=plan.specs,
@@ -279,50 +285,60 @@ class SyncHeader:
         return cls(**obj)
 
 
-def auth_proof(token: str, *, version: int, digest: str) -> str:
-    """Hex HMAC-SHA256 keyed by `token` over this sync's protocol, version and plan digest.
+def auth_proof(token: str, *, version: int, digest: str, challenge: str) -> str:
+    """Hex HMAC-SHA256 keyed by `token` over this sync's protocol, version, plan digest and
+    challenge.
 
-    The token itself never travels; binding the proof to version and digest keeps a proof
-    seen on the wire from vouching for a different sync.
+    The token itself never travels. Binding the proof to version and digest keeps a proof
+    seen on the wire from vouching for a different sync; binding it to the challenge, which
+    the receivers draw afresh for every header (`Transport.challenge`), keeps a header seen
+    once from being accepted again, in this group or in any later one.
     """
     if not isinstance(token, str):
         raise TypeError(f"auth token must be a str, got {type(token).__name__}")
-    message = f"verl-hal-sync|{HEADER_PROTOCOL}|{version}|{digest}".encode("utf-8")
+    message = f"verl-hal-sync|{HEADER_PROTOCOL}|{version}|{digest}|{challenge}".encode("utf-8")
     return hmac.new(token.encode("utf-8"), message, hashlib.sha256).hexdigest()
 
 
-def check_auth(header: SyncHeader, token: str | None) -> None:
-    """Refuse `header` with AuthError unless it proves knowledge of `token` (None: an open engine)."""
+def check_auth(header: SyncHeader, token: str | None, challenge: str) -> None:
+    """Refuse `header` with AuthError unless it proves knowledge of `token` for this sync's
+    `challenge` (token None: an open engine)."""
     if token is None:
         return
     if header.auth is None:
         raise AuthError("the trainer presented no token, but this engine requires one")
-    expected = auth_proof(token, version=header.version, digest=header.digest)
+    expected = auth_proof(token, version=header.version, digest=header.digest, challenge=challenge)
     if not hmac.compare_digest(expected, header.auth):  # constant time: leaks no prefix of the proof
-        raise AuthError("the trainer's token does not match this engine's")
+        raise AuthError("the trainer's token does not match this engine's, or the header was not made for this sync (a replay)")
 
 
-def init_proof(token: str, *, address: str, port: int, world_size: int) -> str:
-    """Hex HMAC-SHA256 keyed by `token` over one rendezvous (address, port, group size):
-    what a trainer shows an engine before the engine joins its group. Bound to the
-    rendezvous, so a proof seen on the way cannot send the engine to another trainer."""
+def init_proof(token: str, **fields: str | int | float | None) -> str:
+    """Hex HMAC-SHA256 keyed by `token` over every field of one init request (the
+    rendezvous's address, port and group size, and the settings the engine takes from
+    it: rank offset, transport, wire dtype, timeout): what a trainer shows an engine
+    before the engine joins its group. A proof seen on the way therefore cannot send the
+    engine to another trainer, nor change how it joins."""
     if not isinstance(token, str):
         raise TypeError(f"auth token must be a str, got {type(token).__name__}")
-    message = f"verl-hal-init|{HEADER_PROTOCOL}|{address}|{port}|{world_size}".encode("utf-8")
+    bound = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    message = f"verl-hal-init|{HEADER_PROTOCOL}|{bound}".encode("utf-8")
     return hmac.new(token.encode("utf-8"), message, hashlib.sha256).hexdigest()
 
 
-def check_init_proof(token: str | None, proof: str | None, *, address: str, port: int, world_size: int) -> None:
+def check_init_proof(token: str | None, proof: str | None, **fields: str | int | float | None) -> None:
     """Refuse with AuthError, before any connection is made, a trainer that does not prove
-    it knows `token` for this rendezvous (None: an open engine accepts anyone)."""
+    it knows `token` for exactly these init `fields` (None: an open engine accepts anyone)."""
     if token is None:
         return
     if proof is None:
         raise AuthError("the trainer presented no token, but this engine requires one (set VERL_HAL_SYNC_TOKEN on the trainer)")
-    expected = init_proof(token, address=address, port=port, world_size=world_size)
+    expected = init_proof(token, **fields)
     # isascii first: compare_digest raises TypeError on a non-ASCII str, which is no refusal
     if not isinstance(proof, str) or not proof.isascii() or not hmac.compare_digest(expected, proof):
-        raise AuthError("the trainer's token does not match this engine's (VERL_HAL_SYNC_TOKEN differs)")
+        raise AuthError(
+            "the trainer's token does not match this engine's (VERL_HAL_SYNC_TOKEN differs), "
+            "or the init request was changed on the way"
+        )
 
 
 # -- checks shared by construction and decoding --------------------------------------------

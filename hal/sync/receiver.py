@@ -103,12 +103,12 @@ class Receiver:
         return sum(t.numel() for t in self._reassembly.values())
 
     # ---- header -----------------------------------------------------------------------
-    def _check_header(self, payload: bytes, sink: Sink) -> tuple[SyncHeader | None, BucketPlan | None, RankReport]:
+    def _check_header(self, payload: bytes, sink: Sink, challenge: str) -> tuple[SyncHeader | None, BucketPlan | None, RankReport]:
         """(the header, decoded or None; the plan, or None if refused; this rank's verdict)."""
         header: SyncHeader | None = None
         try:
             header = SyncHeader.decode(payload)
-            check_auth(header, self.token)
+            check_auth(header, self.token, challenge)
             if self.version is not None and header.version < self.version:
                 raise errors.StaleVersionError(f"receiver holds weight version {self.version}; refusing older version {header.version}")
             self._check_specs(header.specs, sink)
@@ -186,8 +186,9 @@ class Receiver:
         transport.timeout_s = self.timeout_s
         builds = self.plans.builds
         while True:
+            challenge = transport.challenge()
             payload = transport.exchange_header(None)
-            header, plan, report = self._check_header(payload, sink)
+            header, plan, report = self._check_header(payload, sink, challenge)
             where = f"sync of version {header.version}" if header is not None else "sync"
             try:
                 errors.raise_if_any(transport.agree(report, "header check"), rank, where)

@@ -106,8 +106,11 @@ class Sender:
         delta = self.config.delta
         base, choice, sample = self._delta_base(plan)
         while True:
-            header = SyncHeader.from_plan(plan, version=version, token=self.token, delta=delta is not None, delta_base=base)
             try:
+                challenge = transport.challenge()
+                header = SyncHeader.from_plan(
+                    plan, version=version, token=self.token, challenge=challenge, delta=delta is not None, delta_base=base
+                )
                 transport.exchange_header(header.encode())
                 errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, where)
                 break

@@ -31,7 +31,10 @@ send/recv pairs are traits of the collective library, looked up by its name
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
+import secrets
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -238,6 +241,17 @@ class Transport(GroupChannel):
         if n:
             self._wait(self._broadcast(data, what), what)
         return bytes(payload or b"") if self.is_sender else data.cpu().numpy().tobytes()
+
+    def challenge(self) -> str:
+        """A fresh challenge for the next header, the same on every rank: each receiver
+        draws 128 random bits and one small all-reduce puts the rows together. The sender's
+        proof covers it (`hal.sync.header.auth_proof`), so a header is good for one exchange
+        only: one recorded earlier, in this group or another, is refused."""
+        rows = torch.zeros(self.world_size, 2, dtype=torch.int64, device=self.control_device)
+        if not self.is_sender:
+            rows[self.rank] = torch.tensor(struct.unpack("<2q", secrets.token_bytes(16)), dtype=torch.int64)
+        self._allreduce(rows, "header challenge")
+        return hashlib.sha256(rows.cpu().numpy().tobytes()).hexdigest()
 
     def exchange_header(self, payload: bytes | None) -> bytes:
         """The sender's encoded header on every rank (the receivers decode it themselves:

@@ -197,9 +197,10 @@ def test_a_refusal_that_crossed_a_process_boundary_is_still_an_auth_error(token)
     from hal.integrations.vllm_client import WeightSync
     from hal.sync.header import check_init_proof, init_proof
 
-    proof = None if token is None else init_proof(token, address="127.0.0.1", port=1234, world_size=2)
+    fields = dict(master_address="127.0.0.1", master_port=1234, world_size=2)
+    proof = None if token is None else init_proof(token, **fields)
     with pytest.raises(AuthError) as refused:
-        check_init_proof(TOKEN, proof, address="127.0.0.1", port=1234, world_size=2)
+        check_init_proof(TOKEN, proof, **fields)
     call: concurrent.futures.Future = concurrent.futures.Future()
     # what vllm.v1.executor.multiproc_executor and the engine core client make of it
     call.set_exception(Exception(f"Call to collective_rpc method failed: Worker failed with error '{refused.value}', please check the stack trace above for the root cause"))
@@ -210,3 +211,30 @@ def test_a_refusal_that_crossed_a_process_boundary_is_still_an_auth_error(token)
     with pytest.raises(RuntimeError, match="already initialised") as kept:
         WeightSync._engine_result(other, "llm: init_weight_transfer_engine")
     assert not isinstance(kept.value, AuthError)
+
+
+def test_the_init_proof_covers_every_field_the_engine_takes():
+    """A captured init request replayed with one field changed (another rank offset, the
+    shared-memory transport, no wire cast, a shorter timeout, another rendezvous) is refused
+    before the engine joins anything: the proof covers every field but itself."""
+    import dataclasses
+
+    from hal.integrations.vllm import HalInitInfo
+    from hal.sync.header import check_init_proof, init_proof
+
+    info = HalInitInfo(
+        master_address="127.0.0.1", master_port=1234, rank_offset=1, world_size=3,
+        wire_dtype="bfloat16", timeout_s=30.0, transport="broadcast",
+    )
+    assert set(info.proven()) == {f.name for f in dataclasses.fields(info)} - {"auth"}
+    info.auth = init_proof(TOKEN, **info.proven())
+    check_init_proof(TOKEN, info.auth, **info.proven())
+    changes = [
+        dict(rank_offset=2), dict(transport="ipc"), dict(wire_dtype=None), dict(timeout_s=1.0),
+        dict(master_port=1235), dict(world_size=4), dict(master_address="127.0.0.2"),
+    ]
+    for change in changes:
+        replayed = dataclasses.replace(info, **change)
+        assert replayed.auth == info.auth
+        with pytest.raises(AuthError, match="changed on the way"):
+            check_init_proof(TOKEN, replayed.auth, **replayed.proven())

@@ -30,6 +30,7 @@ SEGMENT = 4096
 TIMEOUT_S = 20.0  # every wait of every rank; a refusal must come long before it
 NO_TOKEN = r"the trainer presented no token, but this engine requires one"
 MISMATCH = r"the trainer's token does not match this engine's"
+REPLAY = "replay the last header"  # a step's sender token: resend the header of the step before
 
 
 def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -63,11 +64,26 @@ class CountingDataPhases:
         return super().prepare(*args, **kwargs)
 
 
-class CountingBroadcast(CountingDataPhases, BroadcastTransport):
+class Replaying:
+    """On the sender: records every header it sends; with `replay` set, sends the last one
+    recorded in place of the new one (what someone who captured a header could do)."""
+
+    replay = False
+    recorded: bytes | None = None
+
+    def exchange_header(self, payload):
+        if self.is_sender and self.replay:
+            payload = self.recorded
+        elif self.is_sender:
+            self.recorded = payload
+        return super().exchange_header(payload)
+
+
+class CountingBroadcast(CountingDataPhases, Replaying, BroadcastTransport):
     pass
 
 
-class CountingIpc(CountingDataPhases, IpcTransport):
+class CountingIpc(CountingDataPhases, Replaying, IpcTransport):
     pass
 
 
@@ -111,7 +127,8 @@ def auth_worker(rank, world, kind, receiver_tokens, steps, segment_bytes):
         if rank == 0:
             cfg = SyncConfig(bucket_bytes=BUCKET, segment_bytes=segment_bytes, timeout_s=TIMEOUT_S)
             for token, version in steps:
-                sender = Sender(transport, cfg, token=token)
+                transport.replay = token == REPLAY
+                sender = Sender(transport, cfg, token=TOKEN if transport.replay else token)
                 start = time.perf_counter()
                 try:
                     sender.send(TensorSource(weights(version)), version=version)
@@ -219,3 +236,18 @@ def test_one_receiver_requiring_a_token_refuses_the_sync_for_every_rank():
     assert_refused(results, 0, NO_TOKEN, held_version=None, refusing=[2])
     assert_refused(results, 1, MISMATCH, held_version=None, refusing=[2])
     assert_accepted(results, 2, version=3)
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "ipc"])
+def test_a_recorded_header_is_refused_when_replayed(kind):
+    """A header captured on the wire carries a valid proof for its version and plan, and an
+    engine takes a version equal to the one it holds. Replayed as it was (same version,
+    same weights), it is still refused: its proof covers the challenge the receivers drew
+    for that exchange, and every exchange draws a new one. Nothing lands; the group goes on."""
+    steps = [(TOKEN, 1), (REPLAY, 1), (TOKEN, 2), (REPLAY, 2), (TOKEN, 2)]
+    results = run(kind, [TOKEN, TOKEN], steps)
+    assert_accepted(results, 0, version=1)
+    assert_refused(results, 1, MISMATCH + r", or the header was not made for this sync \(a replay\)", held_version=1, refusing=[1, 2])
+    assert_accepted(results, 2, version=2)
+    assert_refused(results, 3, MISMATCH, held_version=2, refusing=[1, 2])
+    assert_accepted(results, 4, version=2)  # the same version again, with a fresh proof: taken

@@ -35,6 +35,7 @@ from hal.sync.plan import TensorSpec, build_plan, plan_key
 
 DIGEST = "0123456789abcdef01234567"
 TOKEN = "engine-secret-token"
+CHALLENGE = "5eed" * 16  # what Transport.challenge returns: 64 hex characters
 
 
 def small_header(**changes: Any) -> SyncHeader:
@@ -68,7 +69,7 @@ def realistic_header(seed: int = 0, n: int = 300, **changes: Any) -> SyncHeader:
         segment_bytes=32 << 20,
         verify=True,
         digest=plan_key(specs_t, 256 << 20, True, 32 << 20),
-        auth=auth_proof(TOKEN, version=5, digest=DIGEST),
+        auth=auth_proof(TOKEN, version=5, digest=DIGEST, challenge=CHALLENGE),
     )
     fields.update(changes)
     return SyncHeader(**fields)
@@ -118,9 +119,9 @@ def test_realistic_header_round_trips_and_encodes_deterministically():
 
 
 def test_encoding_is_the_documented_compact_json():
-    header = small_header(auth=auth_proof(TOKEN, version=7, digest=DIGEST))
+    header = small_header(auth=auth_proof(TOKEN, version=7, digest=DIGEST, challenge=CHALLENGE))
     expected = (
-        '{"protocol":2,"version":7,"specs":[["embed.weight",[8,4],"bfloat16"],["scale",[],"float32"],'
+        '{"protocol":3,"version":7,"specs":[["embed.weight",[8,4],"bfloat16"],["scale",[],"float32"],'
         '["ids",[0,3],"int64"]],"bucket_bytes":1048576,"segment_bytes":65536,"verify":true,'
         f'"digest":"{DIGEST}","delta":false,"delta_base":null,"auth":"{header.auth}"}}'
     ).encode()
@@ -140,11 +141,13 @@ def test_every_field_travels():
 def test_header_from_plan_matches_the_plan():
     specs = [TensorSpec("a", (100, 100), torch.float32), TensorSpec("b", (7,), torch.bfloat16)]
     plan = build_plan(specs, 16384, verify=True, segment_bytes=8192)
-    header = SyncHeader.from_plan(plan, version=3, token=TOKEN)
+    with pytest.raises(ValueError, match="challenge"):
+        SyncHeader.from_plan(plan, version=3, token=TOKEN)
+    header = SyncHeader.from_plan(plan, version=3, token=TOKEN, challenge=CHALLENGE)
     assert (header.specs, header.bucket_bytes, header.segment_bytes, header.verify, header.digest) == (
         plan.specs, plan.bucket_bytes, plan.segment_bytes, plan.verify, plan.digest)
     assert header.total_bytes == plan.total_bytes
-    check_auth(SyncHeader.decode(header.encode()), TOKEN)
+    check_auth(SyncHeader.decode(header.encode()), TOKEN, CHALLENGE)
 
 
 def test_decode_never_unpickles():
@@ -302,7 +305,7 @@ def test_sender_refuses_to_encode_an_oversize_header(monkeypatch):
 
 def test_wrong_protocol():
     message = refused_object(lambda o: o.update(protocol=7, unknown_future_key=1))
-    assert message == "header protocol 7; this verl-hal speaks 2: mismatched verl-hal versions on trainer and engine?"
+    assert message == "header protocol 7; this verl-hal speaks 3: mismatched verl-hal versions on trainer and engine?"
     refused_object(lambda o: o.update(protocol="1"), "'protocol'")
     refused(b'{"version":1}', "'protocol'")
 
@@ -320,7 +323,7 @@ def test_bad_auth_format(auth):
 def test_duplicate_json_keys():
     data = small_header().encode().replace(b'"version":7', b'"version":7,"version":8')
     refused(data, "repeats", "'version'")
-    refused(b'{"protocol":2,"protocol":2}', "'protocol'")
+    refused(b'{"protocol":3,"protocol":3}', "'protocol'")
 
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
@@ -334,7 +337,7 @@ def test_float_overflowing_to_infinity_is_not_an_int():
 
 def test_deep_nesting():
     refused(b"[" * 100000, "nests")
-    refused(b'{"protocol":2,"version":' + b"[" * 100000 + b"]" * 100000 + b"}")
+    refused(b'{"protocol":3,"version":' + b"[" * 100000 + b"]" * 100000 + b"}")
     refused(b"{\"a\":" * 100000 + b"1" + b"}" * 100000)
     # nesting short of the recursion limit is just a wrong type, quoted briefly
     refused(small_header().encode().replace(b'"version":7', b'"version":' + b"[" * 500 + b"]" * 500), "'version'")
@@ -362,7 +365,7 @@ def test_invalid_utf8():
 
 
 def test_every_truncation_is_refused():
-    data = small_header(auth=auth_proof(TOKEN, version=7, digest=DIGEST)).encode()
+    data = small_header(auth=auth_proof(TOKEN, version=7, digest=DIGEST, challenge=CHALLENGE)).encode()
     for n in range(len(data)):
         refused(data[:n])
 
@@ -564,46 +567,47 @@ def test_fuzz_mutated_encodings():
 
 
 def test_auth_proof_is_the_documented_hmac():
-    proof = auth_proof(TOKEN, version=5, digest=DIGEST)
-    message = f"verl-hal-sync|{HEADER_PROTOCOL}|5|{DIGEST}".encode()
+    proof = auth_proof(TOKEN, version=5, digest=DIGEST, challenge=CHALLENGE)
+    message = f"verl-hal-sync|{HEADER_PROTOCOL}|5|{DIGEST}|{CHALLENGE}".encode()
     assert proof == hmac.new(TOKEN.encode(), message, hashlib.sha256).hexdigest()
     assert len(proof) == 64 and proof == proof.lower() and TOKEN not in proof
 
 
 def test_open_engine_accepts_anything():
-    check_auth(small_header(), None)
-    check_auth(small_header(auth="ab" * 32), None)
+    check_auth(small_header(), None, CHALLENGE)
+    check_auth(small_header(auth="ab" * 32), None, CHALLENGE)
 
 
 def test_right_token_is_accepted():
-    check_auth(small_header(auth=auth_proof(TOKEN, version=7, digest=DIGEST)), TOKEN)
+    check_auth(small_header(auth=auth_proof(TOKEN, version=7, digest=DIGEST, challenge=CHALLENGE)), TOKEN, CHALLENGE)
 
 
 def test_missing_proof_is_refused():
     with pytest.raises(AuthError, match="presented no token"):
-        check_auth(small_header(), TOKEN)
+        check_auth(small_header(), TOKEN, CHALLENGE)
 
 
 @pytest.mark.parametrize(
     "proof",
     [
-        auth_proof("another-token", version=7, digest=DIGEST),
-        auth_proof(TOKEN, version=8, digest=DIGEST),
-        auth_proof(TOKEN, version=7, digest="f" * 24),
+        auth_proof("another-token", version=7, digest=DIGEST, challenge=CHALLENGE),
+        auth_proof(TOKEN, version=8, digest=DIGEST, challenge=CHALLENGE),
+        auth_proof(TOKEN, version=7, digest="f" * 24, challenge=CHALLENGE),
+        auth_proof(TOKEN, version=7, digest=DIGEST, challenge="0" * 64),
         "ab" * 32,
     ],
-    ids=["wrong token", "other version", "other digest", "arbitrary"],
+    ids=["wrong token", "other version", "other digest", "other challenge (a replay)", "arbitrary"],
 )
 def test_wrong_proof_is_refused(proof):
     with pytest.raises(AuthError, match="does not match"):
-        check_auth(small_header(auth=proof), TOKEN)
+        check_auth(small_header(auth=proof), TOKEN, CHALLENGE)
 
 
 def test_auth_survives_the_wire():
-    header = SyncHeader.decode(small_header(auth=auth_proof(TOKEN, version=7, digest=DIGEST)).encode())
-    check_auth(header, TOKEN)
+    header = SyncHeader.decode(small_header(auth=auth_proof(TOKEN, version=7, digest=DIGEST, challenge=CHALLENGE)).encode())
+    check_auth(header, TOKEN, CHALLENGE)
     with pytest.raises(AuthError):
-        check_auth(header, TOKEN + "x")
+        check_auth(header, TOKEN + "x", CHALLENGE)
 
 
 

@@ -66,6 +66,7 @@ def hostile_sender_worker(rank, world):
         for payload in hostile_payloads():
             start = time.monotonic()
             try:
+                transport.challenge()  # the protocol's first step, as a sender's: the receivers draw theirs
                 transport.exchange_header(payload)
                 raise_if_any(transport.agree(RankReport(sender=True), "header check"), rank, "hostile sync")
                 kinds.append("accepted")
@@ -73,6 +74,7 @@ def hostile_sender_worker(rank, world):
                 kinds.append(type(exc).__name__)
             slowest = max(slowest, time.monotonic() - start)
         # a length far beyond any header: every rank refuses it before a payload moves
+        transport.challenge()
         size = torch.tensor([MAX_HEADER_BYTES + 1], dtype=torch.int64)
         transport._wait(transport._broadcast(size, "header size"), "header size")
         # and then a correct sync
