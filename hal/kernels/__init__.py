@@ -94,14 +94,39 @@ def checksum(data: torch.Tensor) -> torch.Tensor:
     block sum by its block index: one read of memory, no full-size temporary. It catches stale,
     zeroed, truncated and shifted data; it is not a cryptographic hash.
     """
+    _check_flat_bytes("checksum", data)
+    return _checksum_from(data, 0)
+
+
+def checksum_parts(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """`checksum(torch.cat([first, second]))` without the copy, on `first`'s device: only the
+    4 KiB block that holds the seam is put together. The parts may be on different devices."""
+    _check_flat_bytes("checksum_parts", first)
+    _check_flat_bytes("checksum_parts", second)
+    cut = first.numel() // _BLOCK_BYTES * _BLOCK_BYTES  # first's whole blocks end here
+    taken = min(second.numel(), cut + _BLOCK_BYTES - first.numel())  # what the seam block takes from second
+    seam = torch.cat([first[cut:], second[:taken].to(first.device)])
+    total = _checksum_from(first[:cut], 0) + _checksum_from(seam, cut // _BLOCK_BYTES)
+    if taken < second.numel():  # (then the seam block was whole)
+        total = total + _checksum_from(second[taken:], cut // _BLOCK_BYTES + 1).to(first.device)
+    return total
+
+
+def _check_flat_bytes(what: str, data: torch.Tensor) -> None:
     if data.dtype != torch.uint8 or data.dim() != 1:
-        raise ValueError(f"checksum: expected a flat uint8 tensor, got {data.dtype} of shape {tuple(data.shape)}")
+        raise ValueError(f"{what}: expected a flat uint8 tensor, got {data.dtype} of shape {tuple(data.shape)}")
+
+
+def _checksum_from(data: torch.Tensor, block0: int) -> torch.Tensor:
+    """The checksum's terms for `data`, which starts at block `block0` of the checksummed
+    range: its whole blocks, weighted block0 + 1, ...; a partial block at its end is the
+    range's tail."""
     n_blocks = data.numel() // _BLOCK_BYTES
     full = n_blocks * _BLOCK_BYTES
     total = torch.zeros((), dtype=torch.int64, device=data.device)
     if n_blocks:
         block_sums = data[:full].view(torch.int64).view(n_blocks, -1).sum(dim=1)
-        weights = torch.arange(1, n_blocks + 1, device=data.device, dtype=torch.int64)
+        weights = torch.arange(block0 + 1, block0 + n_blocks + 1, device=data.device, dtype=torch.int64)
         total = total + (block_sums * weights).sum()
     if full != data.numel():
         tail = data[full:].to(torch.int64)
@@ -113,10 +138,21 @@ def checksum(data: torch.Tensor) -> torch.Tensor:
 _BLOCK_BYTES = 4096
 
 
-def checksums_into(out: torch.Tensor, bucket: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> None:
-    """Write the checksum of each `(offset, nbytes)` range of `bucket` into `out[i]` (int64)."""
+def checksums_into(
+    out: torch.Tensor, bucket: torch.Tensor, ranges: Sequence[tuple[int, int]], newer: torch.Tensor | None = None, newer_at: int = 0
+) -> None:
+    """Write the checksum of each `(offset, nbytes)` range of `bucket` into `out[i]` (int64),
+    with `bucket`'s bytes from `newer_at` on taken from `newer` instead when given (a delta
+    sync's sender: the bucket's new bytes are in its baseline up to the segment being packed,
+    and in the pack's target from there)."""
     for i, (offset, nbytes) in enumerate(ranges):
-        out[i] = checksum(bucket[offset : offset + nbytes])
+        end = offset + nbytes
+        if newer is None or end <= newer_at:
+            out[i] = checksum(bucket[offset:end])
+        elif offset >= newer_at:
+            out[i] = checksum(newer[offset - newer_at : end - newer_at])
+        else:
+            out[i] = checksum_parts(bucket[offset:newer_at], newer[: end - newer_at])
 
 
 # ---- delta encoding ------------------------------------------------------------------

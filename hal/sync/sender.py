@@ -357,10 +357,16 @@ class Sender:
                 kernels.pack_range_into(backend, target, piece.offset + lo, tensor, spec.dtype, piece.tensor_offset + lo, hi - lo, stream=stream)
         if segment.stop == bucket.nbytes and bucket.nbytes > bucket.checksum_offset:  # checksums travel last
             sums = kernels.typed_view(target, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
-            # over the bucket's new bytes: with delta sync they are in the baseline by now (the
-            # buffer holds the payloads sent), and the receiver checks what it rebuilt
-            covered = target if deltas is None else self._baseline[deltas.offsets[bucket.index] :][: bucket.nbytes]
-            backend.launch(stream, kernels.checksums_into, sums, covered, bucket.checksum_ranges())
+            ranges = bucket.checksum_ranges()
+            baseline = None if deltas is None else self._baseline[deltas.offsets[bucket.index] :][: bucket.nbytes]
+            if baseline is None or target.data_ptr() == baseline.data_ptr():
+                backend.launch(stream, kernels.checksums_into, sums, target, ranges)
+            else:
+                # over the bucket's new bytes, which the receiver checks what it rebuilt against:
+                # with delta sync the earlier segments' are in the baseline by now (the buffer
+                # holds the payloads sent), this segment's only in the target until it is encoded
+                fresh = target[segment.start : bucket.checksum_offset]
+                backend.launch(stream, kernels.checksums_into, sums, baseline, ranges, fresh, segment.start)
         if not self.config.bypass_cpu:
             backend.copy_(buffer[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
         return buffer[segment.start : segment.stop], False

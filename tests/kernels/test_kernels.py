@@ -71,6 +71,38 @@ def test_checksum_detects_changes_and_shifts():
     assert kernels.checksum(torch.zeros(8192, dtype=torch.uint8)) != kernels.checksum(data[:8192])
 
 
+@pytest.mark.parametrize(
+    "first,second",
+    [(0, 0), (0, 100), (8, 0), (4096, 4096), (4096, 8), (8, 4096), (4104, 3 * 4096 + 16), (2 * 4096 - 8, 4096 + 8), (16, 24)],
+)
+def test_checksum_of_two_parts_equals_the_checksum_of_their_concatenation(first, second):
+    data = torch.randint(0, 256, (first + second,), dtype=torch.uint8)
+    whole = kernels.checksum(data)
+    a, b = data[:first].clone(), data[first:].clone()  # apart in memory, as a baseline and a pack target
+    assert torch.equal(kernels.checksum_parts(a, b), whole)
+    if first + second:  # one byte changed on either side of the seam changes it
+        b_or_a = b if second else a
+        b_or_a[0] ^= 1
+        assert not torch.equal(kernels.checksum_parts(a, b), whole)
+
+
+def test_checksums_into_takes_the_bytes_from_where_the_newer_ones_begin():
+    """A delta sync's sender: a bucket's new bytes are in the baseline before the segment
+    being packed and in the pack target from it on; ranges before, after and across."""
+    new = torch.randint(0, 256, (6 * 4096,), dtype=torch.uint8)
+    at = 2 * 4096 + 512
+    baseline = new.clone()
+    baseline[at:] = 0  # what the baseline still holds there: the old bytes
+    ranges = [(0, 4096), (4096, 3 * 4096), (at + 8, 4096), (5 * 4096, 4096)]
+    out = torch.zeros(len(ranges), dtype=torch.int64)
+    kernels.checksums_into(out, baseline, ranges, new[at:].clone(), at)
+    expected = torch.zeros(len(ranges), dtype=torch.int64)
+    kernels.checksums_into(expected, new, ranges)
+    assert torch.equal(out, expected)
+    kernels.checksums_into(out, baseline, ranges)
+    assert out[0] == expected[0] and (out[1:] != expected[1:]).all()
+
+
 def test_checksum_rejects_typed_tensors():
     with pytest.raises(ValueError, match="flat uint8"):
         kernels.checksum(torch.zeros(4))

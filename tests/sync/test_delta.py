@@ -98,14 +98,16 @@ class Views:
 
 def delta_worker(rank, world, backend, kind, sink_kind):
     with hal.use(backend):
+        # "+host-staged": the baseline in pinned host memory, packs staged through the host;
+        # "+verified": checksums of every tensor as the receiver rebuilt it
+        kind, *how = kind.split("+")
         if kind.startswith("hier"):  # ranks 1-2 on one node (1 leads, 2 reads its buffer), rank 3 on another
             transport = HierarchicalTransport(None, src=0, node="trainer" if rank == 0 else f"node{int(rank > 2)}")
         else:
-            transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind.partition("+")[0]](None, src=0)
-        # "+host-staged": the baseline in pinned host memory, packs staged through the host
-        kind, _, how = kind.partition("+")
-        delta = DeltaConfig(anchor_every=8, choose="bytes", baseline="host" if how else "device")
-        config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=delta, bypass_cpu=not how)
+            transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
+        staged = "host-staged" in how
+        delta = DeltaConfig(anchor_every=8, choose="bytes", baseline="host" if staged else "device")
+        config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=delta, bypass_cpu=not staged, verify="verified" in how)
         if rank == 0:
             sender = Sender(transport, config)
             tensors = initial()
@@ -148,11 +150,15 @@ def delta_worker(rank, world, backend, kind, sink_kind):
         ("sim", "hier", 3, "views"),
         ("sim", "ipc", 2, "views"),
         ("sim", "broadcast+host-staged", 2, "dest"),
+        ("cpu", "broadcast+verified", 3, "views"),
+        ("sim", "ipc+verified", 2, "dest"),
+        ("sim", "broadcast+host-staged+verified", 2, "staged"),
     ],
     ids=[
         "cpu-p2p-copy_into", "cpu-broadcast-2-views", "sim-p2p-views", "cpu-shm-copy_into-staged", "sim-shm-2-copy_into",
         "cpu-hierarchical-2-nodes-copy_into", "sim-hierarchical-leader-and-follower-views", "sim-shm-views",
-        "sim-p2p-host-baseline-staged",
+        "sim-p2p-host-baseline-staged", "cpu-broadcast-2-views-verified", "sim-shm-copy_into-verified",
+        "sim-p2p-host-baseline-staged-verified",
     ],
 )
 def test_twenty_delta_syncs_are_bit_identical_to_dense(backend, kind, world, sink_kind):
@@ -161,9 +167,9 @@ def test_twenty_delta_syncs_are_bit_identical_to_dense(backend, kind, world, sin
     for exact, version, baseline_bytes, handed in receivers:
         assert exact == [True] * STEPS
         assert version == STEPS - 1
-        if sink_kind == "dest":  # patched in the destinations: only one bucket of work space is kept
+        if sink_kind == "dest" and "verified" not in kind:  # patched in the destinations: one bucket of work space
             assert 0 < baseline_bytes <= BUCKET
-        else:  # an image of the whole sync
+        else:  # an image of the whole sync (verified: the checksums are over it)
             assert baseline_bytes >= total
         if handed is not None:  # a step that changed nothing hands over nothing (after the anchor)
             assert handed[0] and handed[5] == [] and handed[10] == []
@@ -450,9 +456,11 @@ def test_by_time_a_failed_sync_leaves_old_or_new_bytes_and_the_next_is_an_anchor
     assert receiver[:fail_at] + receiver[fail_at + 1 :] == [True] * (steps - 1)
 
 
-def test_by_time_a_compare_slower_than_the_wire_never_sends_deltas_and_samples_ever_less_often():
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
+def test_by_time_a_compare_slower_than_the_wire_never_sends_deltas_and_samples_ever_less_often(verify):
+    # verified: a sampled segment is also a bucket's last (its checksums are over its new bytes)
     steps = 16
-    out, *receivers = run_group(pacing_worker, 3, args=("slow-encode", steps), timeout=120)
+    out, *receivers = run_group(pacing_worker, 3, args=("slow-encode", steps, None, "cpu", verify), timeout=120)
     assert receivers == [[True] * steps] * 2
     assert [o[0] for o in out] == ["anchor"] + ["paused"] * (steps - 1)
     # the samples: sync 1 (nothing to judge by yet), then the last sync of each pause, the
