@@ -42,6 +42,7 @@ from typing import Any
 from tests.verl.shipped import test_utils
 
 _verl_tests = test_utils()
+from verl.single_controller.base.decorator import Dispatch as _Dispatch, register as _register  # noqa: E402  (verl, as the helpers above)
 
 # Every collective of the trainer's default group (FSDP's gathers) fails after this long
 # instead of hanging (stand-in 1 sets it; verl leaves torch's default of 30 minutes).
@@ -117,6 +118,31 @@ class TrainingWorkerOnHal(_verl_tests.TrainingWorkerTest):
         initialize_global_process_group_ray(timeout_second=TRAINER_GROUP_TIMEOUT_S, backend=hal.current().dist_backend_string())
         _register_cpu_engine()
         super().__init__(config, checkpoint_engine_config)
+        self._first_elements: dict[str, Any] = {}
+
+    @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
+    def set_first_elements(self, value: float | None) -> int:
+        """A training step's change, in the smallest form that is easy to check: element 0
+        of every weight becomes `value` (None: back to what it was). FSDP2 shards along dim
+        0 in rank order, so rank 0's shard starts with element 0 of the whole tensor; the
+        other ranks change nothing. Returns the tensors this rank changed (a tied weight counts once)."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        changed = 0
+        with torch.no_grad():
+            for name, param in self.engine.module.named_parameters():  # a tied weight appears once
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if (isinstance(param, DTensor) and param.device_mesh.get_local_rank() != 0) or local.numel() == 0:
+                    continue
+                first = local.view(-1)[:1]
+                if value is None:
+                    first.copy_(self._first_elements.pop(name))
+                else:
+                    self._first_elements.setdefault(name, first.clone())
+                    first.fill_(value)
+                changed += 1
+        return changed
 
 
 def register_by_value() -> None:
@@ -148,14 +174,19 @@ class ServerAdapterOnHal(_verl_tests.MockServerAdapter):
             taken += 1
             yield pair
 
-    def mismatches(self) -> list[str]:
-        """What differs between the received tensors and the checkpoint, bit for bit. The
-        checkpoint is bfloat16 and the trainer may hold float32 (verl's FSDP default): bf16
-        widens to fp32 exactly, so the comparison is exact in the received dtype."""
+    def mismatches(self, first: float | None = None) -> list[str]:
+        """What differs between the received tensors and the checkpoint, bit for bit, with
+        element 0 of every tensor set to `first` when given (the trainers'
+        `set_first_elements`). The checkpoint is bfloat16 and the trainer may hold float32
+        (verl's FSDP default): bf16 widens to fp32 exactly, so the comparison is exact in
+        the received dtype."""
         import torch
         from transformers import AutoModelForCausalLM
 
         expected = AutoModelForCausalLM.from_pretrained(self.model_config.local_path, dtype=torch.bfloat16).state_dict()
+        if first is not None:
+            for tensor in expected.values():
+                tensor.view(-1)[0] = first
         bad = [f"{name}: not received" for name in expected if name not in self.received_weights]
         for name, tensor in self.received_weights.items():
             want = expected.get(name)
@@ -183,6 +214,14 @@ def rollout_worker_class() -> type:
         def check_weights(self) -> list[str]:
             bad = self.server_adapter.mismatches()
             self.server_adapter.check_weights()  # verl's own check; clears what was received
+            return bad
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def check_changed_weights(self, first: float) -> list[str]:
+            """`check_weights` for trainers that changed element 0 of every weight to `first`
+            (verl's own check compares with the checkpoint, so it is left out)."""
+            bad = self.server_adapter.mismatches(first)
+            self.server_adapter.received_weights.clear()
             return bad
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -4,8 +4,9 @@
 127.0.0.1, a tiny bf16 model saved locally, three `CheckpointEngineManager.update_weights()`
 each followed by verl's `check_weights()`. Then, with the same trainer processes and a
 second rollout group that can die on request: bit-exact chunked and verified updates, a
-stale `global_steps` refused on every rank, a rollout worker killed mid-update, and verl's
-rollout group updated again after it. The tests run in file order (one flow, one Ray).
+stale `global_steps` refused on every rank, delta updates of weights the trainers changed,
+a rollout worker killed mid-update, and verl's rollout group updated again after it. The
+tests run in file order (one flow, one Ray).
 """
 
 from __future__ import annotations
@@ -127,13 +128,34 @@ def test_stale_global_steps_is_refused_on_every_rank(verl_flow):
     assert verl_flow.failing.check_weights() == [[], []]
 
 
+def test_delta_updates_carry_the_trainers_changes_bit_exact(verl_flow):
+    """The trainers change element 0 of every weight (a training step's change in its
+    smallest form, in their FSDP2 shards): each next update is a delta that carries only
+    those words, and every rollout worker then holds exactly the trainers' new weights;
+    also when they change back to the checkpoint's."""
+    held = _states(verl_flow.trainers)[0]["version"]
+    for step, first in ((held + 1, 0.375), (held + 2, -1.5), (held + 3, None)):
+        changed = verl_flow.trainers.set_first_elements(first)
+        assert changed[0] > 10 and changed[1] == 0, changed  # rank 0's shards start every tensor
+        verl_flow.failing_manager.update_weights(global_steps=step)
+        sent = _states(verl_flow.trainers)[0]["metrics"]
+        assert sent["delta_choice"] == "delta", sent
+        assert 0 < sent["changed_fraction"] < 0.01 and sent["wire_bytes"] < sent["dense_wire_bytes"] // 10, sent
+        if first is None:
+            assert verl_flow.failing.check_weights() == [[], []]  # bit for bit, then verl's own check
+        else:
+            assert verl_flow.failing.check_changed_weights(first) == [[], []]
+    assert [s["version"] for s in _states(verl_flow.trainers) + _states(verl_flow.failing)] == [held + 3] * 4
+
+
 def test_a_rollout_worker_killed_mid_update_fails_every_trainer_rank_in_time(verl_flow):
     import ray
 
+    held = _states(verl_flow.trainers)[0]["version"]
     verl_flow.failing.die_during_next_update(rank=1, after=3)
     began = time.monotonic()
     with pytest.raises(Exception) as failure:
-        verl_flow.failing_manager.update_weights(global_steps=13)
+        verl_flow.failing_manager.update_weights(global_steps=held + 1)
     # verl's manager raises as soon as one of its calls fails (here the dead worker's);
     # the trainer ranks' own send_weights must end too, with PeerError, within the timeout.
     assert "PeerError" in str(failure.value) or "died" in str(failure.value), failure.value
@@ -142,13 +164,13 @@ def test_a_rollout_worker_killed_mid_update_fails_every_trainer_rank_in_time(ver
     elapsed = time.monotonic() - began
     assert all(s["last_error"] and s["last_error"].startswith("PeerError") for s in trainer_states), trainer_states
     assert elapsed < limit, f"the trainer ranks took {elapsed:.1f} s to fail"
-    assert all(s["version"] == 12 for s in trainer_states)
+    assert all(s["version"] == held for s in trainer_states)
     survivor = verl_flow.failing.workers[0]
-    assert ray.get(survivor.execute_checkpoint_engine.remote(method="state"))["version"] == 12
+    assert ray.get(survivor.execute_checkpoint_engine.remote(method="state"))["version"] == held
     print(f"\nkilled rollout worker: every trainer rank raised after {elapsed:.1f} s")
 
     # the trainers build a new group with verl's rollout group, which still holds version 3
-    verl_flow.manager.update_weights(global_steps=14)
+    verl_flow.manager.update_weights(global_steps=held + 2)
     verl_flow.rollouts.check_weights()
-    assert [s["version"] for s in _states(verl_flow.trainers) + _states(verl_flow.rollouts)] == [14] * 4
+    assert [s["version"] for s in _states(verl_flow.trainers) + _states(verl_flow.rollouts)] == [held + 2] * 4
     # the fixture's teardown (ActorScope) then checks that no actor, process or placement group is left
