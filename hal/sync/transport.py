@@ -116,6 +116,15 @@ Land = Callable[[int, int, SegmentStatus], "torch.Tensor | None"]
 Complete = Callable[[int, int, bool, SegmentStatus], None]
 
 
+def _random_words() -> torch.Tensor:
+    """Two int64 of fresh randomness from the OS (`secrets`)."""
+    return torch.tensor(struct.unpack("<2q", secrets.token_bytes(16)), dtype=torch.int64)
+
+
+def _digest(words: torch.Tensor) -> str:
+    return hashlib.sha256(words.contiguous().numpy().tobytes()).hexdigest()
+
+
 class GroupChannel:
     """Small control collectives over one process group, each bounded by `timeout_s`, with
     errors that say which rank and what: the agreement every rank of a sync ends with,
@@ -131,6 +140,7 @@ class GroupChannel:
         self.control_device = torch.device(control_device)
         self.timeout_s = timeout_s
         """Longest wait for any one transfer or agreement."""
+        self._challenge: str | None = None  # drawn in the last agreement, for the next header
 
     def _timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
@@ -160,11 +170,14 @@ class GroupChannel:
         case, nobody failed, costs one small all-reduce.
         """
         text = report.encode().encode()[:MAX_REPORT_BYTES]
-        head = torch.zeros(self.world_size, 2, dtype=torch.int64, device=self.control_device)
+        head = torch.zeros(self.world_size, 4, dtype=torch.int64, device=self.control_device)
         head[self.rank, 0] = len(text)
         head[self.rank, 1] = report.flags
+        head[self.rank, 2:] = _random_words()  # the next header's challenge comes along (see `challenge`)
         self._allreduce(head, f"{what} lengths")
-        rows_head = head.cpu().tolist()
+        rows = head.cpu()
+        self._challenge = _digest(rows[:, 2:])
+        rows_head = rows[:, :2].tolist()
         sizes = [int(n) for n, _ in rows_head]
         flags = [int(f) for _, f in rows_head]
         if any(not 0 <= n <= MAX_REPORT_BYTES for n in sizes) or any(not 0 <= f < 8 for f in flags):
@@ -243,15 +256,20 @@ class Transport(GroupChannel):
         return bytes(payload or b"") if self.is_sender else data.cpu().numpy().tobytes()
 
     def challenge(self) -> str:
-        """A fresh challenge for the next header, the same on every rank: each receiver
-        draws 128 random bits and one small all-reduce puts the rows together. The sender's
-        proof covers it (`hal.sync.header.auth_proof`), so a header is good for one exchange
-        only: one recorded earlier, in this group or another, is refused."""
-        rows = torch.zeros(self.world_size, 2, dtype=torch.int64, device=self.control_device)
-        if not self.is_sender:
-            rows[self.rank] = torch.tensor(struct.unpack("<2q", secrets.token_bytes(16)), dtype=torch.int64)
-        self._allreduce(rows, "header challenge")
-        return hashlib.sha256(rows.cpu().numpy().tobytes()).hexdigest()
+        """A fresh challenge for the next header, the same on every rank: 128 random bits
+        from each rank, put together by an all-reduce. The sender's proof covers it
+        (`hal.sync.header.auth_proof`), so a header is good for one exchange only: one
+        recorded earlier, in this group or another, is refused. Every agreement (`agree`)
+        draws the next one on the way, so only a group's first header, or one after a
+        header without an agreement, costs a collective of its own. Every rank calls this
+        before each header, as every rank calls `agree`: the ranks stay in step."""
+        if self._challenge is None:
+            rows = torch.zeros(self.world_size, 2, dtype=torch.int64, device=self.control_device)
+            rows[self.rank] = _random_words()
+            self._allreduce(rows, "header challenge")
+            self._challenge = _digest(rows.cpu())
+        challenge, self._challenge = self._challenge, None  # used once
+        return challenge
 
     def exchange_header(self, payload: bytes | None) -> bytes:
         """The sender's encoded header on every rank (the receivers decode it themselves:

@@ -251,3 +251,40 @@ def test_a_recorded_header_is_refused_when_replayed(kind):
     assert_accepted(results, 2, version=2)
     assert_refused(results, 3, MISMATCH, held_version=2, refusing=[1, 2])
     assert_accepted(results, 4, version=2)  # the same version again, with a fresh proof: taken
+
+
+def challenge_worker(rank, world):
+    """Three syncs with a token; returns the collectives each rank made for challenges."""
+    with hal.use("cpu"):
+        transport = BroadcastTransport(None, src=0)
+        made: list[str] = []
+        allreduce = transport._allreduce
+
+        def recording(tensor, what):
+            made.append(what)
+            return allreduce(tensor, what)
+
+        transport._allreduce = recording
+        challenges = []
+        real_challenge = transport.challenge
+        transport.challenge = lambda: challenges.append(real_challenge()) or challenges[-1]
+        if rank == 0:
+            sender = Sender(transport, SyncConfig(bucket_bytes=BUCKET, timeout_s=TIMEOUT_S), token=TOKEN)
+            for version in (1, 2, 3):
+                sender.send(TensorSource(weights(version)), version=version)
+        else:
+            receiver = Receiver(transport, specs(), timeout_s=TIMEOUT_S, token=TOKEN)
+            for _ in range(3):
+                receiver.receive(RecordingLoader({n: t.clone() for n, t in weights(0)}))
+        return [w for w in made if "challenge" in w], challenges
+
+
+def test_only_a_groups_first_header_costs_a_collective_for_its_challenge():
+    """The challenge for the next header comes along with every agreement: after the first
+    sync, no header waits for a collective of its own. Every rank sees the same challenges,
+    each different."""
+    results = run_group(challenge_worker, 3, timeout=60, collective_timeout=TIMEOUT_S)
+    for standalone, challenges in results:
+        assert standalone == ["header challenge"]  # the first sync's only
+        assert len(challenges) == 3 and len(set(challenges)) == 3
+    assert results[0][1] == results[1][1] == results[2][1]
