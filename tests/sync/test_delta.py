@@ -153,12 +153,13 @@ def delta_worker(rank, world, backend, kind, sink_kind):
         ("cpu", "broadcast+verified", 3, "views"),
         ("sim", "ipc+verified", 2, "dest"),
         ("sim", "broadcast+host-staged+verified", 2, "staged"),
+        ("cpu", "hier+verified", 4, "views"),
     ],
     ids=[
         "cpu-p2p-copy_into", "cpu-broadcast-2-views", "sim-p2p-views", "cpu-shm-copy_into-staged", "sim-shm-2-copy_into",
         "cpu-hierarchical-2-nodes-copy_into", "sim-hierarchical-leader-and-follower-views", "sim-shm-views",
         "sim-p2p-host-baseline-staged", "cpu-broadcast-2-views-verified", "sim-shm-copy_into-verified",
-        "sim-p2p-host-baseline-staged-verified",
+        "sim-p2p-host-baseline-staged-verified", "cpu-hierarchical-2-nodes-views-verified",
     ],
 )
 def test_twenty_delta_syncs_are_bit_identical_to_dense(backend, kind, world, sink_kind):
