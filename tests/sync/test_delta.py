@@ -236,7 +236,8 @@ def settings_worker(rank, world, backend, kind, verify, bypass_cpu, segment_byte
 
 
 # Every pair of values of these seven settings appears in at least one row (11 rows; all
-# 288 combinations were run once by hand in session 6, every one exact). With verify, the
+# 288 combinations were run once by hand in session 6, every one exact, and again dense
+# and with the choice by time). With verify, the
 # host baseline and staged packs (bypass_cpu False), the verified-delta checksum bug of
 # session 6 failed 48 of them.
 PAIRWISE = [
