@@ -139,7 +139,9 @@ class Backend:
 
         On CUDA/NPU the call enqueues kernels and returns; on `sim` it runs later on the
         stream's worker thread; on the CPU it runs now. The result is not returned: device
-        work communicates through the tensors it writes.
+        work communicates through the tensors it writes. Given a host tensor, fn runs on
+        the host at once on CUDA/NPU too, so the stream is synchronized first: fn sees what
+        the stream's earlier work wrote there (a device-to-host pack, say).
         """
         self._launch(stream, fn, args)
 

@@ -17,6 +17,8 @@ Fixtures
 Helpers
     BACKEND_PARAMS   pytest.param list over every built-in backend: cpu and sim always run,
                      cuda / npu carry their marker and skip (with the reason) without hardware.
+    HARDWARE_PARAMS  the cuda and npu entries of BACKEND_PARAMS alone: for a test that the
+                     cpu lane already runs on cpu and sim, again on the accelerator.
     run_python(code, env=None, timeout=120)
                      Run `code` in a fresh interpreter of this venv; returns CompletedProcess
                      (text, stdout/stderr captured). `env` entries are added to a copy of
@@ -55,6 +57,7 @@ BACKEND_PARAMS = [
     _hardware_param("cuda", CudaBackend),
     _hardware_param("npu", NpuBackend),
 ]
+HARDWARE_PARAMS = BACKEND_PARAMS[2:]
 
 
 @pytest.fixture

@@ -53,7 +53,7 @@ def test_info_json(hal_script):
     assert info["versions"]["torch"]
     assert set(info) >= {"supports_pinned_memory", "supports_ipc", "supports_async_streams", "visible_devices_env"}
     # gloo's traits, from hal.backends.collectives (not declared by the backend)
-    assert info["collective_traits"] == {"follows_streams": False, "point_to_point_for_one_receiver": True}
+    assert info["collective_traits"] == {"follows_streams": False, "point_to_point_for_one_receiver": True, "point_to_point_device_memory": False}
 
 
 def test_info_json_for_sim(hal_script):

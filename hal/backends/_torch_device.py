@@ -82,6 +82,10 @@ class TorchDeviceBackend(Backend):
         return self.module.Event(enable_timing=timing)
 
     def _launch(self, stream: Any, fn: Callable[..., Any], args: tuple) -> None:
+        if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+            # On host memory fn runs on the host, now, not behind the stream: let the
+            # stream's earlier work (a device-to-host pack into that memory) finish first.
+            (stream or self.module.current_stream()).synchronize()
         if stream is None:
             fn(*args)  # kernels go to the current stream
             return

@@ -34,15 +34,23 @@ class CollectiveTraits:
     (docs/benchmarks.md, "What changed in session 2"). Not measured for NCCL/HCCL, so
     they keep broadcasts, which are always correct."""
 
+    point_to_point_device_memory: bool
+    """send/recv read and write device memory. gloo's send/recv hand the tensor's pointer
+    to the socket, so a CUDA tensor fails there ("writev ... Bad address", seen on an
+    H100 with torch 2.11), while its broadcast and all-reduce stage device tensors
+    themselves; NCCL and HCCL move device memory only. False is always correct (a
+    device tensor is staged through host memory for its point-to-point transfers)."""
 
-# Safe for any library: the host waits before every collective, and transfers are broadcasts.
-CONSERVATIVE_TRAITS = CollectiveTraits(follows_streams=False, point_to_point_for_one_receiver=False)
+
+# Safe for any library: the host waits before every collective, transfers are broadcasts,
+# and device tensors go through host memory for point-to-point transfers.
+CONSERVATIVE_TRAITS = CollectiveTraits(follows_streams=False, point_to_point_for_one_receiver=False, point_to_point_device_memory=False)
 
 # torch.distributed backend name (lower case) -> its traits; see the field docs for sources.
 _TRAITS: dict[str, CollectiveTraits] = {
-    "gloo": CollectiveTraits(follows_streams=False, point_to_point_for_one_receiver=True),
-    "nccl": CollectiveTraits(follows_streams=True, point_to_point_for_one_receiver=False),
-    "hccl": CollectiveTraits(follows_streams=True, point_to_point_for_one_receiver=False),
+    "gloo": CollectiveTraits(follows_streams=False, point_to_point_for_one_receiver=True, point_to_point_device_memory=False),
+    "nccl": CollectiveTraits(follows_streams=True, point_to_point_for_one_receiver=False, point_to_point_device_memory=True),
+    "hccl": CollectiveTraits(follows_streams=True, point_to_point_for_one_receiver=False, point_to_point_device_memory=True),
 }
 
 

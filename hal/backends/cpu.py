@@ -50,8 +50,8 @@ class ImmediateEvent:
 
 
 def _check_timing(start: Any, end: Any) -> None:
-    if not (start.timing and end.timing):
-        raise RuntimeError("elapsed_time needs both events created with timing=True")
+    if not (start.timing and end.timing):  # ValueError, as torch.cuda.Event says it (torch >= 2.11)
+        raise ValueError("elapsed_time needs both events created with timing=True")
     if start._time is None or end._time is None:
         raise RuntimeError("elapsed_time: both events must have been recorded and completed")
 

@@ -91,19 +91,6 @@ class HierarchicalTransport(Transport):
         self._forwarded: list[int] = []  # buckets this rank told its node about and whose release it awaits
         self._told: list[tuple[int, Any, torch.Tensor]] = []  # (bucket, work, status) sent to the node, not yet waited
 
-    # ---- point to point with deadlines ---------------------------------------------------
-    def _send_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
-        try:
-            return self.group.send([tensor], peer, tag)
-        except RuntimeError as exc:
-            raise PeerError(f"{self.name}: {what} to rank {peer} failed on rank {self.rank}: {exc}") from exc
-
-    def _recv_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
-        try:
-            return self.group.recv([tensor], peer, tag)
-        except RuntimeError as exc:
-            raise PeerError(f"{self.name}: {what} from rank {peer} failed on rank {self.rank}: {exc}") from exc
-
     def _gather_bytes(self, payload: bytes, limit: int, what: str) -> list[bytes]:
         """Every rank's `payload` (at most `limit` bytes), on every rank."""
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.control_device)

@@ -162,6 +162,34 @@ class GroupChannel:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
         self._wait(work, what)
 
+    # ---- point to point with deadlines ---------------------------------------------------
+    def _stages(self, tensor: torch.Tensor) -> bool:
+        """Whether this group's send/recv must see host memory in place of `tensor`."""
+        from hal.backends.collectives import CONSERVATIVE_TRAITS
+
+        traits = getattr(self, "_traits", None) or CONSERVATIVE_TRAITS
+        return tensor.device.type != "cpu" and not traits.point_to_point_device_memory
+
+    def _send_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        staged = self._stages(tensor)
+        if staged:  # a copy on the current stream, which follows the work that wrote the tensor
+            tensor = tensor.to("cpu")
+        try:
+            work = self.group.send([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} to rank {peer} failed on rank {self.rank}: {exc}") from exc
+        return _StagedWork(work, tensor, None, None) if staged else work
+
+    def _recv_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        target = tensor if self._stages(tensor) else None
+        if target is not None:
+            tensor = torch.empty(target.shape, dtype=target.dtype)
+        try:
+            work = self.group.recv([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} from rank {peer} failed on rank {self.rank}: {exc}") from exc
+        return _StagedWork(work, tensor, target, self._backend) if target is not None else work
+
     def agree(self, report: RankReport, what: str = "status") -> list[RankReport]:
         """Every rank's report, on every rank, so that all stop together.
 
@@ -288,7 +316,7 @@ class Transport(GroupChannel):
         from hal.backends.collectives import collective_traits
 
         self._backend = backend
-        self._traits = collective_traits(self.dist_backend or backend.dist_backend)
+        self._traits = collective_traits(self.dist_backend or _group_library(self.group, backend.device_type) or backend.dist_backend)
         self._order = [(b.index, j, seg.start, seg.stop - seg.start) for b in plan.buckets for j, seg in enumerate(b.segments)]
         self._status_ahead, self._cursor = None, 0
         nbytes = plan.max_bucket_nbytes
@@ -379,6 +407,35 @@ class Transport(GroupChannel):
         self._capacity = 0
 
 
+class _StagedWork:
+    """A point-to-point transfer through host memory (`host`), for a library whose send/recv
+    cannot touch device memory: keeps the host copy alive, and for a receive copies it into
+    the device tensor `target` once it has arrived, before `wait` returns."""
+
+    def __init__(self, work: Any, host: torch.Tensor, target: torch.Tensor | None, backend: Backend | None) -> None:
+        self.work, self.host, self.target, self.backend = work, host, target, backend
+
+    def wait(self, timeout: Any = None) -> Any:
+        ok = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        if ok is not False and self.target is not None:
+            target, self.target = self.target, None
+            self.backend.copy_(target, self.host)
+            self.backend.current_stream().synchronize()  # landed before anyone is told it has
+        return ok
+
+
+def _group_library(group: Any, device_type: str) -> str | None:
+    """The collective library `group` runs tensors of `device_type` on ("gloo" for a CUDA
+    tensor in a gloo group: gloo's traits then hold, not NCCL's); None when the group does
+    not say."""
+    try:
+        config = dist.get_backend_config(group)  # "cpu:gloo,cuda:gloo", "cuda:nccl,cpu:gloo", ...
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    pairs = dict(item.split(":", 1) for item in config.split(",") if ":" in item)
+    return pairs.get(device_type) or (None if pairs else config or None)
+
+
 class BroadcastTransport(Transport):
     """Each segment goes from the sender into every receiver's own memory.
 
@@ -415,12 +472,9 @@ class BroadcastTransport(Transport):
     def _transfer(self, tensor: torch.Tensor, what: str) -> Any:
         if not self.point_to_point:
             return self._broadcast(tensor, what)
-        try:
-            if self.is_sender:
-                return self.group.send([tensor], self._peer, self.P2P_TAG)
-            return self.group.recv([tensor], self.src, self.P2P_TAG)
-        except RuntimeError as exc:
-            raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
+        if self.is_sender:
+            return self._send_p2p(tensor, self._peer, self.P2P_TAG, what)
+        return self._recv_p2p(tensor, self.src, self.P2P_TAG, what)
 
     def _order_after(self, ready: Event) -> None:
         if self._traits.follows_streams:

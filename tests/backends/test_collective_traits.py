@@ -16,17 +16,19 @@ from hal.backends.collectives import (
 
 
 @pytest.mark.parametrize(
-    ("name", "follows_streams", "point_to_point"),
+    ("name", "follows_streams", "point_to_point", "device_p2p"),
     [
-        ("gloo", False, True),  # host threads: the host waits; ~1 ms per broadcast, so send/recv
-        ("nccl", True, False),  # ordered on the issuing stream; broadcasts not measured against
-        ("hccl", True, False),
+        ("gloo", False, True, False),  # host threads: the host waits; ~1 ms per broadcast, so send/recv; host memory only
+        ("nccl", True, False, True),  # ordered on the issuing stream; broadcasts not measured against
+        ("hccl", True, False, True),
     ],
 )
-def test_table(name, follows_streams, point_to_point):
+def test_table(name, follows_streams, point_to_point, device_p2p):
     for spelled in (name, name.upper(), f" {name.capitalize()} "):
         traits = collective_traits(spelled)
-        assert traits == CollectiveTraits(follows_streams=follows_streams, point_to_point_for_one_receiver=point_to_point)
+        assert traits == CollectiveTraits(
+            follows_streams=follows_streams, point_to_point_for_one_receiver=point_to_point, point_to_point_device_memory=device_p2p
+        )
 
 
 def test_known_libraries():
@@ -37,7 +39,7 @@ def test_known_libraries():
 def test_unknown_names_get_the_conservative_traits(name):
     # follows_streams=False is always correct: the host waits before the collective.
     assert collective_traits(name) is CONSERVATIVE_TRAITS
-    assert CONSERVATIVE_TRAITS == CollectiveTraits(follows_streams=False, point_to_point_for_one_receiver=False)
+    assert CONSERVATIVE_TRAITS == CollectiveTraits(follows_streams=False, point_to_point_for_one_receiver=False, point_to_point_device_memory=False)
 
 
 def test_name_must_be_a_string():
@@ -63,4 +65,4 @@ def test_no_backend_declares_collective_traits():
 @pytest.mark.parametrize("name", ["cpu", "sim"])
 def test_describe_shows_the_traits_of_the_dist_backend(name):
     described = hal.get_backend(name).describe()
-    assert described["collective_traits"] == {"follows_streams": False, "point_to_point_for_one_receiver": True}
+    assert described["collective_traits"] == {"follows_streams": False, "point_to_point_for_one_receiver": True, "point_to_point_device_memory": False}

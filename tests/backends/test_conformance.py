@@ -231,7 +231,9 @@ def test_elapsed_time_needs_timing_events(backend):
     start.record(stream)
     end.record(stream)
     end.synchronize()
-    with pytest.raises(RuntimeError):
+    # torch.cuda.Event raises ValueError from torch 2.11 on (measured on an H100, torch
+    # 2.11.0+cu130), RuntimeError from the runtime before; torch_npu's events the latter.
+    with pytest.raises((ValueError, RuntimeError), match="(?i)timing"):
         start.elapsed_time(end)
 
 

@@ -110,7 +110,7 @@ def test_fake_cuda_names(fake_cuda):
     assert backend.dist_backend_string() == "cuda:nccl,cpu:gloo"
     assert backend.dist_backend_string(with_cpu=False) == "nccl"
     assert backend.supports_pinned_memory and backend.supports_ipc and backend.supports_async_streams
-    assert backend.describe()["collective_traits"] == {"follows_streams": True, "point_to_point_for_one_receiver": False}
+    assert backend.describe()["collective_traits"] == {"follows_streams": True, "point_to_point_for_one_receiver": False, "point_to_point_device_memory": True}
 
 
 def test_fake_cuda_devices(fake_cuda):

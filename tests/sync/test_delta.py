@@ -21,6 +21,7 @@ from hal import kernels
 from hal.sync import BroadcastTransport, HierarchicalTransport, IpcTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, TensorSpec, copy_into
 from hal.sync.config import DeltaConfig
 from hal.sync.plan import bucket_offsets
+from tests.conftest import HARDWARE_PARAMS
 from tests.multiproc import run_group
 from tests.sync.test_failures import FailingSource
 
@@ -74,7 +75,14 @@ def specs() -> list[TensorSpec]:
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(kernels.as_bytes(a.contiguous()), kernels.as_bytes(b.contiguous()))
+    return torch.equal(kernels.as_bytes(a.cpu().contiguous()), kernels.as_bytes(b.cpu().contiguous()))
+
+
+def on_device(pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The pairs on the current backend's device (strides kept: a transposed view stays one);
+    on cpu and sim the same tensors."""
+    device = hal.current().device()
+    return [(n, t.to(device)) for n, t in pairs]
 
 
 class Views:
@@ -193,24 +201,26 @@ def test_twenty_delta_syncs_are_bit_identical_to_dense(backend, kind, world, sin
 PAIRWISE_STEPS = 10
 
 
-def settings_worker(rank, world, backend, kind, verify, bypass_cpu, segment_bytes, sink_kind, cast):
+def settings_worker(rank, world, backend, kind, verify, bypass_cpu, segment_bytes, sink_kind, cast, delta_on=True):
     """Ten syncs (anchors every 4th) with one combination of the sync's settings; `cast`:
-    fp32 tensors travel as bf16 (`wire_dtype`). Returns, per receiver, per step, whether it
-    holds what a dense sync would have left."""
+    fp32 tensors travel as bf16 (`wire_dtype`); `delta_on` False: every sync dense. The
+    trainer's tensors and the engine's destinations are on the backend's device. Returns,
+    per receiver, per step, whether it holds what a dense sync would have left."""
     with hal.use(backend):
         if kind == "hier":  # ranks 1-2 on one node, rank 3 on another
             transport = HierarchicalTransport(None, src=0, node="trainer" if rank == 0 else f"node{int(rank > 2)}")
         else:
             transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
-        delta = DeltaConfig(anchor_every=4, choose="bytes", baseline="device" if bypass_cpu else "host")
+        delta = DeltaConfig(anchor_every=4, choose="bytes", baseline="device" if bypass_cpu else "host") if delta_on else None
         wire = torch.bfloat16 if cast else None
         config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=segment_bytes, delta=delta, bypass_cpu=bypass_cpu, verify=verify, wire_dtype=wire)
+        device = hal.current().device()
         if rank == 0:
             sender, tensors = Sender(transport, config), initial()
             for step in range(PAIRWISE_STEPS):
                 if step:
                     evolve(tensors, step)
-                sender.send(TensorSource(sent(tensors)), version=step)
+                sender.send(TensorSource(on_device(sent(tensors))), version=step)
             return None
 
         def on_wire(pairs):
@@ -222,7 +232,7 @@ def settings_worker(rank, world, backend, kind, verify, bypass_cpu, segment_byte
             sink = Views()
             held = sink.got
         else:
-            held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in wire_specs}
+            held = {s.name: torch.zeros(s.shape, dtype=s.dtype, device=device) for s in wire_specs}
             sink = copy_into(held, in_place=sink_kind == "dest")
         reference, exact = initial(), []
         for step in range(PAIRWISE_STEPS):
@@ -284,6 +294,7 @@ def failing_settings_worker(rank, world, where, fail_name, backend, kind, verify
         config = SyncConfig(
             bucket_bytes=BUCKET, segment_bytes=segment_bytes, delta=delta, bypass_cpu=bypass_cpu, verify=verify, wire_dtype=wire, timeout_s=20
         )
+        device = hal.current().device()
         if rank == 0:
             sender, tensors, out = Sender(transport, config), initial(), []
             for step in range(steps):
@@ -291,7 +302,7 @@ def failing_settings_worker(rank, world, where, fail_name, backend, kind, verify
                     evolve(tensors, step)
                 failing = fail_name if step == fail_step and where == "source" else None
                 try:
-                    out.append(sender.send(FailingSource(sent(tensors), failing), version=step).delta_choice)
+                    out.append(sender.send(FailingSource(on_device(sent(tensors)), failing), version=step).delta_choice)
                 except SyncError as exc:
                     out.append(type(exc).__name__)
             return out
@@ -313,7 +324,7 @@ def failing_settings_worker(rank, world, where, fail_name, backend, kind, verify
 
             sink.apply = apply
         else:
-            held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in wire_specs}
+            held = {s.name: torch.zeros(s.shape, dtype=s.dtype, device=device) for s in wire_specs}
             sink = copy_into(held, in_place=sink_kind == "dest")
         reference, out = initial(), []
         for step in range(steps):
@@ -348,6 +359,41 @@ def test_a_delta_sync_failing_in_the_source_or_an_engine_leaves_old_or_new_and_t
     world = 4 if row[1] == "hier" else 3
     sent_choices, *receivers = run_group(failing_settings_worker, world, args=(where, fail_name) + row, timeout=120, collective_timeout=30)
     assert sent_choices[3] == ("SourceError" if where == "source" else "SyncError"), sent_choices  # (an engine's error: SyncError)
+    assert sent_choices[:3] == ["anchor", "delta", "delta"] and sent_choices[4:] == ["anchor", "delta"], sent_choices
+    for out in receivers:
+        assert out == [True, True, True, "old or new", True, True], out
+
+
+# ---- the same on the accelerator (the cuda and npu lanes) ---------------------------------
+# The trainer's tensors and the engine's destinations on the device, ranks sharing one
+# device in a gloo group (one GPU is enough; NCCL refuses two ranks on one GPU): device
+# buckets and baselines, device-memory IPC for shared memory, host-staged packs.
+
+
+@pytest.mark.parametrize("delta_on", [True, False], ids=["delta", "dense"])
+@pytest.mark.parametrize("row", PAIRWISE, ids=["-".join(str(v) for v in row[1:]) for row in PAIRWISE])
+@pytest.mark.parametrize("device_backend", HARDWARE_PARAMS)
+def test_every_pair_of_settings_lands_bit_exact_on_the_device(device_backend, row, delta_on):
+    kind = row[1]
+    world = 4 if kind == "hier" else 3
+    _, *receivers = run_group(
+        settings_worker, world, args=(device_backend,) + row[1:] + (delta_on,), timeout=180, collective_timeout=60,
+    )
+    assert receivers == [[True] * PAIRWISE_STEPS] * (world - 1)
+
+
+@pytest.mark.parametrize("where,fail_name,row", [
+    ("source", "fp8.weight", PAIRWISE[1]),
+    ("source", "mask", PAIRWISE[5]),
+    ("sink", "proj.weight", PAIRWISE[7]),
+    ("sink", "embed.weight", PAIRWISE[4]),
+], ids=["source-shm-verified-staged", "source-hier-verified-in-place", "sink-broadcast-verified", "sink-shm"])
+@pytest.mark.parametrize("device_backend", HARDWARE_PARAMS)
+def test_a_failing_delta_sync_on_the_device_leaves_old_or_new(device_backend, where, fail_name, row):
+    world = 4 if row[1] == "hier" else 3
+    sent_choices, *receivers = run_group(
+        failing_settings_worker, world, args=(where, fail_name, device_backend) + row[1:], timeout=180, collective_timeout=60
+    )
     assert sent_choices[:3] == ["anchor", "delta", "delta"] and sent_choices[4:] == ["anchor", "delta"], sent_choices
     for out in receivers:
         assert out == [True, True, True, "old or new", True, True], out

@@ -190,6 +190,30 @@ def test_a_single_receiver_on_gloo_gets_point_to_point_transfers(world):
     assert receivers == [(world == 2, True)] * (world - 1)
 
 
+def library_worker(rank, world):
+    from hal.backends.cpu import CpuBackend
+
+    class NcclNamed(CpuBackend):  # a device backend whose own library is NCCL, here in a gloo group
+        dist_backend = "nccl"
+
+    transport = BroadcastTransport(None, src=0)
+    cfg = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT)
+    if rank == 0:
+        Sender(transport, cfg, backend=NcclNamed()).send(TensorSource(weights(8)), version=1)
+    else:
+        target = Collect()
+        Receiver(transport, specs(), backend=NcclNamed()).receive(target)
+        assert target.matches(weights(8))
+    return transport.point_to_point, transport._traits.follows_streams
+
+
+def test_the_groups_own_library_decides_how_transfers_go_not_the_devices():
+    # A CUDA tensor in a gloo group is moved by gloo: the host must wait for the pack
+    # before each transfer (gloo does not follow streams), and one receiver gets
+    # point-to-point transfers. Taking NCCL's traits from the device would skip the wait.
+    assert run_group(library_worker, 2, timeout=90) == [(True, False), (True, False)]
+
+
 # ---- large tensors skip the buckets: sent from their memory, received into their destination
 class TransferLog(BroadcastTransport):
     """Notes the address of every transfer sent or received."""
