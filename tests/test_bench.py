@@ -316,6 +316,48 @@ def test_bench_delta_kernels_refuses_bad_settings():
     assert "--segment-mb applies to --delta-kernels only" in str(exc.value.code)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_bench_device_transfer_checks_every_receivers_bytes_for_every_method(device, tmp_path, monkeypatch, hal_reset):
+    monkeypatch.setenv("VERL_DEVICE", device)
+    out_json = tmp_path / "device.json"
+    argv = ["bench", "--device-transfer", "--preset", "tiny", "--repeats", "2", "--receivers", "2", "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    report = json.loads(out_json.read_text())
+    assert report["mode"] == "device-transfer" and report["backend"] == device and len(report["devices"]) == 3
+    rows = {r["method"]: r for r in report["results"]}
+    assert list(rows) == ["floor_ipc", "hal_ipc", "hal_ipc_verified", "hal_ipc_staged", "hal_gloo"]
+    for r in rows.values():  # every round of every method left every byte at both receivers
+        assert r["verified_receivers"] == [1, 2] and len(r["all_seconds"]) == 2 and r["seconds"] > 0
+    assert rows["floor_ipc"]["ratio_to_floor"] == 1.0
+
+
+def test_device_transfer_pattern_check_catches_one_wrong_byte():
+    from hal.bench import device_transfer
+
+    flat = torch.zeros(100_003, dtype=torch.uint8)
+    device_transfer._fill(flat)
+    assert device_transfer._matches(flat)
+    flat[77_777] ^= 1
+    assert not device_transfer._matches(flat)
+
+
+def test_bench_device_transfer_refuses_what_it_does_not_take():
+    from hal import bench
+    from hal.bench import device_transfer
+
+    assert bench._DEVICE_METHODS == device_transfer.METHODS  # the CLI's list is the module's
+    with pytest.raises(ValueError, match="floor_ipc"):
+        device_transfer.DeviceTransferConfig(methods=("hal_ipc",))
+    with pytest.raises(ValueError, match="unknown method"):
+        device_transfer.DeviceTransferConfig(methods=("floor_ipc", "nccl"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--device-transfer", "--delta"])
+    assert "--device-transfer does not take --delta" in str(exc.value.code)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--device-transfer", "--device-methods", "hal_shm"])  # a transfer method, not a device one
+
+
 def test_delta_bench_config_checks_its_fields():
     from hal.bench import delta
 

@@ -37,6 +37,14 @@ with a plain copy for scale: how fast this device finds and patches changes (the
 holds {"mode": "delta-kernels", "results": [one row per share]}). It takes `--repeats`
 and `--json` only.
 
+    VERL_DEVICE=cuda hal bench --device-transfer      # hal.bench.device_transfer
+
+`--device-transfer` keeps the weights and the receivers' destinations in the current
+backend's device memory: `floor_ipc` (one device-to-device copy per receiver through
+device IPC) against hal.sync over IpcTransport (plain, verified, host-staged) and over
+the gloo group (`--device-methods` picks). It takes `--preset`, `--receivers`,
+`--repeats`, `--warmup`, `--bucket-mb`, `--timeout`, `--no-verify` and `--json`.
+
 `--engine vllm` hands the parsed arguments to `hal.bench.vllm_engine.run(args)`, which
 returns a dict; that module is imported only then (it needs vllm). If it defines
 `add_arguments(parser)`, its options are declared here too.
@@ -53,6 +61,7 @@ from typing import Any, Callable
 from hal.bench.presets import PRESETS
 
 ENGINES = ("transfer", "vllm")
+_DEVICE_METHODS = ("floor_ipc", "hal_ipc", "hal_ipc_verified", "hal_ipc_staged", "hal_gloo")  # hal.bench.device_transfer.METHODS
 _VLLM_MODULE = "hal.bench.vllm_engine"
 
 
@@ -116,6 +125,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="emulate a link of this many GB/s (1e9 bytes/s) for every method: a send's bytes count as arrived only at "
         "that rate, overlapping the work around it (default: the transport as it is)",
     )
+    device = parser.add_argument_group("--device-transfer (hal.bench.device_transfer)")
+    device.add_argument(
+        "--device-transfer", action="store_true",
+        help="weights on the current backend's device (VERL_DEVICE) into receivers' device memory: floor_ipc, hal_ipc, ...",
+    )
+    device.add_argument(
+        "--device-methods", type=comma_list(_DEVICE_METHODS, "method"), default=None,
+        help=f"comma-separated subset of {','.join(_DEVICE_METHODS)} (default: all; floor_ipc always)",
+    )
     kernels = parser.add_argument_group("--delta-kernels (hal.bench.delta_kernels)")
     kernels.add_argument(
         "--delta-kernels", action="store_true",
@@ -149,6 +167,11 @@ def main(args: argparse.Namespace) -> int:
         print(format_kernel_table(report))
     elif getattr(args, "segment_mb", None) is not None:
         raise SystemExit("hal bench: --segment-mb applies to --delta-kernels only")
+    elif getattr(args, "device_transfer", False):
+        report = _run_device_transfer(args)
+        from hal.bench.device_transfer import format_table as format_device_table
+
+        print(format_device_table(report))
     elif getattr(args, "delta", False):
         from hal.bench.delta import format_table as format_delta_table
 
@@ -177,6 +200,33 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as exc:  # e.g. shared-memory methods on several simulated nodes
         raise SystemExit(f"hal bench: {exc}") from None
     return run_transfer(config)
+
+
+def _run_device_transfer(args: argparse.Namespace) -> dict[str, Any]:
+    from hal.bench.device_transfer import DeviceTransferConfig, run_device_transfer
+
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--engine vllm", args.engine != "transfer"), ("--delta", args.delta), ("--methods", args.methods is not None),
+            ("--nodes", args.nodes != 1), ("--trace", args.trace), ("--plot", bool(args.plot)),
+        )
+        if given
+    ]
+    if unsupported:
+        raise SystemExit(f"hal bench: --device-transfer does not take {', '.join(unsupported)}")
+    methods = args.device_methods or _DEVICE_METHODS
+    if "floor_ipc" not in methods:
+        methods = ("floor_ipc", *methods)
+    try:
+        config = DeviceTransferConfig(
+            preset=args.preset, methods=tuple(methods), receivers=args.receivers, repeats=args.repeats, warmup=args.warmup,
+            bucket_bytes=int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else None,
+            timeout_s=args.timeout if args.timeout is not None else 600.0, verify=args.verify,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"hal bench: {exc}") from None
+    return run_device_transfer(config)
 
 
 def _run_delta(args: argparse.Namespace) -> dict[str, Any]:

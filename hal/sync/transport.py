@@ -430,7 +430,12 @@ def _group_library(group: Any, device_type: str) -> str | None:
     not say."""
     try:
         config = dist.get_backend_config(group)  # "cpu:gloo,cuda:gloo", "cuda:nccl,cpu:gloo", ...
-    except (RuntimeError, ValueError, AttributeError):
+    except Exception:  # noqa: BLE001 - a group c10d's registry does not hold (hal's own, vLLM's): ask it
+        try:
+            config = group.name()  # "gloo", "nccl", ...
+        except Exception:  # noqa: BLE001 - a group object that cannot say
+            return None
+    if not isinstance(config, str):
         return None
     pairs = dict(item.split(":", 1) for item in config.split(",") if ":" in item)
     return pairs.get(device_type) or (None if pairs else config or None)
