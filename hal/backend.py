@@ -141,7 +141,8 @@ class Backend:
         stream's worker thread; on the CPU it runs now. The result is not returned: device
         work communicates through the tensors it writes. Given a host tensor, fn runs on
         the host at once on CUDA/NPU too, so the stream is synchronized first: fn sees what
-        the stream's earlier work wrote there (a device-to-host pack, say).
+        the stream's earlier work wrote there (a device-to-host pack, say). `copy_` does
+        not wait: a copy is ordered on the stream whichever memory it touches.
         """
         self._launch(stream, fn, args)
 
@@ -163,7 +164,7 @@ class Backend:
                 f"copy_: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)} "
                 f"(same {dst.numel()} elements; reshape the source explicitly if a flat copy is meant)"
             )
-        self._launch(stream, _copy_non_blocking, (dst, src))
+        self._copy(stream, dst, src)
 
     def synchronize(self) -> None:
         """Wait for all work on every stream of the current device."""
@@ -420,6 +421,9 @@ class Backend:
 
     def _launch(self, stream: Stream | None, fn: Callable[..., Any], args: tuple) -> None:
         raise NotImplementedError
+
+    def _copy(self, stream: Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._launch(stream, _copy_non_blocking, (dst, src))
 
     def _synchronize(self) -> None:
         raise NotImplementedError

@@ -336,7 +336,7 @@ def test_device_transfer_pattern_check_catches_one_wrong_byte():
     from hal.bench import device_transfer
 
     flat = torch.zeros(100_003, dtype=torch.uint8)
-    device_transfer._fill(flat)
+    transfer._fill_pattern(flat)
     assert device_transfer._matches(flat)
     flat[77_777] ^= 1
     assert not device_transfer._matches(flat)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from hal.backend import Backend
+from hal.backend import Backend, _copy_non_blocking
 from hal.backends._ipc import HandleReader, check_view, dtype_name, to_hex
 
 # The arguments of torch's device-tensor reduction, in its order: `reduce_tensor(t)` returns
@@ -86,6 +86,13 @@ class TorchDeviceBackend(Backend):
             # On host memory fn runs on the host, now, not behind the stream: let the
             # stream's earlier work (a device-to-host pack into that memory) finish first.
             (stream or self.module.current_stream()).synchronize()
+        self._enqueue(stream, fn, args)
+
+    def _copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # a copy is ordered on the stream even with host memory at one end: no host wait
+        self._enqueue(stream, _copy_non_blocking, (dst, src))
+
+    def _enqueue(self, stream: Any, fn: Callable[..., Any], args: tuple) -> None:
         if stream is None:
             fn(*args)  # kernels go to the current stream
             return

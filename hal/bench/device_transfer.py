@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from hal.bench.presets import PRESETS, get_preset
-from hal.bench.transfer import _PATTERN_PERIOD, _layout, _pattern_block, _views
+from hal.bench.transfer import _PATTERN_PERIOD, _fill_pattern, _layout, _pattern_block, _views
 from hal.procs import free_port, run_gloo_rank, spawn_ranks
 
 METHODS = ("floor_ipc", "hal_ipc", "hal_ipc_verified", "hal_ipc_staged", "hal_gloo")
@@ -91,19 +91,9 @@ class _Rank:
         return self.rank == SENDER
 
 
-def _fill(flat: torch.Tensor) -> None:
-    """The transfer benchmark's pattern (a random block of prime length, tiled), on the device."""
-    n = flat.numel()
-    period = min(_PATTERN_PERIOD, n)
-    flat[:period].copy_(_pattern_block(period, 0))
-    filled = period
-    while filled < n:
-        step = min(filled, n - filled)
-        flat[filled : filled + step].copy_(flat[:step])
-        filled += step
-
-
 def _matches(flat: torch.Tensor) -> bool:
+    """Whether `flat` holds what `_fill_pattern` writes, compared on its device (the
+    transfer benchmark's check is libc memcmp, host memory only)."""
     n = flat.numel()
     period = min(_PATTERN_PERIOD, n)
     block = _pattern_block(period, 0).to(flat.device)
@@ -157,7 +147,7 @@ def _rank_body(rank: int, config: DeviceTransferConfig) -> dict[str, Any]:
     offsets, total = _layout(params)
     if rank == SENDER:
         flat = backend.empty_shared(total) if backend.supports_ipc else backend.empty(total, torch.uint8)
-        _fill(flat)
+        _fill_pattern(flat)
     else:
         flat = backend.empty(total, torch.uint8)
         flat.zero_()

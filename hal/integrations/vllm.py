@@ -33,6 +33,7 @@ Every private vLLM name used here goes through `hal.integrations.vllm_internals`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -104,10 +105,7 @@ class HalInitInfo(WeightTransferInitInfo):
 
     def proven(self) -> dict[str, str | int | float | None]:
         """The fields `auth` proves (`hal.sync.header.init_proof`): all but the proof itself."""
-        return {
-            "master_address": self.master_address, "master_port": self.master_port, "rank_offset": self.rank_offset,
-            "world_size": self.world_size, "wire_dtype": self.wire_dtype, "timeout_s": self.timeout_s, "transport": self.transport,
-        }
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "auth"}
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

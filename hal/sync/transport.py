@@ -162,34 +162,6 @@ class GroupChannel:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
         self._wait(work, what)
 
-    # ---- point to point with deadlines ---------------------------------------------------
-    def _stages(self, tensor: torch.Tensor) -> bool:
-        """Whether this group's send/recv must see host memory in place of `tensor`."""
-        from hal.backends.collectives import CONSERVATIVE_TRAITS
-
-        traits = getattr(self, "_traits", None) or CONSERVATIVE_TRAITS
-        return tensor.device.type != "cpu" and not traits.point_to_point_device_memory
-
-    def _send_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
-        staged = self._stages(tensor)
-        if staged:  # a copy on the current stream, which follows the work that wrote the tensor
-            tensor = tensor.to("cpu")
-        try:
-            work = self.group.send([tensor], peer, tag)
-        except RuntimeError as exc:
-            raise PeerError(f"{self.name}: {what} to rank {peer} failed on rank {self.rank}: {exc}") from exc
-        return _StagedWork(work, tensor, None, None) if staged else work
-
-    def _recv_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
-        target = tensor if self._stages(tensor) else None
-        if target is not None:
-            tensor = torch.empty(target.shape, dtype=target.dtype)
-        try:
-            work = self.group.recv([tensor], peer, tag)
-        except RuntimeError as exc:
-            raise PeerError(f"{self.name}: {what} from rank {peer} failed on rank {self.rank}: {exc}") from exc
-        return _StagedWork(work, tensor, target, self._backend) if target is not None else work
-
     def agree(self, report: RankReport, what: str = "status") -> list[RankReport]:
         """Every rank's report, on every rank, so that all stop together.
 
@@ -246,6 +218,7 @@ class Transport(GroupChannel):
         """The group's collective library ("gloo", ...); None: the device backend's `dist_backend`."""
         self._backend: Backend | None = None
         self._traits: Any = None
+        self._library: tuple[str, str | None] | None = None  # (device type, the library the group runs it on)
         self._slots: list[torch.Tensor] = []
         self._capacity = 0
         self._order: list[tuple[int, int, int, int]] = []  # (bucket, segment, start, nbytes) of this sync, in order
@@ -304,6 +277,33 @@ class Transport(GroupChannel):
         nothing that came over the wire is unpickled)."""
         return self._broadcast_bytes(payload, MAX_HEADER_BYTES, "header")
 
+    # ---- point to point with deadlines ---------------------------------------------------
+    def _stages(self, tensor: torch.Tensor) -> bool:
+        """Whether this group's send/recv must see host memory in place of `tensor`."""
+        from hal.backends.collectives import CONSERVATIVE_TRAITS
+
+        return tensor.device.type != "cpu" and not (self._traits or CONSERVATIVE_TRAITS).point_to_point_device_memory
+
+    def _send_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        staged = self._stages(tensor)
+        if staged:  # a copy on the current stream, which follows the work that wrote the tensor
+            tensor = tensor.to("cpu")
+        try:
+            work = self.group.send([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} to rank {peer} failed on rank {self.rank}: {exc}") from exc
+        return _StagedWork(work, tensor, None, None) if staged else work
+
+    def _recv_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        target = tensor if self._stages(tensor) else None
+        if target is not None:
+            tensor = torch.empty(target.shape, dtype=target.dtype)
+        try:
+            work = self.group.recv([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} from rank {peer} failed on rank {self.rank}: {exc}") from exc
+        return _StagedWork(work, tensor, target, self._backend) if target is not None else work
+
     # ---- buffers --------------------------------------------------------------------
     def segment_bytes(self, requested: int | None) -> int | None:
         """The segment size buckets travel in on this transport (the plan is cut accordingly)."""
@@ -316,7 +316,9 @@ class Transport(GroupChannel):
         from hal.backends.collectives import collective_traits
 
         self._backend = backend
-        self._traits = collective_traits(self.dist_backend or _group_library(self.group, backend.device_type) or backend.dist_backend)
+        if self._library is None or self._library[0] != backend.device_type:  # the group's: asked once
+            self._library = (backend.device_type, _group_library(self.group, backend.device_type))
+        self._traits = collective_traits(self.dist_backend or self._library[1] or backend.dist_backend)
         self._order = [(b.index, j, seg.start, seg.stop - seg.start) for b in plan.buckets for j, seg in enumerate(b.segments)]
         self._status_ahead, self._cursor = None, 0
         nbytes = plan.max_bucket_nbytes

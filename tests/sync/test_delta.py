@@ -104,15 +104,34 @@ class Views:
         pass
 
 
+def make_transport(kind, rank):
+    """"hier": ranks 1-2 on one node (1 leads, 2 reads its buffer), rank 3 on another."""
+    if kind.startswith("hier"):
+        return HierarchicalTransport(None, src=0, node="trainer" if rank == 0 else f"node{int(rank > 2)}")
+    return {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
+
+
+def on_wire(pairs, wire):
+    """The pairs as they travel with `wire_dtype=wire`: fp32 cast to it, the rest as they are."""
+    return [(n, t.to(wire) if wire is not None and t.dtype == torch.float32 else t) for n, t in pairs]
+
+
+def engine_sink(sink_kind, wire_specs, device):
+    """(the sink, the dict it keeps the engine's tensors in): views kept as copies, or
+    destinations on `device` patched in place ("dest") or through the receiver's image."""
+    if sink_kind == "views":
+        sink = Views()
+        return sink, sink.got
+    held = {s.name: torch.zeros(s.shape, dtype=s.dtype, device=device) for s in wire_specs}
+    return copy_into(held, in_place=sink_kind == "dest"), held
+
+
 def delta_worker(rank, world, backend, kind, sink_kind):
     with hal.use(backend):
         # "+host-staged": the baseline in pinned host memory, packs staged through the host;
         # "+verified": checksums of every tensor as the receiver rebuilt it
         kind, *how = kind.split("+")
-        if kind.startswith("hier"):  # ranks 1-2 on one node (1 leads, 2 reads its buffer), rank 3 on another
-            transport = HierarchicalTransport(None, src=0, node="trainer" if rank == 0 else f"node{int(rank > 2)}")
-        else:
-            transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
+        transport = make_transport(kind, rank)
         staged = "host-staged" in how
         delta = DeltaConfig(anchor_every=8, choose="bytes", baseline="host" if staged else "device")
         config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=delta, bypass_cpu=not staged, verify="verified" in how)
@@ -129,12 +148,7 @@ def delta_worker(rank, world, backend, kind, sink_kind):
         receiver = Receiver(transport, specs())
         reference = initial()
         exact = []
-        if sink_kind in ("dest", "staged"):  # patched in place / through the receiver's image
-            held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs()}
-            sink = copy_into(held, in_place=sink_kind == "dest")
-        else:
-            sink = Views()
-            held = sink.got
+        sink, held = engine_sink(sink_kind, specs(), "cpu")
         for step in range(STEPS):
             if step:
                 evolve(reference, step)
@@ -207,10 +221,7 @@ def settings_worker(rank, world, backend, kind, verify, bypass_cpu, segment_byte
     trainer's tensors and the engine's destinations are on the backend's device. Returns,
     per receiver, per step, whether it holds what a dense sync would have left."""
     with hal.use(backend):
-        if kind == "hier":  # ranks 1-2 on one node, rank 3 on another
-            transport = HierarchicalTransport(None, src=0, node="trainer" if rank == 0 else f"node{int(rank > 2)}")
-        else:
-            transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
+        transport = make_transport(kind, rank)
         delta = DeltaConfig(anchor_every=4, choose="bytes", baseline="device" if bypass_cpu else "host") if delta_on else None
         wire = torch.bfloat16 if cast else None
         config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=segment_bytes, delta=delta, bypass_cpu=bypass_cpu, verify=verify, wire_dtype=wire)
@@ -223,17 +234,9 @@ def settings_worker(rank, world, backend, kind, verify, bypass_cpu, segment_byte
                 sender.send(TensorSource(on_device(sent(tensors))), version=step)
             return None
 
-        def on_wire(pairs):
-            return [(n, t.to(wire) if wire is not None and t.dtype == torch.float32 else t) for n, t in pairs]
-
-        wire_specs = [TensorSpec.of(n, t) for n, t in on_wire(sent(initial()))]
+        wire_specs = [TensorSpec.of(n, t) for n, t in on_wire(sent(initial()), wire)]
         receiver = Receiver(transport, wire_specs)
-        if sink_kind == "views":
-            sink = Views()
-            held = sink.got
-        else:
-            held = {s.name: torch.zeros(s.shape, dtype=s.dtype, device=device) for s in wire_specs}
-            sink = copy_into(held, in_place=sink_kind == "dest")
+        sink, held = engine_sink(sink_kind, wire_specs, device)
         reference, exact = initial(), []
         for step in range(PAIRWISE_STEPS):
             if step:
@@ -241,15 +244,14 @@ def settings_worker(rank, world, backend, kind, verify, bypass_cpu, segment_byte
             if sink_kind == "views":
                 sink.handed.append([])
             receiver.receive(sink)
-            exact.append(all(same_bytes(held[n], t) for n, t in on_wire(sent(reference))))
+            exact.append(all(same_bytes(held[n], t) for n, t in on_wire(sent(reference), wire)))
         return exact
 
 
 # Every pair of values of these seven settings appears in at least one row (11 rows; all
 # 288 combinations were run once by hand in session 6, every one exact, and again dense
-# and with the choice by time). With verify, the
-# host baseline and staged packs (bypass_cpu False), the verified-delta checksum bug of
-# session 6 failed 48 of them.
+# and with the choice by time). The verified-delta checksum bug of session 6 failed 48 of
+# them (with verify, the host baseline and staged packs: bypass_cpu False).
 PAIRWISE = [
     # backend, transport, verify, bypass_cpu, segment_bytes, sink, cast to bf16
     ("cpu", "broadcast", False, True, None, "dest", False),
@@ -285,10 +287,7 @@ def failing_settings_worker(rank, world, where, fail_name, backend, kind, verify
     Returns, per receiver, per step: exact, or "old or new" for the failed one."""
     fail_step, steps = 3, 6
     with hal.use(backend):
-        if kind == "hier":
-            transport = HierarchicalTransport(None, src=0, node="trainer" if rank == 0 else f"node{int(rank > 2)}")
-        else:
-            transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
+        transport = make_transport(kind, rank)
         delta = DeltaConfig(anchor_every=100, choose="bytes", baseline="device" if bypass_cpu else "host")
         wire = torch.bfloat16 if cast else None
         config = SyncConfig(
@@ -307,14 +306,11 @@ def failing_settings_worker(rank, world, where, fail_name, backend, kind, verify
                     out.append(type(exc).__name__)
             return out
 
-        def on_wire(pairs):
-            return [(n, t.to(wire) if wire is not None and t.dtype == torch.float32 else t) for n, t in pairs]
-
-        wire_specs = [TensorSpec.of(n, t) for n, t in on_wire(sent(initial()))]
+        wire_specs = [TensorSpec.of(n, t) for n, t in on_wire(sent(initial()), wire)]
         receiver = Receiver(transport, wire_specs, timeout_s=20)
+        sink, held = engine_sink(sink_kind, wire_specs, device)
         if sink_kind == "views":
-            sink = Views()
-            held, whole_apply = sink.got, sink.apply
+            whole_apply = sink.apply
 
             def apply(pairs):  # the engine fails to load one tensor, after loading those before it
                 for name, tensor in pairs:
@@ -323,21 +319,18 @@ def failing_settings_worker(rank, world, where, fail_name, backend, kind, verify
                     whole_apply([(name, tensor)])
 
             sink.apply = apply
-        else:
-            held = {s.name: torch.zeros(s.shape, dtype=s.dtype, device=device) for s in wire_specs}
-            sink = copy_into(held, in_place=sink_kind == "dest")
         reference, out = initial(), []
         for step in range(steps):
-            old = dict(on_wire(sent({n: t.clone() for n, t in reference.items()})))
+            old = dict(on_wire(sent({n: t.clone() for n, t in reference.items()}), wire))
             if step:
                 evolve(reference, step)
             if sink_kind == "views":
                 sink.handed.append([])
             try:
                 receiver.receive(sink)
-                out.append(all(same_bytes(held[n], t) for n, t in on_wire(sent(reference))))
+                out.append(all(same_bytes(held[n], t) for n, t in on_wire(sent(reference), wire)))
             except SyncError:
-                either = all(same_bytes(held[n], t) or same_bytes(held[n], old[n]) for n, t in on_wire(sent(reference)))
+                either = all(same_bytes(held[n], t) or same_bytes(held[n], old[n]) for n, t in on_wire(sent(reference), wire))
                 out.append("old or new" if either else "MIXED")
         return out
 

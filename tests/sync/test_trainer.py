@@ -10,6 +10,7 @@ the timeout and leave no process behind.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import os
@@ -75,10 +76,7 @@ def fsdp_worker(rank, world, scenario):
     wire = None
     if scenario == "delta":  # a bf16 engine, a small learning rate: most bf16 words stay the same
         wire = torch.bfloat16
-        config = SyncConfig(
-            bucket_bytes=BUCKET, segment_bytes=8192, timeout_s=TIMEOUT_S, wire_dtype=wire,
-            delta=DeltaConfig(anchor_every=100, choose="bytes"),
-        )
+        config = dataclasses.replace(config, wire_dtype=wire, delta=DeltaConfig(anchor_every=100, choose="bytes"))
     if rank in (0, 1):
         model = make_model()
         mesh = DeviceMesh.from_group(trainer_group, "cpu")
