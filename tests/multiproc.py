@@ -42,17 +42,32 @@ def run_group(
     With `allow_failure`, a rank that raised or died yields `RankError(text)` instead of
     failing the call (for tests of fault handling).
     """
-    port = free_port()
-    try:
-        return spawn_ranks(
-            _child,
-            world_size,
-            args=(fn, world_size, port, collective_timeout, init_process_group, args, dict(env or {})),
-            timeout_s=timeout,
-            on_failure=(lambda rank, text: RankError(text)) if allow_failure else None,
-        )
-    except RankFailed as exc:
-        raise RuntimeError(f"rank {exc.rank} failed:\n{exc}") from None
+    for attempt in (1, 2):
+        port = free_port()
+        try:
+            results = spawn_ranks(
+                _child,
+                world_size,
+                args=(fn, world_size, port, collective_timeout, init_process_group, args, dict(env or {})),
+                timeout_s=timeout,
+                on_failure=(lambda rank, text: RankError(text)) if allow_failure else None,
+            )
+        except RankFailed as exc:
+            if attempt == 1 and _rendezvous_failed(str(exc)):
+                continue
+            raise RuntimeError(f"rank {exc.rank} failed:\n{exc}") from None
+        if attempt == 1 and any(isinstance(r, RankError) and _rendezvous_failed(r) for r in results):
+            continue
+        return results
+    raise AssertionError("unreachable")
+
+
+def _rendezvous_failed(text: str) -> bool:
+    """gloo's own connection set-up failed inside init_process_group, before `fn` ran: seen
+    2 times in 5 full-suite runs on 2 cores (session 7, "Connection closed by peer" at the
+    same test), never alone. The group is then made again once, on a fresh port; what the
+    tests check starts only after it."""
+    return "connectFullMesh failed" in text and "init_process_group" in text
 
 
 class RankError(str):

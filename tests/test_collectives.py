@@ -141,3 +141,25 @@ def test_collective_without_its_peer_times_out(no_leftover_processes):
 def test_hung_rank_is_killed_at_the_deadline(no_leftover_processes):
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 8 s"):
         run_group(sleeper, 2, args=(600,), init_process_group=False, timeout=8)
+
+
+def fails_first(rank, world, marker, message):
+    """Raises `message` on the first attempt (rank 0, while `marker` does not exist), then returns the attempt count."""
+    path = Path(marker)
+    attempts = int(path.read_text()) if path.exists() else 0
+    if rank == 0:
+        path.write_text(str(attempts + 1))
+        if attempts == 0:
+            raise RuntimeError(message)
+    return attempts + 1
+
+
+@pytest.mark.parametrize("allow_failure", [False, True])
+def test_a_failed_rendezvous_is_made_again_once_and_nothing_else_is(tmp_path, allow_failure):
+    flake = "in init_process_group: Gloo connectFullMesh failed with ... Connection closed by peer"
+    results = run_group(fails_first, 2, args=(str(tmp_path / "a"), flake), init_process_group=False, allow_failure=allow_failure)
+    assert results[0] == 2  # the second attempt ran, on a fresh group
+    # any other failure stands at once: the test sees it
+    other = run_group(fails_first, 2, args=(str(tmp_path / "b"), "a real failure"), init_process_group=False, allow_failure=True)
+    assert isinstance(other[0], RankError) and "a real failure" in other[0]
+    assert (tmp_path / "b").read_text() == "1"
