@@ -1,4 +1,4 @@
-"""The CPU backend: real, synchronous, gloo collectives, shared-memory files for IPC.
+"""The CPU backend: real, synchronous, gloo collectives, anonymous shared memory (memfd) for IPC.
 
 Code here may assume nothing but a CPU build of torch. Work "launched on a stream"
 runs at once on the calling thread, so streams and events are bookkeeping only;
@@ -7,12 +7,10 @@ the `sim` backend (sim.py) subclasses this one to make them asynchronous.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import re
 import stat
-import tempfile
 import threading
 import time
 import uuid
@@ -77,38 +75,37 @@ class ImmediateStream:
         return True
 
 
-# The IPC handle of a tensor in a shared-memory file (JSON-safe; see `CpuBackend._export_ipc`):
+# Shared memory is an anonymous memory file (memfd): it has no name in any directory, so
+# nothing of it can outlive the processes that use it. The exporter keeps its descriptor
+# open until `release_shared`; an importer reopens it through /proc/<pid>/fd/<fd> and maps
+# it; the kernel frees the memory when the last descriptor and mapping go, on SIGKILL too.
+# (A file in /dev/shm outlived a killed rank until reboot: issue 18.)
+#
+# The IPC handle of a tensor in such memory (JSON-safe; see `CpuBackend._export_ipc`):
 #   kind            "shm"
-#   file            the file's name inside the shm directory: SHM_PREFIX + pid + "-" + 12 hex digits
+#   name            the memory file's name: SHM_PREFIX + pid + "-" + 12 hex digits
+#   pid, fd         the exporting process and its descriptor of the memory file
 #   storage_nbytes  bytes of the file the exporter mapped (the whole `empty_shared` buffer)
 #   byte_offset     where the tensor's first element lies in the file, in bytes
 #   shape, stride   lists of ints, in elements, as torch reports them
 #   dtype           torch attribute name of the dtype ("bfloat16"), from an allow-list
 SHM_HANDLE_KIND = "shm"
-# Every shared-memory file this backend creates is named with this prefix; import_ipc opens no other.
+# Every memory file this backend creates is named with this prefix; import_ipc maps no other.
 SHM_PREFIX = "verl-hal-"
 _SHM_NAME = re.compile(re.escape(SHM_PREFIX) + r"[0-9]+-[0-9a-f]{12}")
+MAX_PID = 2**22  # the kernel's ceiling for pid_max (PID_MAX_LIMIT on 64-bit)
+MAX_FD = 2**31 - 1
 
 
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+def _memfd_available() -> bool:
+    """Linux with /proc: what same-node sharing on the host needs (memfd_create, and another
+    process reopening the descriptor through /proc/<pid>/fd)."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
-# Shared-memory files this process created and has not released. Files in /dev/shm outlive
-# their creator, so whatever is left at exit is removed then: no process can be served by
-# an exporter that is gone. (Keyed by path; the pid guards against a forked child's exit.)
-_UNRELEASED: dict[str, int] = {}
-_UNRELEASED_LOCK = threading.Lock()
-
-
-@atexit.register
-def _remove_unreleased() -> None:
-    with _UNRELEASED_LOCK:
-        mine = [path for path, pid in _UNRELEASED.items() if pid == os.getpid()]
-        _UNRELEASED.clear()
-    for path in mine:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+def _memfd_link(name: str) -> str:
+    """What /proc/<pid>/fd/<fd> reads for an open memfd of this name (Linux's format)."""
+    return f"/memfd:{name} (deleted)"
 
 
 class CpuBackend(Backend):
@@ -121,13 +118,13 @@ class CpuBackend(Backend):
     ray_resource = None
     vendor = "cpu"  # host memory: no accelerator vendor
     supports_pinned_memory = False  # pinning needs an accelerator runtime
-    supports_ipc = True  # through files in /dev/shm
+    supports_ipc = _memfd_available()  # anonymous memory files (memfd), reopened through /proc
     supports_async_streams = False
 
     def __init__(self) -> None:
         self._local = threading.local()
         self._default_stream = self._make_default_stream()
-        self._shared_paths: dict[int, str] = {}  # storage data_ptr -> file, for export_ipc
+        self._shared_files: dict[int, tuple[str, int]] = {}  # storage data_ptr -> (name, fd), for export_ipc
         self._shared_lock = threading.Lock()
 
     def _make_default_stream(self) -> Any:
@@ -190,29 +187,36 @@ class CpuBackend(Backend):
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
-    # IPC through shared-memory files: any process on the node can map them by name.
+    # IPC through anonymous memory files: any process of this node and PID namespace maps them.
     def _empty_shared(self, nbytes: int) -> torch.Tensor:
-        path = os.path.join(_shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+        name = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
         tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
         with self._shared_lock:
-            self._shared_paths[storage.data_ptr()] = path
-        with _UNRELEASED_LOCK:
-            _UNRELEASED[path] = os.getpid()
+            self._shared_files[storage.data_ptr()] = (name, fd)
         return tensor
 
     def _export_ipc(self, tensor: torch.Tensor) -> dict[str, Any]:
         storage = tensor.untyped_storage()
         with self._shared_lock:
-            path = self._shared_paths.get(storage.data_ptr())
-        if path is None or tensor.device.type != "cpu":
+            shared = self._shared_files.get(storage.data_ptr())
+        if shared is None or tensor.device.type != "cpu":
             raise ValueError(
                 f"export_ipc: tensor of shape {tuple(tensor.shape)} is not in shared memory on "
                 f"backend {self.name!r}; allocate it with empty_shared()"
             )
+        name, fd = shared
         return {
             "kind": SHM_HANDLE_KIND,
-            "file": os.path.basename(path),
+            "name": name,
+            "pid": os.getpid(),
+            "fd": fd,
             "storage_nbytes": storage.nbytes(),
             "byte_offset": tensor.storage_offset() * tensor.element_size(),
             "shape": list(tensor.shape),
@@ -222,13 +226,11 @@ class CpuBackend(Backend):
 
     def _import_ipc(self, handle: Any) -> torch.Tensor:
         reader = HandleReader(handle, backend=self.name, kind=SHM_HANDLE_KIND)
-        name = reader.text("file")
+        name = reader.text("name")
         if not _SHM_NAME.fullmatch(name):
-            reader.fail(
-                "file",
-                f"{name!r} is not the name of a shared-memory file of this backend "
-                f"({SHM_PREFIX}<pid>-<12 hex digits>, a plain name without directories)",
-            )
+            reader.fail("name", f"{name!r} is not the name of a shared-memory file of this backend ({SHM_PREFIX}<pid>-<12 hex digits>)")
+        pid = reader.integer("pid", minimum=1, maximum=MAX_PID)
+        fd = reader.integer("fd", minimum=0, maximum=MAX_FD)
         storage_nbytes = reader.integer("storage_nbytes", minimum=1)
         byte_offset = reader.integer("byte_offset")
         shape = reader.integers("shape")
@@ -238,39 +240,41 @@ class CpuBackend(Backend):
         check_view(reader, shape, stride, dtype.itemsize, byte_offset, storage_nbytes,
                    offset_field="byte_offset", size_field="storage_nbytes")
 
-        directory = _shm_dir()
-        path = os.path.join(directory, name)
-        # The name has no directory part, so the file is in `directory`. Open it without
-        # following a symlink, then check what was opened: a regular file at least as large
-        # as the handle claims. The mapping below goes through this descriptor
-        # (/proc/self/fd where it exists), so the file checked is the file mapped.
+        # Reopen the exporter's descriptor, then check what was opened, through our own
+        # descriptor (the exporter's number may have been reused meanwhile): an anonymous
+        # memory file of this backend with that name, at least as large as the handle says.
+        # Anything else (a regular file, a socket, another program's memfd) is refused
+        # before it is mapped. The mapping below goes through the descriptor checked.
+        where = f"/proc/{pid}/fd/{fd}"
         try:
-            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            ours = os.open(where, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise FileNotFoundError(f"import_ipc: shared-memory file {path} is gone (exporter released it)") from None
+            raise FileNotFoundError(
+                f"import_ipc: shared memory {name} is gone (process {pid} released it or exited)"
+            ) from None
         except OSError as exc:
-            reader.fail("file", f"{name!r} cannot be opened as a plain file in {directory}: {exc.strerror}")
+            reader.fail("fd", f"descriptor {fd} of process {pid} cannot be opened ({where}: {exc.strerror})")
         try:
-            info = os.fstat(fd)
+            mine = f"/proc/self/fd/{ours}"
+            if os.readlink(mine) != _memfd_link(name):
+                reader.fail("name", f"descriptor {fd} of process {pid} is not the shared memory {name!r}")
+            info = os.fstat(ours)
             if not stat.S_ISREG(info.st_mode):
-                reader.fail("file", f"{name!r} is not a regular file")
+                reader.fail("fd", f"descriptor {fd} of process {pid} is not a memory file")
             if storage_nbytes > info.st_size:
                 reader.fail("storage_nbytes", f"{storage_nbytes} overruns the file, which holds {info.st_size} bytes")
-            by_fd = f"/proc/self/fd/{fd}"
-            storage = torch.UntypedStorage.from_file(
-                by_fd if os.path.exists(by_fd) else path, shared=True, nbytes=storage_nbytes
-            )
+            storage = torch.UntypedStorage.from_file(mine, shared=True, nbytes=storage_nbytes)
         finally:
-            os.close(fd)
+            os.close(ours)
         # Set the typed view directly on the storage: viewing the whole uint8 storage as
         # `dtype` first fails when its byte length is not a multiple of the element size.
         return torch.empty(0, dtype=dtype).set_(storage, byte_offset // dtype.itemsize, shape, stride)
 
     def _release_shared(self, tensor: torch.Tensor) -> None:
+        # The memory stays while any process still maps it; closing our descriptor means no
+        # new process can open it.
         with self._shared_lock:
-            path = self._shared_paths.pop(tensor.untyped_storage().data_ptr(), None)
-        if path is not None:
-            with _UNRELEASED_LOCK:
-                _UNRELEASED.pop(path, None)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            shared = self._shared_files.pop(tensor.untyped_storage().data_ptr(), None)
+        if shared is not None:
+            with contextlib.suppress(OSError):
+                os.close(shared[1])

@@ -1,17 +1,21 @@
-"""CPU-backend specifics the conformance suite cannot state generically: shared-memory files
-and their JSON handles, which `import_ipc` must treat as untrusted input."""
+"""CPU-backend specifics the conformance suite cannot state generically: anonymous shared
+memory (memfd) and its JSON handles, which `import_ipc` must treat as untrusted input."""
 
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import os
-import uuid
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
-from hal.backends.cpu import SHM_PREFIX, CpuBackend, _shm_dir
+from hal.backends.cpu import SHM_PREFIX, CpuBackend
 from tests.conftest import run_python
 
 
@@ -31,14 +35,23 @@ def test_handle_is_plain_json(shared_view):
     assert json.loads(json.dumps(handle)) == handle
     assert handle == {
         "kind": "shm",
-        "file": handle["file"],
+        "name": handle["name"],
+        "pid": os.getpid(),
+        "fd": handle["fd"],
         "storage_nbytes": 64,
         "byte_offset": 16,
         "shape": [8],
         "stride": [1],
         "dtype": "float32",
     }
-    assert handle["file"].startswith(SHM_PREFIX) and "/" not in handle["file"]
+    assert handle["name"].startswith(f"{SHM_PREFIX}{os.getpid()}-")
+
+
+def test_shared_memory_has_no_name_in_any_directory(shared_view):
+    # nothing to clean up after a crash: the memory is not a file of /dev/shm or /tmp
+    _, handle, _ = shared_view
+    assert not glob.glob(f"/dev/shm/{handle['name']}*") and not glob.glob(f"/tmp/{handle['name']}*")
+    assert os.readlink(f"/proc/self/fd/{handle['fd']}") == f"/memfd:{handle['name']} (deleted)"
 
 
 def test_import_view_of_odd_sized_buffer():
@@ -81,28 +94,42 @@ def test_released_buffer_cannot_be_imported():
     shared = backend.empty_shared(16)
     handle = backend.export_ipc(shared)
     backend.release_shared(shared)
-    path = os.path.join(_shm_dir(), handle["file"])
-    assert not os.path.exists(path)
-    with pytest.raises(FileNotFoundError, match=f"shared-memory file {path} is gone"):
+    with pytest.raises(FileNotFoundError, match=f"shared memory {handle['name']} is gone"):
         backend.import_ipc(handle)
 
 
-def test_unreleased_files_are_removed_at_exit():
-    result = run_python(
-        """
-        import os
-        from hal.backends.cpu import CpuBackend, _shm_dir
-        backend = CpuBackend()
-        kept = backend.empty_shared(32)
-        released = backend.empty_shared(32)
-        print(os.path.join(_shm_dir(), backend.export_ipc(kept)["file"]))
-        backend.release_shared(released)
-        """
+@pytest.mark.multiprocess
+def test_a_killed_exporter_leaves_nothing_and_a_mapped_buffer_stays_readable():
+    """SIGKILL the exporter: no file anywhere, the importer's mapping still holds the bytes,
+    a fresh import fails naming the memory as gone."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(
+            """
+            import json, sys, time, torch
+            from hal.backends.cpu import CpuBackend
+            backend = CpuBackend()
+            shared = backend.empty_shared(64)
+            shared.view(torch.float32).copy_(torch.arange(16, dtype=torch.float32))
+            print(json.dumps(backend.export_ipc(shared)), flush=True)
+            time.sleep(120)
+            """
+        )],
+        stdout=subprocess.PIPE, text=True,
     )
-    assert result.returncode == 0, result.stderr
-    path = result.stdout.strip()
-    assert path.startswith(("/dev/shm/verl-hal-", "/tmp/verl-hal-")), path
-    assert not os.path.exists(path), f"{path} outlived the process that created it"
+    try:
+        handle = json.loads(child.stdout.readline())
+        mapped = CpuBackend().import_ipc(handle)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+    assert not glob.glob(f"/dev/shm/{SHM_PREFIX}{child.pid}-*"), "a killed exporter left a file in /dev/shm"
+    assert mapped.view(torch.float32).tolist() == [float(i) for i in range(16)]
+    with pytest.raises(FileNotFoundError, match=f"shared memory {handle['name']} is gone"):
+        CpuBackend().import_ipc(handle)
 
 
 def test_export_refuses_a_dtype_outside_the_allow_list():
@@ -124,28 +151,34 @@ def test_export_checks_what_a_backend_returns_is_json_safe():
         Leaky().export_ipc(torch.zeros(1))
 
 
-_OTHER_NAME = f"{SHM_PREFIX}1-{'a' * 12}"
-
 # (how to spoil the good handle, the field the error must name)
 MALFORMED = [
     pytest.param(lambda h: ("rebuild", ()), "must be a dict \\(JSON object\\), got tuple", id="not-a-dict"),
     pytest.param(lambda h: {**h, 5: 1}, "non-str key 5", id="int-key"),
-    pytest.param(lambda h: {k: v for k, v in h.items() if k != "file"}, "'file' is missing", id="missing-file"),
+    pytest.param(lambda h: {k: v for k, v in h.items() if k != "name"}, "'name' is missing", id="missing-name"),
+    pytest.param(lambda h: {k: v for k, v in h.items() if k != "fd"}, "'fd' is missing", id="missing-fd"),
     pytest.param(lambda h: {**h, "rebuild": "os.system"}, "'rebuild' is not part of this handle format", id="extra-field"),
+    pytest.param(lambda h: {**h, "file": h["name"]}, "'file' is not part of this handle format", id="old-file-field"),
     pytest.param(lambda h: {**h, "kind": "cuda"}, "'kind' is 'cuda', expected 'shm'", id="kind"),
     pytest.param(lambda h: {**h, "kind": None}, "'kind' must be a str", id="kind-none"),
-    # the file: a plain name of this backend's shm directory, nothing else
-    pytest.param(lambda h: {**h, "file": "../../etc/passwd"}, "'file'", id="dotdot"),
-    pytest.param(lambda h: {**h, "file": f"/dev/shm/{h['file']}"}, "'file'", id="absolute"),
-    pytest.param(lambda h: {**h, "file": f"{h['file']}/../{h['file']}"}, "'file'", id="slash-dotdot"),
-    pytest.param(lambda h: {**h, "file": f"{SHM_PREFIX}../../etc/passwd"}, "'file'", id="prefix-dotdot"),
-    pytest.param(lambda h: {**h, "file": "torch_1234_5_6"}, "'file'", id="no-prefix"),
-    pytest.param(lambda h: {**h, "file": ""}, "'file'", id="empty"),
-    pytest.param(lambda h: {**h, "file": h["file"].upper()}, "'file'", id="upper-case"),
-    pytest.param(lambda h: {**h, "file": h["file"] + "\x00"}, "'file'", id="nul"),
-    pytest.param(lambda h: {**h, "file": 12}, "'file' must be a str", id="file-int"),
-    pytest.param(lambda h: {**h, "file": ["a"]}, "'file' must be a str", id="file-list"),
-    pytest.param(lambda h: {**h, "file": "x" * 10_000}, "'file' is 10000 characters long", id="file-huge"),
+    # the name: this backend's pattern, nothing else
+    pytest.param(lambda h: {**h, "name": "../../etc/passwd"}, "'name'", id="dotdot"),
+    pytest.param(lambda h: {**h, "name": f"/dev/shm/{h['name']}"}, "'name'", id="absolute"),
+    pytest.param(lambda h: {**h, "name": "torch_1234_5_6"}, "'name'", id="no-prefix"),
+    pytest.param(lambda h: {**h, "name": ""}, "'name'", id="empty"),
+    pytest.param(lambda h: {**h, "name": h["name"].upper()}, "'name'", id="upper-case"),
+    pytest.param(lambda h: {**h, "name": h["name"] + "\x00"}, "'name'", id="nul"),
+    pytest.param(lambda h: {**h, "name": 12}, "'name' must be a str", id="name-int"),
+    pytest.param(lambda h: {**h, "name": "x" * 10_000}, "'name' is 10000 characters long", id="name-huge"),
+    pytest.param(lambda h: {**h, "name": f"{SHM_PREFIX}1-{'a' * 12}"}, "'name'.*is not the shared memory", id="other-name"),
+    # where it is: a process and one of its descriptors
+    pytest.param(lambda h: {**h, "pid": 0}, "'pid' must be >= 1", id="pid-zero"),
+    pytest.param(lambda h: {**h, "pid": -1}, "'pid' must be >= 1", id="pid-negative"),
+    pytest.param(lambda h: {**h, "pid": "self"}, "'pid' must be an int", id="pid-self"),
+    pytest.param(lambda h: {**h, "pid": 2**40}, "'pid' must be <=", id="pid-huge"),
+    pytest.param(lambda h: {**h, "fd": -1}, "'fd' must be >= 0", id="fd-negative"),
+    pytest.param(lambda h: {**h, "fd": "3"}, "'fd' must be an int", id="fd-str"),
+    pytest.param(lambda h: {**h, "fd": 0}, "'(fd|name)'", id="fd-stdin"),
     # sizes and offsets
     pytest.param(lambda h: {**h, "storage_nbytes": -64}, "'storage_nbytes' must be >= 1", id="nbytes-negative"),
     pytest.param(lambda h: {**h, "storage_nbytes": 0}, "'storage_nbytes' must be >= 1", id="nbytes-zero"),
@@ -187,29 +220,39 @@ def test_malformed_handles_are_refused_naming_the_field(shared_view, spoil, mess
         backend.import_ipc(bad)
 
 
-def test_a_symlink_in_the_shm_directory_is_not_followed(shared_view, tmp_path):
+def test_a_descriptor_of_a_plain_file_is_refused(shared_view, tmp_path):
+    # a hostile handle pointing at a file some process has open must not map that file
     backend, handle, _ = shared_view
-    outside = tmp_path / "secret"
-    outside.write_bytes(b"\x07" * 64)
-    link = os.path.join(_shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    os.symlink(outside, link)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"\x07" * 64)
+    fd = os.open(secret, os.O_RDWR)
     try:
-        with pytest.raises(ValueError, match="handle field 'file' .* cannot be opened as a plain file"):
-            backend.import_ipc({**handle, "file": os.path.basename(link)})
+        with pytest.raises(ValueError, match="handle field 'name' .* is not the shared memory"):
+            backend.import_ipc({**handle, "fd": fd})
     finally:
-        os.unlink(link)
-    assert outside.read_bytes() == b"\x07" * 64
+        os.close(fd)
+    assert secret.read_bytes() == b"\x07" * 64
 
 
-def test_a_directory_in_the_shm_directory_is_refused(shared_view):
+def test_another_programs_memory_file_is_refused(shared_view):
     backend, handle, _ = shared_view
-    directory = os.path.join(_shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    os.mkdir(directory)
+    fd = os.memfd_create("not-ours")
     try:
-        with pytest.raises(ValueError, match="handle field 'file'"):
-            backend.import_ipc({**handle, "file": os.path.basename(directory)})
+        os.ftruncate(fd, 64)
+        with pytest.raises(ValueError, match="handle field 'name' .* is not the shared memory"):
+            backend.import_ipc({**handle, "fd": fd})
     finally:
-        os.rmdir(directory)
+        os.close(fd)
+
+
+def test_a_directory_descriptor_is_refused(shared_view, tmp_path):
+    backend, handle, _ = shared_view
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="handle field 'fd'"):
+            backend.import_ipc({**handle, "fd": fd})
+    finally:
+        os.close(fd)
 
 
 def test_a_good_handle_still_imports_after_the_refusals(shared_view):
