@@ -51,7 +51,7 @@ class BenchWorkerExtension(HalWorkerExtension):
     def _native_engine(self) -> Any:
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or getattr(engine, "_group", None) is None:
-            raise RuntimeError("bench: the native hal weight-transfer engine is not initialised on this worker")
+            raise RuntimeError("bench: the native hal weight-transfer engine is not initialized on this worker")
         return engine
 
     def bench_floor_recv(self, nbytes: int, timeout_s: float = 120.0) -> float:

@@ -165,7 +165,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         from hal.integrations._specs import checkpoint_specs, layer_groups, resolve_model_dir
 
         if self._group is not None:
-            raise RuntimeError("hal weight transfer: already initialised; call shutdown_weight_transfer_engine first")
+            raise RuntimeError("hal weight transfer: already initialized; call shutdown_weight_transfer_engine first")
         if self._token is None:
             logger.warning(
                 "hal weight transfer: %s is not set: this engine accepts weights from any trainer that can reach it "
@@ -225,7 +225,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
 
     def receive_weights(self, update_info: HalUpdateInfo) -> None:
         if self._receiver is None:
-            raise RuntimeError("hal weight transfer: not initialised; call init_weight_transfer_engine first")
+            raise RuntimeError("hal weight transfer: not initialized; call init_weight_transfer_engine first")
         start = time.perf_counter()
         with vllm_internals.no_mtp_completeness_check():
             metrics = self._receiver.receive(self)
@@ -419,3 +419,11 @@ def register_engine(factory: Any, name: str, module: str, cls_name: str) -> None
     except ValueError as exc:
         if "already registered" not in str(exc):
             raise
+
+
+# Importing this module registers "hal" in both factories, as importing vLLM's factory
+# module registers its own engines: a trainer that talks to `vllm serve` over HTTP never
+# runs vLLM's general plugins, and `from hal.integrations.vllm_client import
+# HalTrainerInitInfo` (which imports this module) must be enough for
+# `WeightTransferTrainerFactory.trainer_init`. Idempotent.
+register()

@@ -38,7 +38,7 @@ from hal.integrations.vllm import BACKEND_NAME, TRANSPORTS, HalInitInfo, dtype_n
 from hal.procs import free_port
 from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics
 from hal.sync.errors import PeerError
-from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.sync.group import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group
 from hal.sync.trainer import TrainerSync
 from hal.sync.header import init_proof
 from hal.sync.source import as_source
@@ -344,6 +344,10 @@ class WeightSync:
             local = all(getattr(e, "same_node", False) for e in self.engines)
             self.transport = "ipc" if local and backend.supports_ipc else "broadcast"
         port = self.master_port or free_port(self.master_address)
+        # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
+        # workers use to join, would listen on every interface: hal.sync.group), from now on
+        spec = SyncGroupSpec(address=self.master_address, port=port, world_size=self.world_size)
+        server = RendezvousServer(spec, timeout_s=self.timeout_s)
         calls = []
         offset = 1
         for engine in self.engines:
@@ -363,15 +367,28 @@ class WeightSync:
             payload = asdict(info)
             what = f"{engine.name}: init_weight_transfer_engine"
             calls.append((what, in_daemon_thread(f"hal-{what}", lambda e=engine, p=payload: e.init_weight_transfer_engine(p))))
-        # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
-        # workers use to join, would listen on every interface: hal.sync.group)
-        spec = SyncGroupSpec(address=self.master_address, port=port, world_size=self.world_size)
         group_call = in_daemon_thread(
             "hal-trainer: join the weight-sync group",
-            lambda: join_sync_group(spec, 0, backend=backend.dist_backend, timeout_s=self.timeout_s),
+            lambda: join_sync_group(spec, 0, backend=backend.dist_backend, timeout_s=self.timeout_s, server=server),
         )
-        # An engine that refuses (bad init info, a wrong token, already connected) fails
-        # fast instead of leaving the trainer in the rendezvous until the timeout.
+        try:
+            self._join(group_call, calls, port)
+        except BaseException:
+            # an engine refused or the join failed: close the rendezvous, so that the join
+            # thread ends now and the port is free, instead of both lasting until the timeout
+            server.close()
+            raise
+        control = "cpu" if backend.dist_backend == "gloo" else backend.device()
+        transport = TRANSPORTS[self.transport](self._group, src=0, control_device=control)
+        if self.trainer_group is not None:
+            self._trainer = TrainerSync(transport=transport, config=self.config, trainer_group=self.trainer_group, token=self.token)
+            self._sender = self._trainer.sender
+        else:
+            self._sender = Sender(transport, self.config, token=self.token)
+
+    def _join(self, group_call: "concurrent.futures.Future[Any]", calls: list, port: int) -> None:
+        """Wait for the group and every engine's init. An engine that refuses (bad init info,
+        a wrong token, already connected) fails the init at once."""
         deadline = time.monotonic() + self.timeout_s
         pending = {group_call, *(f for _, f in calls)}
         while not group_call.done() and time.monotonic() < deadline:
@@ -389,13 +406,6 @@ class WeightSync:
         for (what, call), engine in zip(calls, self.engines):
             self._engine_result(call, what, self.timeout_s)
             self._connected.add(engine.name)
-        control = "cpu" if backend.dist_backend == "gloo" else backend.device()
-        transport = TRANSPORTS[self.transport](self._group, src=0, control_device=control)
-        if self.trainer_group is not None:
-            self._trainer = TrainerSync(transport=transport, config=self.config, trainer_group=self.trainer_group, token=self.token)
-            self._sender = self._trainer.sender
-        else:
-            self._sender = Sender(transport, self.config, token=self.token)
 
     @staticmethod
     def _engine_result(call: "concurrent.futures.Future[Any]", what: str, timeout: float = 0.0) -> Any:
@@ -535,12 +545,30 @@ _TrainerInitInfo, _TrainerEngine = _trainer_classes()
 
 
 class _ClientEngine:
-    """Adapts a vLLM `VLLMWeightSyncClient` (four methods) to `Engine`."""
+    """Adapts a vLLM `VLLMWeightSyncClient` (four methods) to `Engine`.
+
+    What vLLM's clients do not offer and a sync needs, reading back the weight version and
+    resetting the prefix cache (KV computed with the old weights), comes from the client
+    where it has them, else, for vLLM's `HTTPVLLMWeightSyncClient` (it has `base_url`),
+    from the same server's routes through `HttpEngine`.
+    """
 
     def __init__(self, client: Any, num_workers: int) -> None:
         self.client = client
         self.name = type(client).__name__
         self.num_workers = num_workers
+        base_url = getattr(client, "base_url", None)
+        self._routes = (
+            HttpEngine(base_url, num_workers=num_workers, timeout_s=float(getattr(client, "timeout", 300.0)))
+            if isinstance(base_url, str) else None
+        )
+
+    def _extra(self, method: str) -> Any:
+        """`method` of the client, else of its server's routes, else None."""
+        found = getattr(self.client, method, None)
+        if callable(found):
+            return found
+        return getattr(self._routes, method, None)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.client.init_weight_transfer_engine(init_info)
@@ -555,22 +583,22 @@ class _ClientEngine:
         self.client.finish_weight_update(weight_version)
 
     def update_weight_version(self, weight_version: str) -> None:
-        update = getattr(self.client, "update_weight_version", None)
-        if callable(update):
+        update = self._extra("update_weight_version")
+        if update is not None:
             update(weight_version)
 
     def get_weight_version(self) -> str:
-        get = getattr(self.client, "get_weight_version", None)
-        return get() if callable(get) else ""
+        get = self._extra("get_weight_version")
+        return get() if get is not None else ""
 
     def reset_prefix_cache(self) -> None:
-        reset = getattr(self.client, "reset_prefix_cache", None)
-        if callable(reset):
+        reset = self._extra("reset_prefix_cache")
+        if reset is not None:
             reset()
 
     def shutdown_weight_transfer_engine(self) -> None:
-        stop = getattr(self.client, "shutdown_weight_transfer_engine", None)
-        if callable(stop):
+        stop = self._extra("shutdown_weight_transfer_engine")
+        if stop is not None:
             stop()
 
 
@@ -619,7 +647,7 @@ class HalTrainerWeightTransferEngine(_TrainerEngine):
     def send_weights(self, version: int | None = None) -> SyncResult:
         """One full sync; `version` defaults to one more than the last."""
         if self.sync_driver is None:
-            raise RuntimeError("hal trainer weight transfer: not initialised; create it with trainer_init()")
+            raise RuntimeError("hal trainer weight transfer: not initialized; create it with trainer_init()")
         self.step = self.step + 1 if version is None else version
         return self.sync_driver.sync(_VllmSourceAdapter.wrap(self.source), self.step)
 

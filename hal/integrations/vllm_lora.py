@@ -234,7 +234,7 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
     # ---- one update ---------------------------------------------------------------
     def receive_weights(self, update_info: HalUpdateInfo) -> None:
         if self._lora_info is None:
-            raise RuntimeError("hal-lora weight transfer: not initialised; call init_weight_transfer_engine first")
+            raise RuntimeError("hal-lora weight transfer: not initialized; call init_weight_transfer_engine first")
         self._pending, self._built = {}, None
         try:
             super().receive_weights(update_info)
@@ -263,7 +263,7 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
     def _build(self, tensors: dict[str, torch.Tensor]) -> Any:
         info = self._lora_info
         if info is None:
-            raise RuntimeError("hal-lora weight transfer: not initialised; call init_weight_transfer_engine first")
+            raise RuntimeError("hal-lora weight transfer: not initialized; call init_weight_transfer_engine first")
         manager = self._lora_manager()
         lora = vllm_internals.build_lora_model(
             manager,
@@ -290,7 +290,7 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
 
         info = self._lora_info
         if info is None:
-            raise RuntimeError("hal-lora weight transfer: not initialised; call init_weight_transfer_engine first")
+            raise RuntimeError("hal-lora weight transfer: not initialized; call init_weight_transfer_engine first")
         directory = info.adapter_dir
         os.makedirs(directory, exist_ok=True)
         tag = f".{os.getpid()}.{self.group_rank(info)}.tmp"  # workers of one engine may share the directory

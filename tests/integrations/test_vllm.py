@@ -206,7 +206,7 @@ def test_second_connection_fails_fast_naming_the_cause(engine):
     from hal.integrations.vllm_client import OfflineEngine, WeightSync
 
     other = WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60)
-    with pytest.raises(RuntimeError, match="already initialised"):
+    with pytest.raises(RuntimeError, match="already initialized"):
         other.init()
 
 

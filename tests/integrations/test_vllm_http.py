@@ -124,3 +124,69 @@ def test_http_server_sync_matches_transformers_and_reports_version(server):
         assert engine.get_weight_version() == "6"
     finally:
         sync.close()
+
+
+# A trainer process as vLLM's own RL examples write it: it talks to `vllm serve` over HTTP
+# with vLLM's `HTTPVLLMWeightSyncClient`, has no engine of its own, so vLLM never loads its
+# general plugins here. The documented imports alone must make "hal" known to the factory.
+FRESH_TRAINER = """
+import json, sys
+import torch
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from hal.integrations.vllm_client import HalTrainerInitInfo
+import vllm.plugins
+from hal.integrations.tiny_model import load_trainer_model
+
+base, model_dir, seed, version = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+model = load_trainer_model(model_dir)
+gen = torch.Generator().manual_seed(seed)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+engine = WeightTransferTrainerFactory.trainer_init(
+    HalTrainerInitInfo(rank=0, num_workers=1, timeout_s=120), client=HTTPVLLMWeightSyncClient(base), source=model
+)
+try:
+    result = engine.send_weights(version=version)
+finally:
+    engine.shutdown()
+print(json.dumps({"plugins_loaded": vllm.plugins.plugins_loaded, "version": result.version, "engine_versions": result.engine_versions}))
+"""
+
+
+def test_vllm_trainer_factory_over_http_in_a_fresh_process(server, tmp_path):
+    base, model_dir = server
+    script = tmp_path / "trainer.py"
+    script.write_text(FRESH_TRAINER)
+    seed, version = 41, 11
+    env = {**os.environ, "VERL_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run(
+        [sys.executable, str(script), base, str(model_dir), str(seed), str(version)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["plugins_loaded"] is False, "the trainer process loaded vLLM's general plugins: the test proves nothing"
+    assert report["version"] == version
+    assert report["engine_versions"] == {"HTTPVLLMWeightSyncClient": str(version)}
+    # the server now serves the trainer's perturbed weights
+    model = load_trainer_model(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    assert server_greedy(base, PROMPTS) == trainer_greedy(model, PROMPTS, MAX_TOKENS)
+
+
+def test_without_hal_the_factory_names_the_backends_it_knows():
+    # what users saw before registration on import (kept so the message stays vLLM's)
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from hal.integrations.vllm_client import HalTrainerInitInfo
+
+    class Unknown(HalTrainerInitInfo):
+        backend = "not-hal"
+
+    with pytest.raises(ValueError, match="Invalid weight transfer backend: not-hal. Available trainer engines: .*'hal'"):
+        WeightTransferTrainerFactory.trainer_init(Unknown(rank=0), client=object(), source=torch.nn.Linear(1, 1))
