@@ -104,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads per benchmark process (default: 1; the two processes share the cores)")
     parser.add_argument(
-        "--timeout", type=_positive_float, default=None, help="seconds before every benchmark process is killed (default: 300; 1800 with --delta)"
+        "--timeout", type=_positive_float, default=None, help="seconds before every benchmark process is killed (default: 300; 600 with --device-transfer, 1800 with --delta)"
     )
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip the (untimed) byte check at the receiver")
     parser.add_argument("--trace", action="store_true", help="record per-bucket transport/apply timings of the hal methods' last repetition in the JSON")
@@ -153,7 +153,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             print(f"hal bench: ignoring options of {_VLLM_MODULE}: {exc}", file=sys.stderr)
 
 
+# Seconds before every benchmark process is killed when --timeout is not given, per
+# benchmark; resolved once in `main`, so every benchmark reads a number from `args.timeout`.
+DEFAULT_TIMEOUT_S = {"delta-kernels": 300.0, "device-transfer": 600.0, "delta": 1800.0, "vllm": 300.0, "transfer": 300.0}
+
+
+def _benchmark(args: argparse.Namespace) -> str:
+    """Which benchmark `args` ask for (a key of DEFAULT_TIMEOUT_S)."""
+    for flag, name in (("delta_kernels", "delta-kernels"), ("device_transfer", "device-transfer"), ("delta", "delta")):
+        if getattr(args, flag, False):
+            return name
+    return "vllm" if getattr(args, "engine", "transfer") == "vllm" else "transfer"
+
+
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "timeout", None) is None:
+        args.timeout = DEFAULT_TIMEOUT_S[_benchmark(args)]
     if getattr(args, "delta_kernels", False):
         from hal.bench.delta_kernels import KernelBenchConfig, format_table as format_kernel_table, run_delta_kernels
 
@@ -222,7 +237,7 @@ def _run_device_transfer(args: argparse.Namespace) -> dict[str, Any]:
         config = DeviceTransferConfig(
             preset=args.preset, methods=tuple(methods), receivers=args.receivers, repeats=args.repeats, warmup=args.warmup,
             bucket_bytes=int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else None,
-            timeout_s=args.timeout if args.timeout is not None else 600.0, verify=args.verify,
+            timeout_s=args.timeout, verify=args.verify,
         )
     except ValueError as exc:
         raise SystemExit(f"hal bench: {exc}") from None
@@ -257,7 +272,7 @@ def _run_delta(args: argparse.Namespace) -> dict[str, Any]:
             baseline=args.baseline,
             link_gb_per_s=args.link_gbps,
             threads=args.threads,
-            timeout_s=args.timeout if args.timeout is not None else 1800.0,
+            timeout_s=args.timeout,
             verify=args.verify,
         )
     except ValueError as exc:
@@ -276,7 +291,7 @@ def _transfer_config(args: argparse.Namespace, methods: tuple[str, ...], receive
         repeats=args.repeats,
         warmup=args.warmup,
         bucket_bytes=_bucket_bytes(args),
-        timeout_s=args.timeout if args.timeout is not None else 300.0,
+        timeout_s=args.timeout,
         verify=args.verify,
         threads=args.threads,
         trace=args.trace,
