@@ -19,6 +19,7 @@ import datetime
 import ipaddress
 import os
 import socket
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,7 @@ def join_sync_group(
     backend: Backend | str | None = None,
     timeout_s: float = 60.0,
     bind_address: str | None = None,
+    server: "RendezvousServer | None" = None,
 ) -> Any:
     """Join the sync group as `rank`; returns the group hal's transports speak to.
 
@@ -103,8 +105,13 @@ def join_sync_group(
     actor, `ray.util.get_node_ip_address()`). Other libraries pick their interface from
     their own variables (NCCL_SOCKET_IFNAME, HCCL_IF_IP); `bind_address` is refused for them.
 
+    Rank 0 serves the rendezvous from `server` when given (a `RendezvousServer` of this
+    spec the caller made first, so that it can end a join still waiting from another
+    thread: `server.close()`), else from one of its own. Either way the server lives as
+    long as the group and closes with `destroy_sync_group`.
+
     Raises PeerError when the other ranks do not all arrive within `timeout_s` (which is
-    also the group's default timeout for every collective).
+    also the group's default timeout for every collective), or at once when `server` closes.
     """
     if not isinstance(spec, SyncGroupSpec):
         raise TypeError(f"spec must be a SyncGroupSpec, got {type(spec).__name__}")
@@ -125,17 +132,36 @@ def join_sync_group(
 
     timeout = datetime.timedelta(seconds=timeout_s)
     where = f"sync group {spec.init_method} (world_size {spec.world_size}), rank {rank}"
+    owned = None
+    if rank == 0 and server is None:
+        server = owned = RendezvousServer(spec, timeout_s=timeout_s)
+    elif server is not None and (rank != 0 or server.spec != spec):
+        raise ValueError(f"{where}: a RendezvousServer is rank 0's, of the same spec")
+    if server is not None and server.closed:
+        raise PeerError(f"{where}: the rendezvous was closed before rank 0 joined")
     try:
-        store = _rendezvous_store(spec, rank, timeout)
+        # Every rank, rank 0 too, is a client of the server: a join waiting for the others
+        # ends as soon as the server closes (its connection drops), not at the timeout.
+        store = server.client if server is not None else dist.TCPStore(spec.address, spec.port, spec.world_size, False, timeout)
         # vLLM's stateless helper keeps its keys under this prefix: either side may use it.
         prefixed = dist.PrefixStore(spec.init_method, store)
         if library == "gloo":
-            return _gloo_group(prefixed, rank, spec.world_size, timeout, bind_address)
-        return _library_class(library)(prefixed, rank, spec.world_size, timeout)
-    except PeerError:
+            group = _gloo_group(prefixed, rank, spec.world_size, timeout, bind_address)
+        else:
+            group = _library_class(library)(prefixed, rank, spec.world_size, timeout)
+    except BaseException as exc:
+        if owned is not None:
+            owned.close()
+        if isinstance(exc, (RuntimeError, TimeoutError)) and not isinstance(exc, PeerError):
+            # torch's DistStoreError and gloo's errors are RuntimeErrors
+            closed = " (the rendezvous was closed)" if server is not None and server.closed else ""
+            raise PeerError(f"{where}: could not join within {timeout_s:g} s{closed}: {type(exc).__name__}: {exc}") from exc
         raise
-    except (RuntimeError, TimeoutError) as exc:  # torch's DistStoreError and gloo's errors are RuntimeErrors
-        raise PeerError(f"{where}: could not join within {timeout_s:g} s: {type(exc).__name__}: {exc}") from exc
+    if server is not None:
+        # c10d's group objects take no attributes: the server closes when the group object
+        # goes, or at destroy_sync_group
+        _SERVERS[group] = weakref.finalize(group, server.close)
+    return group
 
 
 def _library_name(backend: Backend | str | None) -> str:
@@ -150,29 +176,54 @@ def _library_name(backend: Backend | str | None) -> str:
     raise TypeError(f"backend must be a collective library name, a hal Backend or None, got {backend!r}")
 
 
-def _rendezvous_store(spec: SyncGroupSpec, rank: int, timeout: datetime.timedelta) -> Any:
-    """Rank 0 serves the store on a socket it bound to `spec.address` (torch's own
-    TCPStore server listens on every interface, whatever host it is given: measured);
-    the others connect to it."""
-    import torch.distributed as dist
+# Rank 0's rendezvous server of each group: closing it, by the group it serves.
+_SERVERS: "weakref.WeakKeyDictionary[Any, weakref.finalize]" = weakref.WeakKeyDictionary()
 
-    if rank != 0:
-        return dist.TCPStore(spec.address, spec.port, spec.world_size, False, timeout)
-    fd = _listening_socket(spec.address, spec.port)
-    ours = os.fstat(fd)
-    try:
-        # The store owns the descriptor from here on: it closes it when the store is freed,
-        # and also when its constructor fails (measured: waiting for the other ranks timed out).
-        return dist.TCPStore(spec.address, spec.port, spec.world_size, True, timeout, master_listen_fd=fd)
-    except BaseException:
-        # Close it only if it is still our socket: the number may already be someone else's.
+
+class RendezvousServer:
+    """Rank 0's rendezvous store, served on a socket bound to `spec.address` only (torch's
+    own TCPStore server listens on every interface, whatever host it is given: measured).
+
+    Made before rank 0 joins (`join_sync_group(..., server=...)`), it can be closed from
+    any thread: a join still waiting for ranks that will never come (an engine refused
+    the trainer's init) then fails at once, and its port and thread are gone, instead of
+    lingering until the timeout.
+    """
+
+    def __init__(self, spec: SyncGroupSpec, *, timeout_s: float = 60.0) -> None:
+        import torch.distributed as dist
+
+        self.spec = spec
+        fd = _listening_socket(spec.address, spec.port)
+        ours = os.fstat(fd)
         try:
-            still = os.fstat(fd)
-        except OSError:
-            still = None
-        if still is not None and (still.st_dev, still.st_ino) == (ours.st_dev, ours.st_ino):
-            os.close(fd)
-        raise
+            # The store owns the descriptor from here on: it closes it when the store is freed,
+            # and also when its constructor fails. It does not wait for the ranks: they join
+            # as its clients (rank 0 too), and only they wait.
+            self._store: Any = dist.TCPStore(
+                spec.address, spec.port, spec.world_size, True, datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False, master_listen_fd=fd,
+            )
+        except BaseException:
+            # Close it only if it is still our socket: the number may already be someone else's.
+            try:
+                still = os.fstat(fd)
+            except OSError:
+                still = None
+            if still is not None and (still.st_dev, still.st_ino) == (ours.st_dev, ours.st_ino):
+                os.close(fd)
+            raise
+        # Rank 0's own connection, made now: a connect retries until its timeout when
+        # nothing listens, so joining after a close would wait; this one fails at once.
+        self.client: Any = dist.TCPStore(spec.address, spec.port, spec.world_size, False, datetime.timedelta(seconds=timeout_s))
+
+    @property
+    def closed(self) -> bool:
+        return self._store is None
+
+    def close(self) -> None:
+        """Stop serving: the port closes and every rank still joining fails. Safe to call twice."""
+        self._store = self.client = None
 
 
 def _listening_socket(address: str, port: int) -> int:
@@ -230,5 +281,10 @@ def destroy_sync_group(group: Any) -> None:
     that holds it as well. Safe to call twice.
     """
     shutdown = getattr(group, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
+    try:
+        if shutdown is not None:
+            shutdown()
+    finally:
+        close = _SERVERS.pop(group, None)
+        if close is not None:
+            close()

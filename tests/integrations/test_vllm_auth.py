@@ -207,8 +207,8 @@ def test_a_refusal_that_crossed_a_process_boundary_is_still_an_auth_error(token)
     with pytest.raises(AuthError, match=r"^llm: init_weight_transfer_engine: .*VERL_HAL_SYNC_TOKEN"):
         WeightSync._engine_result(call, "llm: init_weight_transfer_engine")
     other: concurrent.futures.Future = concurrent.futures.Future()
-    other.set_exception(RuntimeError("Worker failed with error 'hal weight transfer: already initialised'"))
-    with pytest.raises(RuntimeError, match="already initialised") as kept:
+    other.set_exception(RuntimeError("Worker failed with error 'hal weight transfer: already initialized'"))
+    with pytest.raises(RuntimeError, match="already initialized") as kept:
         WeightSync._engine_result(other, "llm: init_weight_transfer_engine")
     assert not isinstance(kept.value, AuthError)
 
@@ -238,3 +238,38 @@ def test_the_init_proof_covers_every_field_the_engine_takes():
         assert replayed.auth == info.auth
         with pytest.raises(AuthError, match="changed on the way"):
             check_init_proof(TOKEN, replayed.auth, **replayed.proven())
+
+
+def test_a_refused_init_leaves_no_rendezvous_thread_or_port():
+    """An engine that refuses the trainer's init: the trainer raises at once, and the
+    rendezvous it opened (a listening port, a thread waiting in it) is gone within seconds,
+    not at the timeout."""
+    import subprocess
+    import threading
+
+    from hal.integrations.vllm_client import WeightSync
+    from hal.procs import free_port
+
+    class Refusing:
+        name, num_workers, same_node = "refusing", 1, False
+
+        def init_weight_transfer_engine(self, init_info):
+            raise AuthError("refused: VERL_HAL_SYNC_TOKEN differs")
+
+    def listening(port: int) -> bool:
+        return f":{port} " in subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
+
+    def joining() -> list[str]:
+        return [t.name for t in threading.enumerate() if "join the weight-sync group" in t.name]
+
+    port = free_port()
+    sync = WeightSync([Refusing()], master_port=port, timeout_s=120)
+    start = time.monotonic()
+    with pytest.raises(AuthError, match="refused"):
+        sync.init()
+    assert time.monotonic() - start < 30
+    deadline = time.monotonic() + 10
+    while (joining() or listening(port)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not joining(), "the trainer's rendezvous thread outlived the refused init"
+    assert not listening(port), f"port {port} still listens after the refused init"
