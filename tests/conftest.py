@@ -172,3 +172,34 @@ def run_python(code: str, env: dict[str, str | None] | None = None, timeout: flo
         text=True,
         timeout=timeout,
     )
+
+
+# ---- the suite leaves /dev/shm as it found it ------------------------------------------
+# A killed or failed rank must leave no shared-memory file (hal's own shared memory has no
+# name at all: hal.backends.cpu). The controlling pytest process (not an xdist worker)
+# lists /dev/shm at the start and fails the run if anything new is left at the end.
+_SHM = Path("/dev/shm")
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir(_SHM)) if _SHM.is_dir() else set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        session.config._hal_shm_before = _shm_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = getattr(session.config, "_hal_shm_before", None)
+    if before is None:
+        return
+    left = sorted(_shm_entries() - before)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the test run left {len(left)} file(s) in /dev/shm: {', '.join(left[:10])}"
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        else:
+            print(message, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

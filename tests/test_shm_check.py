@@ -1,0 +1,35 @@
+"""The suite's own check that it leaves /dev/shm as it found it (tests/conftest.py) fails a
+run that leaves a file there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
+def test_a_run_that_leaves_a_file_in_dev_shm_fails(tmp_path):
+    leftover = Path("/dev/shm") / f"hal-shm-check-{uuid.uuid4().hex[:12]}"
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_sessionfinish, pytest_sessionstart  # noqa: F401\n")
+    (tmp_path / "test_leaks.py").write_text(textwrap.dedent(f"""
+        def test_leaves_a_file():
+            open({str(leftover)!r}, "w").close()
+        """))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(tmp_path)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        leftover.unlink(missing_ok=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"left 1 file(s) in /dev/shm: {leftover.name}" in done.stdout
