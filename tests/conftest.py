@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -194,7 +195,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     before = getattr(session.config, "_hal_shm_before", None)
     if before is None:
         return
-    left = sorted(_shm_entries() - before)
+    # processes that end with the run (xdist workers, their fork servers and semaphores)
+    # may still be on their way out: give them a moment
+    deadline = time.monotonic() + (15 if getattr(session.config.option, "numprocesses", None) else 2)
+    while (left := sorted(_shm_entries() - before)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = f"the test run left {len(left)} file(s) in /dev/shm: {', '.join(left[:10])}"
