@@ -400,3 +400,18 @@ def test_a_delta_run_past_its_deadline_raises_and_leaves_no_process_behind():
     with pytest.raises(TimeoutError, match="did not finish"):
         delta.run_delta(delta.DeltaBenchConfig(preset="tiny", syncs=1, timeout_s=0.05))
     assert multiprocessing.active_children() == []
+
+
+def test_moe_preset_has_moe_tensor_counts_in_about_a_gibibyte():
+    from hal.bench.presets import get_preset
+
+    preset = get_preset("moe-16k")
+    params = preset.params()
+    names = [p.name for p in params]
+    assert len(params) >= 16_000 and len(set(names)) == len(names)
+    assert 0.9 * 2**30 <= preset.total_bytes() <= 1.1 * 2**30
+    # Qwen3-MoE's names: a router and experts per layer, q/k norms, no biases, an untied head
+    assert "model.layers.23.mlp.experts.223.down_proj.weight" in names
+    assert "model.layers.0.mlp.gate.weight" in names and "model.layers.0.self_attn.q_norm.weight" in names
+    assert not any(n.endswith(".bias") for n in names) and names[-1] == "lm_head.weight"
+    assert sum(".experts." in n for n in names) == 24 * 224 * 3
