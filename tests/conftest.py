@@ -130,9 +130,9 @@ FAKE_TORCH_NPU = textwrap.dedent(
     npu.device_count = lambda: int(os.environ.get("FAKE_NPU_COUNT", "2"))
     npu.current_device = lambda: _current[0]
 
-    def set_device(index):
-        _log("set_device", index)
-        _current[0] = index
+    def set_device(device):  # torch_npu's parameter names (tests/hosts/ checks them)
+        _log("set_device", device)
+        _current[0] = device
 
     npu.set_device = set_device
     npu._is_in_bad_fork = lambda: False

@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 from hal import env
-from hal.backends._torch_device import TorchDeviceBackend
+from hal._host_sources import Call, Need
+from hal.backends._torch_device import REDUCTION_ARGS, TorchDeviceBackend
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,13 @@ def _field_after(text: str, key: str, sep: str) -> str | None:
     return None
 
 
+def _first_line(exc: BaseException) -> str:
+    """An exception's message as one line: torch_npu's errors run to several (a second one
+    with a timestamp and an error code), and a reason is one line (`hal info`)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
 class NpuBackend(TorchDeviceBackend):
     name = "npu"
     device_type = "npu"
@@ -133,10 +141,10 @@ class NpuBackend(TorchDeviceBackend):
     def unavailable_reason(cls) -> str | None:
         try:
             importlib.import_module("torch_npu")
-        except ImportError as exc:
-            return f"cannot import torch_npu: {exc}"
+        except ImportError as exc:  # without CANN: "libhccl.so: cannot open shared object file ..."
+            return f"cannot import torch_npu: {_first_line(exc)}"
         except Exception as exc:  # torch_npu raises OSError/RuntimeError when CANN is missing
-            return f"importing torch_npu failed: {type(exc).__name__}: {exc}"
+            return f"importing torch_npu failed: {type(exc).__name__}: {_first_line(exc)}"
         npu = getattr(torch, "npu", None)
         if npu is None:
             return "torch_npu imported but registered no torch.npu module"
@@ -176,3 +184,48 @@ class NpuBackend(TorchDeviceBackend):
     def _supports_device_memory_ipc(self) -> bool:
         versions = self.runtime_versions()
         return ipc_versions_supported(versions["driver"], versions["cann"])
+
+
+# ---- what this backend relies on in torch_npu -------------------------------------------------
+# Every torch_npu name the npu backend uses, with how it calls it: `torch.npu` is the module
+# torch_npu registers (`torch_npu.npu`), reached through `TorchDeviceBackend.module`.
+# tests/hosts/ checks this table against the Python sources of torch_npu's wheel (never
+# importing it), and the fake torch_npu of the tests against the same sources
+# (hal._host_sources has the target syntax).
+_NPU = "torch_npu.npu"
+TORCH_NPU_NEEDS: tuple[Need, ...] = (
+    # availability, devices and visibility
+    Need(target=f"{_NPU}:is_available", call=Call(0), why="unavailable_reason"),
+    Need(target=f"{_NPU}:device_count", call=Call(0), why="device_count"),
+    Need(target=f"{_NPU}:_parse_visible_devices", text=NpuBackend.visible_devices_env, why="visible_devices_env"),
+    Need(target=f"{_NPU}:current_device", call=Call(0), why="current_device"),
+    Need(target=f"{_NPU}:set_device", call=Call(1), why="set_device"),
+    Need(target=f"{_NPU}:get_device_name", call=Call(1), why="device_model"),
+    Need(target=f"{_NPU}:_is_in_bad_fork", call=Call(0), why="torch's device-module checks (the fake has it)"),
+    # streams and events (hal.backend.Stream / Event name the methods)
+    Need(target=f"{_NPU}:Stream", call=Call(0), why="new_stream"),
+    *(Need(target=f"{_NPU}:Stream.{method}", call=Call(n), why="hal.backend.Stream")
+      for method, n in (("wait_stream", 1), ("wait_event", 1), ("record_event", 0), ("synchronize", 0), ("query", 0))),
+    Need(target=f"{_NPU}:Event", call=Call(0, "enable_timing"), why="new_event"),
+    *(Need(target=f"{_NPU}:Event.{method}", call=Call(n), why="hal.backend.Event")
+      for method, n in (("record", 1), ("wait", 1), ("query", 0), ("synchronize", 0), ("elapsed_time", 1))),
+    Need(target=f"{_NPU}:current_stream", call=Call(0), why="current_stream"),
+    Need(target=f"{_NPU}:stream", call=Call(1), why="stream, launch"),
+    Need(target=f"{_NPU}:synchronize", call=Call(0), why="synchronize"),
+    # memory and seeds
+    Need(target=f"{_NPU}:mem_get_info", call=Call(0), why="memory_info"),
+    Need(target=f"{_NPU}:empty_cache", call=Call(0), why="empty_cache"),
+    Need(target=f"{_NPU}:memory._set_allocator_settings", call=Call(1), why="set_allocator_settings"),
+    Need(target=f"{_NPU}:manual_seed_all", call=Call(1), why="manual_seed, device_manual_seed"),
+    Need(target=f"{_NPU}:manual_seed", call=Call(1), why="device_manual_seed"),
+    # IPC: torch_npu's reduction replaces torch's, and hal rebuilds through its public function
+    Need(target="torch_npu.multiprocessing.reductions:rebuild_npu_tensor", call=Call(len(REDUCTION_ARGS)),
+         why="_ipc_rebuild_function (REDUCTION_ARGS, in order)"),
+    Need(target="torch_npu.multiprocessing.reductions:_add_reductions_methods", sets="reduce_tensor",
+         why="TorchDeviceBackend._reduce_tensor (torch_npu installs its reduce_tensor into torch's reductions)"),
+    Need(target="torch_npu.utils.storage:_add_storage_methods", text="_new_shared_npu",
+         why="_import_ipc passes torch.storage.TypedStorage as storage_cls; torch_npu gives it the NPU sharing method"),
+    # the collective library, by the name hal passes to torch.distributed
+    Need(target="torch_npu._init.registry.distributed:register_distributed_backend_for_npu", text=NpuBackend.dist_backend,
+         why="dist_backend"),
+)

@@ -392,6 +392,36 @@ def test_npu_import_error_is_the_reason(monkeypatch, fake_torch_npu):
         hal.get_backend("npu")
 
 
+def test_npu_reason_is_one_line(monkeypatch, fake_torch_npu):
+    # torch_npu's errors run to several lines (a second one with a timestamp and error code)
+    monkeypatch.syspath_prepend(str(fake_torch_npu))
+    monkeypatch.setenv("FAKE_NPU_IMPORT_ERROR", "Two accelerators cannot be used at the same time\n[ERROR] 2026-11-25 ERR00007 PTA")
+    assert NpuBackend.unavailable_reason() == "importing torch_npu failed: OSError: Two accelerators cannot be used at the same time"
+
+
+# torch_npu's wheel installed without CANN: its import fails loading the CANN libraries.
+NO_CANN_TORCH_NPU = 'raise ImportError("libhccl.so: cannot open shared object file: No such file or directory")\n'
+
+
+@pytest.mark.parametrize("verl_device", ["auto", "npu"])
+def test_hal_info_with_torch_npu_but_no_cann_prints_the_reason(tmp_path, verl_device):
+    package = tmp_path / "torch_npu"
+    package.mkdir()
+    (package / "__init__.py").write_text(NO_CANN_TORCH_NPU)
+    code = """
+    from hal.cli import main
+    raise SystemExit(main(["info"]))
+    """
+    result = run_python(code, env={"PYTHONPATH": str(tmp_path), "VERL_DEVICE": verl_device})
+    reason = "npu: cannot import torch_npu: libhccl.so: cannot open shared object file: No such file or directory"
+    if verl_device == "auto":  # falls back to the CPU and says why in the backend line
+        assert result.returncode == 0, result.stderr
+        assert reason in result.stdout.splitlines()[0]
+    else:  # asked for: one line on stderr, no traceback
+        assert result.returncode == 1
+        assert result.stderr.strip() == f"hal info: error: backend 'npu' is not usable: {reason.removeprefix('npu: ')}"
+
+
 # ---- NPU, in a subprocess ---------------------------------------------------------
 
 NPU_PROBE = """
@@ -619,7 +649,8 @@ def test_npu_unrecognised_version_is_an_error(ascend_host):
 
 # ---- NPU device-module hooks and IPC, in a subprocess with the fake torch_npu ---------------
 
-# torch_npu's multiprocessing reductions, faked in the same argument layout as the CUDA fake.
+# torch_npu's multiprocessing reductions, faked in the same argument layout as the CUDA fake,
+# with torch_npu's own signatures (tests/hosts/ compares them with its wheel's sources).
 FAKE_NPU_REDUCTIONS = """
 import os
 import torch
@@ -639,10 +670,27 @@ def reduce_tensor(tensor):
     )
 
 
-def rebuild_npu_tensor(*args):
-    rebuilt.append(args)
-    _, size, stride, offset, _, dtype, _, handle, *_ = args
-    return torch.empty(0, dtype=dtype).set_(shared[handle], offset, size, stride)
+def rebuild_npu_tensor(
+    tensor_cls,
+    tensor_size,
+    tensor_stride,
+    tensor_offset,
+    storage_cls,
+    dtype,
+    storage_device,
+    storage_handle,
+    storage_size_bytes,
+    storage_offset_bytes,
+    requires_grad,
+    ref_counter_handle,
+    ref_counter_offset,
+    event_handle,
+    event_sync_required,
+):
+    rebuilt.append((tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype, storage_device, storage_handle,
+                    storage_size_bytes, storage_offset_bytes, requires_grad, ref_counter_handle, ref_counter_offset,
+                    event_handle, event_sync_required))
+    return torch.empty(0, dtype=dtype).set_(shared[storage_handle], tensor_offset, tensor_size, tensor_stride)
 """
 
 NPU_HOOKS_PROBE = """
