@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONSERVATIVE_TRAITS", "CollectiveTraits", "collective_traits", "known_collective_libraries"]
+__all__ = ["CONSERVATIVE_TRAITS", "CollectiveTraits", "collective_traits", "known_collective_libraries", "takes_device"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,3 +73,30 @@ def collective_traits(dist_backend: str) -> CollectiveTraits:
     if not isinstance(dist_backend, str):
         raise TypeError(f"collective_traits: dist_backend must be a str, got {type(dist_backend).__name__}")
     return _TRAITS.get(dist_backend.strip().lower(), CONSERVATIVE_TRAITS)
+
+
+def takes_device(dist_backend: str, device_type: str) -> bool:
+    """Whether the `torch.distributed` backend named `dist_backend` runs collectives on
+    tensors of `device_type` at all ("cpu", "cuda", "npu"), by torch's own table
+    (`torch.distributed.Backend.backend_capability`, which torch_npu extends with "hccl"
+    when imported).
+
+    A group keeps one library per device type and fails a tensor of a device type it has
+    none for ("No backend type associated with device type npu"): gloo serves "cpu" and
+    "cuda" only, so a PrivateUse1 device such as torch_npu's NPU must move every transfer
+    through host memory in a gloo group, broadcasts and all-reduces included, not only
+    the point-to-point ones that `point_to_point_device_memory` covers.
+
+    A library torch's table does not list (an out-of-tree one not imported yet, a mixed
+    string) answers False, which is always correct (a host tensor staged through host
+    memory is not copied at all).
+
+    >>> takes_device("gloo", "npu")
+    False
+    """
+    if not isinstance(dist_backend, str) or not isinstance(device_type, str):
+        raise TypeError(f"takes_device: expected two str, got {type(dist_backend).__name__} and {type(device_type).__name__}")
+    from torch.distributed import Backend  # imports no collective library
+
+    capability = getattr(Backend, "backend_capability", {})
+    return device_type.strip().lower() in capability.get(dist_backend.strip().lower(), ())

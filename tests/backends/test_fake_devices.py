@@ -764,3 +764,48 @@ def test_fake_npu_hooks_and_ipc(fake_torch_npu):
     assert "import_ipc on backend 'npu': handle field 'device' must be <= 1, got 5" in out["refused"]
     assert out["rebuilt_after_refusal"] == 1
     assert "this torch_npu has no NPU memory IPC" in out["no_ipc"]
+
+
+# ---- NPU tensors beside a gloo group ------------------------------------------------------
+GLOO_PROBE = """
+import json
+import torch
+import torch_npu  # the fake: PrivateUse1 is "npu" from here on
+from hal.backends.collectives import collective_traits, takes_device
+
+out = {
+    "capability": {k: list(v) for k, v in torch.distributed.Backend.backend_capability.items() if k in ("gloo", "nccl")},
+    "gloo_npu": takes_device("gloo", "npu"),
+    "gloo_cpu": takes_device("gloo", "cpu"),
+    "gloo_cuda": takes_device("gloo", "cuda"),
+    "hccl_npu_unregistered": takes_device("hccl", "npu"),
+    "gloo_p2p_device_memory": collective_traits("gloo").point_to_point_device_memory,
+}
+print(json.dumps(out))
+"""
+
+
+def test_gloo_takes_no_npu_tensors(fake_torch_npu):
+    # A PrivateUse1 device (torch_npu's "npu") has no gloo backend in a group: its tensors
+    # fail there with "No backend type associated with device type npu" unless they go
+    # through host memory, broadcasts included. torch's own table says so once PrivateUse1
+    # is named "npu"; hal reads that table (takes_device) and gloo's traits stage
+    # point-to-point transfers of device tensors already.
+    out = _run_probe(GLOO_PROBE, fake_torch_npu)
+    assert out["capability"] == {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]}
+    assert out["gloo_npu"] is False
+    assert out["gloo_cpu"] is True and out["gloo_cuda"] is True
+    assert out["hccl_npu_unregistered"] is False  # unknown to torch until torch_npu registers it: stage
+    assert out["gloo_p2p_device_memory"] is False
+
+
+def test_takes_device_reads_torchs_table(monkeypatch):
+    from hal.backends.collectives import takes_device
+
+    assert takes_device("gloo", "cuda") and takes_device(" GLOO ", "CPU") and takes_device("nccl", "cuda")
+    assert not takes_device("nccl", "cpu")
+    assert not takes_device("cuda:nccl,cpu:gloo", "cuda")  # a mixed string names no one library
+    monkeypatch.setitem(torch.distributed.Backend.backend_capability, "hccl", ["npu"])  # as torch_npu registers it
+    assert takes_device("hccl", "npu") and not takes_device("gloo", "npu")
+    with pytest.raises(TypeError, match="takes_device: expected two str, got NoneType and str"):
+        takes_device(None, "npu")
