@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from hal import env
-from hal._host_sources import Call, Need
+from hal.host_needs import Call, Need
 from hal.backends._torch_device import REDUCTION_ARGS, TorchDeviceBackend
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class NpuBackend(TorchDeviceBackend):
 # torch_npu registers (`torch_npu.npu`), reached through `TorchDeviceBackend.module`.
 # tests/hosts/ checks this table against the Python sources of torch_npu's wheel (never
 # importing it), and the fake torch_npu of the tests against the same sources
-# (hal._host_sources has the target syntax).
+# (tests/hosts/sources.py has the target syntax).
 _NPU = "torch_npu.npu"
 TORCH_NPU_NEEDS: tuple[Need, ...] = (
     # availability, devices and visibility

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from hal._host_sources import Call, Need
+from hal.host_needs import Call, Need
 from hal.integrations._shared import release_of
 
 # The vLLM releases (major, minor) whose internals this module was checked against: 0.32
@@ -364,7 +364,7 @@ def loaded_lora_ids(manager: Any) -> list[int]:
 # Every vLLM name verl-hal relies on, private (through this module) or public (imported by
 # hal.integrations.vllm, vllm_client, vllm_lora), with how hal calls it. tests/hosts/
 # checks it against the sources of the installed vLLM and of the wheels of the releases
-# above, and that it covers every vLLM name this module uses (hal._host_sources has the
+# above, and that it covers every vLLM name this module uses (tests/hosts/sources.py has the
 # target syntax). `optional`: hal looks it up with a fallback.
 _WT = "vllm.distributed.weight_transfer"
 VLLM_NEEDS: tuple[Need, ...] = (

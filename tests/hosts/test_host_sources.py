@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from hal._host_sources import FetchError, SourceTree, check, fetch_wheel, problems, signature, signature_of, summary
+from tests.hosts.sources import FetchError, SourceTree, check, fetch_wheel, problems, signature, signature_of, summary
 from hal.backends import npu as npu_backend
 from hal.integrations import vllm_internals
 from hal.integrations._shared import release_of
@@ -310,7 +310,7 @@ def test_reader_follows_imports_stars_lazy_tables_bases_and_signatures(tmp_path)
         "logger_message = '%s: failed'\n"
     )
     (tmp_path / "mine.py").write_text("class Mine:\n    def run(self): ...\n")
-    from hal._host_sources import Call, Need
+    from hal.host_needs import Call, Need
 
     tree, mine = SourceTree(tmp_path, packages=("pkg",)), SourceTree(tmp_path, packages=("mine",))
     needs = (

@@ -19,8 +19,8 @@ own or a base's, a method, a class attribute or an attribute its methods assign 
 `self`). A name that the sources import from a package outside them (torch, say) counts
 as present but its signature is not checked.
 
-Standard library only; `import hal` does not import it (the tables' modules do, for
-`Need` and `Call`, and tests for the rest).
+A test tool, not part of the library: the tables' `Need` and `Call` live in
+hal.host_needs; this reader, standard library only, is what tests/hosts/ runs.
 """
 
 from __future__ import annotations
@@ -36,40 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from hal.host_needs import Call, Need
+
 __all__ = ["Call", "FetchError", "Finding", "Need", "SourceTree", "check", "fetch_wheel", "problems", "signature", "signature_of", "summary"]
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """How hal calls a function, method or class: `positional` arguments, then `keywords`."""
-
-    positional: int = 0
-    keywords: tuple[str, ...] = ()
-
-    def __init__(self, positional: int = 0, *keywords: str) -> None:
-        object.__setattr__(self, "positional", positional)
-        object.__setattr__(self, "keywords", tuple(keywords))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Need:
-    """One thing hal relies on in a host package's sources."""
-
-    target: str
-    """`"pkg.module"`, `"pkg.module:Name"` or `"pkg.module:Class.member"` (see the module doc)."""
-    why: str
-    """Where hal relies on it (a function of hal, in a few words)."""
-    call: Call | None = None
-    """hal calls the target so: it must accept these arguments and require no others."""
-    text: str | None = None
-    """A string literal the target module must contain (a log message hal filters on)."""
-    sets: str | None = None
-    """An attribute name the target function (or any method of the target class) assigns
-    on some object (`layer.cpu_linear = ...`): hal reads that attribute."""
-    implemented_by: str | None = None
-    """`"hal.module:Class"`: every abstract method of the target class is defined there."""
-    optional: bool = False
-    """hal copes without it (looks it up with a fallback): its absence is reported, not a failure."""
 
 
 @dataclass(frozen=True, slots=True)
