@@ -30,6 +30,7 @@ send/recv pairs are traits of the collective library, looked up by its name
 
 from __future__ import annotations
 
+import collections
 import datetime
 import hashlib
 import json
@@ -141,6 +142,16 @@ class GroupChannel:
         self.timeout_s = timeout_s
         """Longest wait for any one transfer or agreement."""
         self._challenge: str | None = None  # drawn in the last agreement, for the next header
+        # The last collectives' work objects, so that this thread, not the library's, lets go
+        # of them last: a gloo worker thread that drops the last reference to a finished
+        # work releases its tensors, and a tensor Python already let go of then needs the
+        # GIL; while the interpreter shuts down that kills the thread inside a destructor,
+        # and the process aborts ("terminate called without an active exception", issue 18).
+        self._recent: collections.deque = collections.deque(maxlen=64)
+
+    def _keep(self, work: Any) -> Any:
+        self._recent.append(work)
+        return work
 
     def _timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
@@ -157,7 +168,7 @@ class GroupChannel:
         opts = dist.AllreduceOptions()
         opts.timeout = self._timeout()
         try:
-            work = self.group.allreduce([tensor], opts)
+            work = self._keep(self.group.allreduce([tensor], opts))
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
         self._wait(work, what)
@@ -235,7 +246,7 @@ class Transport(GroupChannel):
         opts.rootRank = self.src
         opts.timeout = self._timeout()
         try:
-            return self.group.broadcast([tensor], opts)
+            return self._keep(self.group.broadcast([tensor], opts))
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
 
@@ -289,7 +300,7 @@ class Transport(GroupChannel):
         if staged:  # a copy on the current stream, which follows the work that wrote the tensor
             tensor = tensor.to("cpu")
         try:
-            work = self.group.send([tensor], peer, tag)
+            work = self._keep(self.group.send([tensor], peer, tag))
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} to rank {peer} failed on rank {self.rank}: {exc}") from exc
         return _StagedWork(work, tensor, None, None) if staged else work
@@ -299,7 +310,7 @@ class Transport(GroupChannel):
         if target is not None:
             tensor = torch.empty(target.shape, dtype=target.dtype)
         try:
-            work = self.group.recv([tensor], peer, tag)
+            work = self._keep(self.group.recv([tensor], peer, tag))
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} from rank {peer} failed on rank {self.rank}: {exc}") from exc
         return _StagedWork(work, tensor, target, self._backend) if target is not None else work
