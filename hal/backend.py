@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -165,6 +165,18 @@ class Backend:
                 f"(same {dst.numel()} elements; reshape the source explicitly if a flat copy is meant)"
             )
         self._copy(stream, dst, src)
+
+    def copy_many_(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], /, *, stream: Stream | None = None) -> None:
+        """`dst.copy_(src)` for every pair, as one piece of device work on `stream` (torch's
+        multi-tensor copy): a segment of thousands of small tensors costs one launch, not
+        one per tensor. Casts dtypes like `copy_`; every pair must have equal shapes."""
+        if len(dsts) != len(srcs):
+            raise ValueError(f"copy_many_: {len(dsts)} destinations for {len(srcs)} sources")
+        for i, (dst, src) in enumerate(zip(dsts, srcs)):
+            if dst.shape != src.shape:
+                raise ValueError(f"copy_many_: pair {i}: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)}")
+        if dsts:
+            self._copy_many(stream, list(dsts), list(srcs))
 
     def synchronize(self) -> None:
         """Wait for all work on every stream of the current device."""
@@ -425,6 +437,9 @@ class Backend:
     def _copy(self, stream: Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._launch(stream, _copy_non_blocking, (dst, src))
 
+    def _copy_many(self, stream: Stream | None, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        self._launch(stream, _copy_many_non_blocking, (dsts, srcs))
+
     def _synchronize(self) -> None:
         raise NotImplementedError
 
@@ -500,6 +515,10 @@ def _check_json_safe(value: Any, where: str) -> None:
 def _copy_non_blocking(dst: torch.Tensor, src: torch.Tensor) -> None:
     # non_blocking only matters between pinned host and device memory; elsewhere it is ignored.
     dst.copy_(src, non_blocking=True)
+
+
+def _copy_many_non_blocking(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

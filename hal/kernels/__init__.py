@@ -45,6 +45,30 @@ def typed_view(bucket: torch.Tensor, offset: int, shape: Sequence[int], dtype: t
     return bucket[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
+class PieceViews:
+    """Typed views of every whole piece of a bucket inside a flat buffer, kept while the
+    plan and the buffer stay the same: a sync of thousands of small tensors then makes no
+    view per tensor (three view ops each, more than the copy of a small tensor costs)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self._digest: str | None = None
+        self._views: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}
+        self._limit = limit  # (buffer, bucket) pairs kept: buffers reallocated leave old keys
+
+    def of(self, plan, buffer: torch.Tensor, bucket) -> list[torch.Tensor | None]:
+        """Per piece of `bucket` (by index): its typed view in `buffer` when the piece is a
+        whole tensor, else None. `plan` is a hal.sync.plan.BucketPlan."""
+        if plan.digest != self._digest or len(self._views) >= self._limit:
+            self._digest, self._views = plan.digest, {}
+        key = (buffer.data_ptr(), buffer.numel(), bucket.index)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = [
+                typed_view(buffer, p.offset, p.spec.shape, p.spec.dtype) if p.is_whole else None for p in bucket.pieces
+            ]
+        return views
+
+
 def pack_into(
     backend: Backend,
     bucket: torch.Tensor,

@@ -202,11 +202,13 @@ class SyncHeader:
         return sum(s.nbytes for s in self.specs)
 
     def encode(self) -> bytes:
-        """Compact UTF-8 JSON, the same bytes for equal headers; HeaderError past MAX_HEADER_BYTES."""
-        obj = {
-            "protocol": self.protocol,
-            "version": self.version,
-            "specs": [[s.name, list(s.shape), _NAME_OF[s.dtype]] for s in self.specs],
+        """Compact UTF-8 JSON, the same bytes for equal headers; HeaderError past MAX_HEADER_BYTES.
+
+        Keys in a fixed order, `specs` third: a receiver that has checked the same specs
+        text before skips parsing it (`_decode`), and the sender encodes it once per spec
+        tuple (a job sends the same tensors every sync: thousands for an MoE model)."""
+        head = {"protocol": self.protocol, "version": self.version}
+        rest = {
             "bucket_bytes": self.bucket_bytes,
             "segment_bytes": self.segment_bytes,
             "verify": self.verify,
@@ -217,7 +219,8 @@ class SyncHeader:
         }
         # ensure_ascii=False: names travel as UTF-8, not \u escapes; __post_init__ refused
         # names that are not valid Unicode, so this always encodes.
-        data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        text = _dumps(head)[:-1] + ',"specs":' + _specs_text(self.specs) + "," + _dumps(rest)[1:]
+        data = text.encode("utf-8")
         if len(data) > MAX_HEADER_BYTES:
             raise HeaderError(
                 f"header of {len(data)} bytes ({len(self.specs)} tensors) exceeds MAX_HEADER_BYTES ({MAX_HEADER_BYTES}): "
@@ -254,6 +257,14 @@ class SyncHeader:
         except UnicodeDecodeError as exc:
             bad = exc.object[exc.start : exc.start + 1]
             raise HeaderError(f"header is not valid UTF-8: byte {exc.start} ({bad!r}): {exc.reason}") from None
+        known = _validated.specs if _validated.text is not None else None
+        prefix = _SPECS_AT.match(text)
+        if known is not None and prefix is not None and text.startswith(_validated.text, prefix.end()):
+            # the same specs text as the last one checked: parse the rest only
+            end = prefix.end() + len(_validated.text)
+            text = text[: prefix.end()] + "null" + text[end:]
+        else:
+            known = None
         try:
             obj = json.loads(
                 text,
@@ -281,7 +292,18 @@ class SyncHeader:
         missing = [k for k in _KEYS if k not in obj]
         if missing:
             raise HeaderError(f"header is missing key(s) {', '.join(repr(k) for k in missing)}")
-        obj["specs"] = _decode_specs(obj["specs"])
+        if known is not None:
+            if obj["specs"] is not None:  # (cannot be: "null" stands where the text was)
+                raise HeaderError("header field 'specs': unreadable")
+            obj["specs"] = known
+        else:
+            raw = obj["specs"]
+            obj["specs"] = _decode_specs(raw)
+            if prefix is not None and _validated.specs is obj["specs"]:
+                # remember the text as it came, where it stands, for the next sync's header
+                exact = _dumps(raw)
+                if text.startswith(exact, prefix.end()):
+                    _validated.text = exact
         return cls(**obj)
 
 
@@ -406,14 +428,30 @@ class _LastSpecs:
     def __init__(self) -> None:
         self.raw: list | None = None
         self.specs: tuple[TensorSpec, ...] | None = None
+        self.text: str | None = None  # the JSON text of `raw` as a header carried it
 
     def remember(self, raw: list | None, specs: tuple[TensorSpec, ...]) -> None:
         if raw is not None or self.specs is not specs:
             self.raw = raw
+            self.text = None
         self.specs = specs
 
 
 _validated = _LastSpecs()
+# Where the specs start in a header this module encoded: `{"protocol":P,"version":V,"specs":`.
+# JSON strings cannot hold an unescaped quote, so this prefix is the structure it looks like.
+_SPECS_AT = re.compile(r'\{"protocol":[0-9]+,"version":[0-9]+,"specs":')
+_encoded: list = [None, ""]  # (the spec tuple last encoded, its JSON text)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _specs_text(specs: tuple[TensorSpec, ...]) -> str:
+    if _encoded[0] is not specs:
+        _encoded[:] = [specs, _dumps([[s.name, list(s.shape), _NAME_OF[s.dtype]] for s in specs])]
+    return _encoded[1]
 
 
 def _decode_specs(raw: Any) -> tuple[TensorSpec, ...]:

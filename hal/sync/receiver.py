@@ -83,6 +83,9 @@ class Receiver:
         self.torn: tuple[str, ...] = ()
         self.plans = PlanCache()
         self._stream = self.backend.new_stream()
+        self._views = kernels.PieceViews()  # typed views of received buckets, per plan
+        self._accepted: tuple[TensorSpec, ...] | None = None  # the last spec tuple `_check_specs` passed
+        self._sink_destinations: tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]] = (None, {}, {})
         # Buffers for tensors that arrive in chunks across buckets, kept across syncs (their
         # size is part of the layout): a fresh one per sync is page-faulted in each time,
         # which cost more than its transfer (docs/benchmarks.md).
@@ -115,7 +118,7 @@ class Receiver:
             if self.validate is not None:
                 self.validate(list(header.specs))
             try:
-                plan = self.plans.get(list(header.specs), header.bucket_bytes, header.verify, header.segment_bytes)
+                plan = self.plans.get(header.specs, header.bucket_bytes, header.verify, header.segment_bytes)
             except ValueError as exc:
                 raise errors.HeaderError(f"header describes no valid bucket layout: {exc}") from None
             if plan.digest != header.digest:
@@ -158,23 +161,44 @@ class Receiver:
         return tuple(key)
 
     def _check_specs(self, specs: tuple[TensorSpec, ...], sink: Sink) -> None:
+        """Refuse specs this receiver does not accept, or that the sink's destinations do not
+        fit; keep the sink's destinations for this sync (`_Delivery`), asked once each."""
         problems: list[str] = []
+        known = specs is self._accepted  # checked against `self.specs` already (the same tuple)
+        device = self.backend.device()
+        in_place = bool(getattr(sink, "in_place", True))
+        every: dict[str, torch.Tensor] = {}
+        exact: dict[str, torch.Tensor] = {}
         for spec in specs:
-            expected = self.specs.get(spec.name)
-            if expected is None:
+            expected = None if known else self.specs.get(spec.name)
+            if known:
+                pass
+            elif expected is None:
                 problems.append(f"parameter {spec.name!r}: not a parameter this receiver accepts")
+                continue
             elif expected.shape != spec.shape:
                 problems.append(f"parameter {spec.name!r}: expected shape {expected.shape}, got {spec.shape}")
+                continue
             elif expected.dtype != spec.dtype:
                 problems.append(f"parameter {spec.name!r}: expected dtype {expected.dtype}, got {spec.dtype}")
-            else:
-                dest = sink.destination(spec.name)
-                if dest is not None and (not isinstance(dest, torch.Tensor) or tuple(dest.shape) != spec.shape):
-                    got = tuple(dest.shape) if isinstance(dest, torch.Tensor) else type(dest).__name__
-                    problems.append(f"parameter {spec.name!r}: the engine's destination has shape {got}, the sync carries {spec.shape}")
+                continue
+            dest = sink.destination(spec.name)
+            if dest is None:
+                continue
+            if not isinstance(dest, torch.Tensor) or dest.shape != spec.shape:
+                got = tuple(dest.shape) if isinstance(dest, torch.Tensor) else type(dest).__name__
+                problems.append(f"parameter {spec.name!r}: the engine's destination has shape {got}, the sync carries {spec.shape}")
+                continue
+            every[spec.name] = dest
+            # only a destination matching the wire spec exactly (dtype, contiguous, on the
+            # buffers' device) may be written in place
+            if in_place and dest.dtype == spec.dtype and dest.is_contiguous() and dest.device == device:
+                exact[spec.name] = dest
         if problems:
             more = f" (+{len(problems) - _MAX_REPORTED} more)" if len(problems) > _MAX_REPORTED else ""
             raise errors.SpecMismatchError("; ".join(problems[:_MAX_REPORTED]) + more)
+        self._accepted = specs
+        self._sink_destinations = (sink, every, exact)
 
     # ---- one sync ---------------------------------------------------------------------
     def receive(self, sink: Any) -> SyncMetrics:
@@ -293,23 +317,11 @@ class _Delivery:
         self.ready: Pairs = []  # complete tensors waiting for the end of their bucket
         self.whole_buckets = bool(getattr(sink, "whole_buckets", False)) or plan.verify
         self.notes: list[str] = []
-        self.destinations, self.exact = self._destinations()
-
-    def _destinations(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Every destination the sink names, and those matching the wire spec exactly
-        (dtype, contiguous, on the buffers' device): only those may be written in place."""
-        device = self.backend.device()
-        in_place = bool(getattr(self.sink, "in_place", True))
-        every: dict[str, torch.Tensor] = {}
-        exact: dict[str, torch.Tensor] = {}
-        for spec in self.plan.specs:
-            dest = self.sink.destination(spec.name)
-            if dest is None:
-                continue
-            every[spec.name] = dest
-            if in_place and dest.dtype == spec.dtype and dest.is_contiguous() and dest.device == device:
-                exact[spec.name] = dest
-        return every, exact
+        # every destination the sink names, and those that may be written in place, as the
+        # header check asked the sink for them (`Receiver._check_specs`)
+        kept_for, self.destinations, self.exact = receiver._sink_destinations
+        if kept_for is not sink:
+            raise RuntimeError("receiver: the destinations were asked of another sink than this sync's")
 
     def report(self) -> RankReport:
         if self.error is not None:
@@ -432,6 +444,7 @@ class _Delivery:
             return out
         if buffer is None:
             buffer = self._image(bucket.index)
+        views = self.receiver._views.of(self.plan, buffer, bucket)
         copied = False
         for index, _, hi in segment.parts:
             piece = bucket.pieces[index]
@@ -439,7 +452,7 @@ class _Delivery:
             if hi != piece.nbytes:
                 continue  # this piece has more bytes to come in the bucket
             if piece.is_whole:
-                out.append((spec.name, kernels.typed_view(buffer, piece.offset, spec.shape, spec.dtype)))
+                out.append((spec.name, views[index]))
                 continue
             # one chunk of a tensor spread over buckets: gather it before anyone sees it
             into = self._reassembly_buffer(spec)
@@ -546,9 +559,8 @@ class _Delivery:
         if copies:
             if self.backend.supports_async_streams:
                 stream.wait_stream(self.backend.current_stream())
-            with self.backend.stream(stream):  # entered once: per copy it cost more than the copy (H100)
-                for dst, src in copies:
-                    self.backend.copy_(dst, src)
+            # one multi-tensor copy for the segment (per copy, a launch cost more than the copy: H100)
+            self.backend.copy_many_([d for d, _ in copies], [t for _, t in copies], stream=stream)
             stream.synchronize()  # the views are reused once this returns
         self.sink.apply([(n, self.destinations.get(n, t)) for n, t in pairs])
 

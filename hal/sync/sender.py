@@ -57,6 +57,7 @@ class Sender:
         self.plans = PlanCache()
         self.version: int | None = None
         self._stream = self.backend.new_stream()
+        self._views = kernels.PieceViews()  # typed views of the pack targets, per plan
         self._staging: torch.Tensor | None = None
         self._sized_for = 0
         # Delta sync: the wire bytes of the last complete sync (buckets back to back), their
@@ -333,8 +334,15 @@ class Sender:
             gaps = _gaps(bucket, segment)
             if gaps:
                 backend.launch(stream, _zero, target, gaps)
+        if len(segment.parts) > 1:
+            # Several pieces, so none of them goes straight from its own memory (`_direct`):
+            # the whole ones are gathered, then packed by one multi-tensor copy into views of
+            # the target cached with the plan; chunks of larger tensors go the way below.
+            self._pack_whole(packing, bucket, segment, target, keep, timer)
         for index, lo, hi in segment.parts:
             piece = bucket.pieces[index]
+            if piece.is_whole and len(segment.parts) > 1:
+                continue  # packed above
             spec = piece.spec
             if piece.is_first and lo == 0:
                 with timer("gather"):
@@ -370,6 +378,27 @@ class Sender:
         if not self.config.bypass_cpu:
             backend.copy_(buffer[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
         return buffer[segment.start : segment.stop], False
+
+    def _pack_whole(self, packing: "_Packing", bucket: Bucket, segment: Segment, target: torch.Tensor, keep: list[torch.Tensor], timer: PhaseTimer) -> None:
+        """Gather the whole pieces of a segment and pack them with one multi-tensor copy:
+        one stream wait and one launch per segment, whatever its tensor count."""
+        views = self._views.of(packing.plan, target, bucket)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        pieces, next_tensor, clock = bucket.pieces, packing.next_tensor, time.perf_counter
+        began = clock()
+        for index, _, hi in segment.parts:
+            piece = pieces[index]
+            if piece.is_whole:
+                tensor = next_tensor(piece.spec)
+                if hi:
+                    dsts.append(views[index])
+                    srcs.append(tensor)
+        timer.add("gather", clock() - began)
+        keep.extend(srcs)
+        if self.backend.supports_async_streams:  # a gather (e.g. full_tensor) may still be running
+            self._stream.wait_stream(self.backend.current_stream())
+        self.backend.copy_many_(dsts, srcs, stream=self._stream)
 
     def _direct(self, plan: BucketPlan, spec: TensorSpec, tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
         """Whether every range of this tensor goes straight from its memory, skipping the

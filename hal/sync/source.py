@@ -23,8 +23,16 @@ class WeightSource(Protocol):
 
 def materialize(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor: FSDP DTensors gather through `full_tensor()` (a collective)."""
+    if type(tensor) is torch.Tensor:  # the common case, without an attribute lookup
+        return tensor
     full = getattr(tensor, "full_tensor", None)
     return full() if callable(full) else tensor
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` out of autograd (a copy from it must not join a graph); a new tensor object
+    only when it is in one."""
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 class ModuleSource:
@@ -48,7 +56,7 @@ class ModuleSource:
 
     def metadata(self) -> list[TensorSpec]:
         # DTensor reports its global shape, so no gather happens here
-        return [TensorSpec(name, tuple(p.shape), p.dtype) for name, p in self._named()]
+        return [TensorSpec.of(name, p) for name, p in self._named()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self._named():
@@ -69,7 +77,7 @@ class TensorSource:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.pairs:
-            yield name, materialize(tensor.detach())
+            yield name, materialize(_detached(tensor))
 
 
 def as_source(source: object) -> WeightSource:

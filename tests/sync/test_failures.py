@@ -193,21 +193,29 @@ def pack_and_checksum_worker(rank, world, fail_pack_after):
     t = BroadcastTransport(None, src=0)
     out = {}
     if rank == 0:
+        # a pack fails after `fail_pack_after` packing calls, whichever way a segment is
+        # packed: one tensor at a time (kernels.pack_into) or all its whole tensors at once
+        # (the backend's multi-tensor copy)
         calls = {"n": 0}
-        real = kernels.pack_into
+        backend = hal.current()
+        real_pack, real_many = kernels.pack_into, backend.copy_many_
 
-        def flaky(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] > fail_pack_after:
-                raise RuntimeError("pack kernel failed")
-            return real(*args, **kwargs)
+        def flaky(real):
+            def call(*args, **kwargs):
+                calls["n"] += 1
+                if calls["n"] > fail_pack_after:
+                    raise RuntimeError("pack kernel failed")
+                return real(*args, **kwargs)
 
-        kernels.pack_into = flaky
+            return call
+
+        kernels.pack_into, backend.copy_many_ = flaky(real_pack), flaky(real_many)
         try:
             Sender(t, SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT)).send(TensorSource(weights(2)), version=2)
         except SyncError as exc:
             out["pack"] = (type(exc).__name__, "pack kernel failed" in str(exc))
-        kernels.pack_into = real
+        kernels.pack_into = real_pack
+        del backend.copy_many_
         try:
             Sender(t, SyncConfig(bucket_bytes=BUCKET, verify=True)).send(TensorSource(weights(2)), version=2)
         except SyncError as exc:
@@ -240,7 +248,7 @@ def pack_and_checksum_worker(rank, world, fail_pack_after):
 
 
 def test_a_failing_pack_and_a_checksum_mismatch_leave_only_old_or_new_bytes():
-    sender, clean, corrupted = run_group(pack_and_checksum_worker, 3, args=(2,), timeout=120)
+    sender, clean, corrupted = run_group(pack_and_checksum_worker, 3, args=(1,), timeout=120)
     assert sender["pack"] == ("SourceError", True)
     for receiver in (clean, corrupted):
         kind, held, consistent = receiver["pack"]
@@ -273,23 +281,25 @@ def async_pack_failure_worker(rank, world):
     with hal.use(SimBackend(latency=0.002)) as backend:
         t = BroadcastTransport(None, src=0)
         if rank == 0:
-            real = kernels.pack_into
+            # the second segment packed by one multi-tensor copy (its whole tensors) is
+            # launched fine and fails later, on the stream's thread
+            real = backend.copy_many_
             calls = {"n": 0}
 
-            def fails_on_the_stream(b, bucket, offset, tensor, wire_dtype, *, stream=None):
+            def fails_on_the_stream(dsts, srcs, *, stream=None):
                 calls["n"] += 1
-                if calls["n"] == 3:  # launched fine; fails later, on the stream's thread
-                    b.launch(stream, _boom)
+                if calls["n"] == 2:
+                    backend.launch(stream, _boom)
                     return
-                real(b, bucket, offset, tensor, wire_dtype, stream=stream)
+                real(dsts, srcs, stream=stream)
 
-            kernels.pack_into = fails_on_the_stream
+            backend.copy_many_ = fails_on_the_stream
             try:
                 Sender(t, SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT)).send(TensorSource(weights(2)), version=2)
                 first = "sent"
             except SyncError as exc:
                 first = (type(exc).__name__, "device work failed" in str(exc))
-            kernels.pack_into = real
+            del backend.copy_many_
             Sender(t, SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT)).send(TensorSource(weights(2)), version=2)
             return first
         held = {n: x.clone() for n, x in weights(1)}

@@ -1,0 +1,87 @@
+"""A segment is the unit of work: the backend calls a sync makes per segment do not grow
+with the number of tensors in it (issue 19), and what arrives is still exact.
+
+The same bytes travel once as 64 tensors and once as 1,024 (and in bf16 from fp32, so the
+pack casts too), in one segment of one bucket, on cpu and on sim (asynchronous streams);
+every backend call of the sender and of the receiver is counted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hal.backends.cpu import CpuBackend
+from hal.backends.sim import SimBackend
+from hal.sync import BroadcastTransport, IpcTransport, Receiver, Sender, SyncConfig, TensorSource, TensorSpec, copy_into
+from tests.multiproc import run_group
+
+pytestmark = pytest.mark.multiprocess
+
+COUNTED = ("copy_", "copy_many_", "launch", "new_stream", "new_event", "empty", "empty_pinned", "stream")
+TOTAL_ELEMENTS = 64 * 1024
+
+
+def counting(base: type) -> object:
+    class Counting(base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def reset(self) -> None:
+            self.calls = {}
+
+    for name in COUNTED:
+        real = getattr(base, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            self.calls[_name] = self.calls.get(_name, 0) + 1
+            return _real(self, *args, **kwargs)
+
+        setattr(Counting, name, counted)
+    return Counting()
+
+
+def pairs(n: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(f"layers.{i}.w", torch.randn(TOTAL_ELEMENTS // n, generator=g)) for i in range(n)]
+
+
+def segment_worker(rank, world, backend_name, transport_name, wire):
+    kind = {"cpu": CpuBackend, "sim": SimBackend}[backend_name]
+    transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[transport_name](None, src=0, timeout_s=30)
+    config = SyncConfig(bucket_bytes=1 << 20, segment_bytes=1 << 20, wire_dtype=wire, timeout_s=30)
+    counts, exact = {}, {}
+    for n in (64, 1024):
+        backend = counting(kind)
+        wire_of = lambda t: t.to(wire) if wire is not None else t  # noqa: E731
+        if rank == 0:
+            sender = Sender(transport, config, backend=backend)
+            sender.send(TensorSource(pairs(n, 1)), version=1)  # the first sync allocates
+            backend.reset()
+            metrics = sender.send(TensorSource(pairs(n, 2)), version=2)
+            assert metrics.buckets == 1
+        else:
+            specs = [TensorSpec.of(name, wire_of(t)) for name, t in pairs(n, 0)]
+            held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
+            receiver = Receiver(transport, specs, backend=backend, timeout_s=30)
+            receiver.receive(copy_into(held))
+            backend.reset()
+            receiver.receive(copy_into(held))
+            exact[n] = all(torch.equal(held[name], wire_of(t)) for name, t in pairs(n, 2))
+        counts[n] = dict(backend.calls)
+    return counts, exact
+
+
+@pytest.mark.parametrize(
+    "backend,transport,wire",
+    [("cpu", "broadcast", None), ("sim", "broadcast", torch.bfloat16), ("cpu", "ipc", torch.bfloat16)],
+    ids=["cpu-broadcast", "sim-broadcast-bf16", "cpu-ipc-bf16"],
+)
+def test_backend_calls_per_segment_do_not_grow_with_its_tensor_count(backend, transport, wire):
+    (sent, _), (received, exact) = run_group(segment_worker, 2, args=(backend, transport, wire), timeout=120)
+    assert exact == {64: True, 1024: True}
+    assert sent[64] == sent[1024], f"sender: {sent}"
+    assert received[64] == received[1024], f"receiver: {received}"
+    assert sent[1024].get("copy_many_") == 1 and not sent[1024].get("copy_"), sent
+    assert received[1024].get("copy_many_") == 1 and not received[1024].get("copy_"), received
