@@ -234,6 +234,7 @@ class Transport(GroupChannel):
         self._capacity = 0
         self._order: list[tuple[int, int, int, int]] = []  # (bucket, segment, start, nbytes) of this sync, in order
         self._status_ahead: tuple[Any, torch.Tensor] | None = None  # the next status's receive: (work, words)
+        self._host_only = False  # the group's library takes no tensor of the device: all goes through host memory
         self._cursor = 0  # the next status to receive, as an index into _order
 
     @property
@@ -245,10 +246,17 @@ class Transport(GroupChannel):
         opts = dist.BroadcastOptions()
         opts.rootRank = self.src
         opts.timeout = self._timeout()
+        # a device the group's library has no backend for (an NPU tensor in a gloo group)
+        # goes through host memory: the sender's copy, the receivers' landing copied after
+        staged = self._host_only and tensor.device.type != "cpu"
+        target = None if self.is_sender or not staged else tensor
+        if staged:
+            tensor = tensor.to("cpu") if self.is_sender else torch.empty(tensor.shape, dtype=tensor.dtype)
         try:
-            return self._keep(self.group.broadcast([tensor], opts))
+            work = self._keep(self.group.broadcast([tensor], opts))
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
+        return _StagedWork(work, tensor, target, self._backend) if staged else work
 
     def _broadcast_bytes(self, payload: bytes | None, limit: int, what: str) -> bytes:
         """The sender's `payload` on every rank. Its length travels first; a length over
@@ -293,7 +301,7 @@ class Transport(GroupChannel):
         """Whether this group's send/recv must see host memory in place of `tensor`."""
         from hal.backends.collectives import CONSERVATIVE_TRAITS
 
-        return tensor.device.type != "cpu" and not (self._traits or CONSERVATIVE_TRAITS).point_to_point_device_memory
+        return tensor.device.type != "cpu" and (self._host_only or not (self._traits or CONSERVATIVE_TRAITS).point_to_point_device_memory)
 
     def _send_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
         staged = self._stages(tensor)
@@ -324,12 +332,14 @@ class Transport(GroupChannel):
         """Get ready for one sync laid out by `plan` (every rank calls this with the same
         plan): both bucket buffers hold at least its largest bucket, and the transport
         knows the order its segments travel in."""
-        from hal.backends.collectives import collective_traits
+        from hal.backends.collectives import collective_traits, takes_device
 
         self._backend = backend
         if self._library is None or self._library[0] != backend.device_type:  # the group's: asked once
             self._library = (backend.device_type, _group_library(self.group, backend.device_type))
-        self._traits = collective_traits(self.dist_backend or self._library[1] or backend.dist_backend)
+        library = self.dist_backend or self._library[1] or backend.dist_backend
+        self._traits = collective_traits(library)
+        self._host_only = not takes_device(library, backend.device_type)
         self._order = [(b.index, j, seg.start, seg.stop - seg.start) for b in plan.buckets for j, seg in enumerate(b.segments)]
         self._status_ahead, self._cursor = None, 0
         nbytes = plan.max_bucket_nbytes
@@ -421,9 +431,10 @@ class Transport(GroupChannel):
 
 
 class _StagedWork:
-    """A point-to-point transfer through host memory (`host`), for a library whose send/recv
-    cannot touch device memory: keeps the host copy alive, and for a receive copies it into
-    the device tensor `target` once it has arrived, before `wait` returns."""
+    """A transfer through host memory (`host`), for a library that cannot touch the device's
+    memory (gloo's send/recv on CUDA; anything of gloo on a PrivateUse1 device such as the
+    NPU): keeps the host copy alive, and for a receive copies it into the device tensor
+    `target` once it has arrived, before `wait` returns."""
 
     def __init__(self, work: Any, host: torch.Tensor, target: torch.Tensor | None, backend: Backend | None) -> None:
         self.work, self.host, self.target, self.backend = work, host, target, backend
@@ -451,7 +462,12 @@ def _group_library(group: Any, device_type: str) -> str | None:
     if not isinstance(config, str):
         return None
     pairs = dict(item.split(":", 1) for item in config.split(",") if ":" in item)
-    return pairs.get(device_type) or (None if pairs else config or None)
+    if device_type in pairs:
+        return pairs[device_type]
+    libraries = set(pairs.values())
+    # a group of one library that has no backend for this device type ("cpu:gloo,cuda:gloo"
+    # and an NPU tensor): still that library's traits, and it takes no such tensor
+    return libraries.pop() if len(libraries) == 1 else (None if pairs else config or None)
 
 
 class BroadcastTransport(Transport):

@@ -809,3 +809,56 @@ def test_takes_device_reads_torchs_table(monkeypatch):
     assert takes_device("hccl", "npu") and not takes_device("gloo", "npu")
     with pytest.raises(TypeError, match="takes_device: expected two str, got NoneType and str"):
         takes_device(None, "npu")
+
+
+class _GlooGroup:
+    """A gloo group as a transport sees it before any transfer: its name, rank and size."""
+
+    def __init__(self, config: str | None = None) -> None:
+        self.config = config
+
+    def name(self) -> str:
+        return "gloo"
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("device_type,host_only", [("npu", True), ("cuda", False), ("cpu", False)])
+def test_a_gloo_transport_moves_a_device_it_cannot_take_through_host_memory(device_type, host_only):
+    # the decision a BroadcastTransport takes in prepare(): gloo has no backend for an NPU
+    # tensor, so every transfer of one, broadcasts too, is staged through host memory
+    from hal.backends.collectives import collective_traits
+    from hal.backends.cpu import CpuBackend
+    from hal.sync import BroadcastTransport, build_plan
+    from hal.sync.plan import TensorSpec
+
+    class OnDevice(CpuBackend):  # host memory, but says it is that device
+        pass
+
+    OnDevice.device_type = device_type
+    transport = BroadcastTransport(_GlooGroup(), src=0)
+    transport.prepare(OnDevice(), build_plan([TensorSpec("w", (4,), torch.float32)], 4096))
+    assert transport._traits == collective_traits("gloo")
+    assert transport._host_only is host_only
+    assert transport._stages(torch.empty(1, device="meta")) is True  # gloo's send/recv never read device memory
+
+
+def test_the_library_of_a_one_library_group_holds_for_a_device_it_has_no_backend_for():
+    from hal.sync.transport import _group_library
+
+    class Named:
+        def __init__(self, name):
+            self._name = name
+
+        def name(self):
+            return self._name
+
+    # outside c10d's registry a group says its one name; a mixed string names a library per device
+    assert _group_library(Named("gloo"), "npu") == "gloo"
+    assert _group_library(Named("cpu:gloo,cuda:gloo"), "npu") == "gloo"
+    assert _group_library(Named("cuda:nccl,cpu:gloo"), "cuda") == "nccl"
+    assert _group_library(Named("cuda:nccl,cpu:gloo"), "npu") is None
