@@ -50,15 +50,16 @@ class PieceViews:
     plan and the buffer stay the same: a sync of thousands of small tensors then makes no
     view per tensor (three view ops each, more than the copy of a small tensor costs)."""
 
-    def __init__(self, limit: int = 64) -> None:
+    def __init__(self) -> None:
         self._digest: str | None = None
         self._views: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}
-        self._limit = limit  # (buffer, bucket) pairs kept: buffers reallocated leave old keys
 
     def of(self, plan, buffer: torch.Tensor, bucket) -> list[torch.Tensor | None]:
         """Per piece of `bucket` (by index): its typed view in `buffer` when the piece is a
         whole tensor, else None. `plan` is a hal.sync.plan.BucketPlan."""
-        if plan.digest != self._digest or len(self._views) >= self._limit:
+        # a new layout drops them all; so do more (buffer, bucket) pairs than a layout has
+        # use for (a few buffers per bucket): buffers were reallocated, the old keys are stale
+        if plan.digest != self._digest or len(self._views) >= 4 * len(plan.buckets) + 8:
             self._digest, self._views = plan.digest, {}
         key = (buffer.data_ptr(), buffer.numel(), bucket.index)
         views = self._views.get(key)

@@ -147,7 +147,9 @@ class GroupChannel:
         # work releases its tensors, and a tensor Python already let go of then needs the
         # GIL; while the interpreter shuts down that kills the thread inside a destructor,
         # and the process aborts ("terminate called without an active exception", issue 18).
-        self._recent: collections.deque = collections.deque(maxlen=64)
+        # The library lets go microseconds after a work completes, so the last few suffice;
+        # few, because a staged transfer's work holds its host copy of a segment.
+        self._recent: collections.deque = collections.deque(maxlen=4)
 
     def _keep(self, work: Any) -> Any:
         self._recent.append(work)
