@@ -76,13 +76,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from hal.bench import main as bench_main
+    from hal.tools.bench import main as bench_main
 
     return bench_main(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from hal.demo import main as demo_main
+    if getattr(args, "ray", False):
+        from hal.tools.demo_ray import main as ray_main
+
+        return ray_main(args)
+    from hal.tools.demo import main as demo_main
 
     return demo_main(args)
 
@@ -96,11 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_info)
 
     bench = sub.add_parser("bench", help="weight-sync benchmarks")
-    _add_lazy_arguments(bench, "hal.bench")
+    _add_lazy_arguments(bench, "hal.tools.bench")
     bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="a miniature RL loop against a live vLLM engine on the CPU")
-    _add_lazy_arguments(demo, "hal.demo")
+    _add_lazy_arguments(demo, "hal.tools.demo")
     demo.set_defaults(func=cmd_demo)
     return parser
 

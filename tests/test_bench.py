@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hal import cli
-from hal.bench import presets, transfer
+from hal.tools.bench import presets, transfer
 
 pytestmark = pytest.mark.cpu
 
@@ -302,7 +302,7 @@ def test_bench_delta_kernels_times_each_kernel_and_checks_each_apply(device, tmp
 
 
 def test_bench_delta_kernels_refuses_bad_settings():
-    from hal.bench import delta_kernels
+    from hal.tools.bench import delta_kernels
 
     with pytest.raises(ValueError, match="word"):
         delta_kernels.KernelBenchConfig(word=3)
@@ -333,7 +333,7 @@ def test_bench_device_transfer_checks_every_receivers_bytes_for_every_method(dev
 
 
 def test_device_transfer_pattern_check_catches_one_wrong_byte():
-    from hal.bench import device_transfer
+    from hal.tools.bench import device_transfer
 
     flat = torch.zeros(100_003, dtype=torch.uint8)
     transfer._fill_pattern(flat)
@@ -343,8 +343,8 @@ def test_device_transfer_pattern_check_catches_one_wrong_byte():
 
 
 def test_bench_device_transfer_refuses_what_it_does_not_take():
-    from hal import bench
-    from hal.bench import device_transfer
+    from hal.tools import bench
+    from hal.tools.bench import device_transfer
 
     assert bench._DEVICE_METHODS == device_transfer.METHODS  # the CLI's list is the module's
     with pytest.raises(ValueError, match="floor_ipc"):
@@ -359,7 +359,7 @@ def test_bench_device_transfer_refuses_what_it_does_not_take():
 
 
 def test_delta_bench_config_checks_its_fields():
-    from hal.bench import delta
+    from hal.tools.bench import delta
 
     with pytest.raises(ValueError, match="lrs"):
         delta.DeltaBenchConfig(preset="tiny", lrs=(0.0,))
@@ -372,7 +372,7 @@ def test_delta_bench_config_checks_its_fields():
 
 
 def test_delta_targets_and_projection():
-    from hal.bench import delta
+    from hal.tools.bench import delta
 
     summary = {"lr": 1e-6, "bytes_ratio": 0.1, "ratio_to_dense": 0.7, "wire_bytes": 100.0, "dense_wire_bytes": 1000.0,
                "encode_s": 0.5, "apply_s": 0.3, "dense_apply_s": 0.2}
@@ -395,7 +395,7 @@ def test_delta_targets_and_projection():
 def test_a_delta_run_past_its_deadline_raises_and_leaves_no_process_behind():
     import multiprocessing
 
-    from hal.bench import delta
+    from hal.tools.bench import delta
 
     with pytest.raises(TimeoutError, match="did not finish"):
         delta.run_delta(delta.DeltaBenchConfig(preset="tiny", syncs=1, timeout_s=0.05))
@@ -403,7 +403,7 @@ def test_a_delta_run_past_its_deadline_raises_and_leaves_no_process_behind():
 
 
 def test_moe_preset_has_moe_tensor_counts_in_about_a_gibibyte():
-    from hal.bench.presets import get_preset
+    from hal.tools.bench.presets import get_preset
 
     preset = get_preset("moe-16k")
     params = preset.params()

@@ -13,6 +13,4 @@ of them, and no engine):
   and vLLM's trainer factory. Imports vLLM's trainer base classes at import time.
 - `hal.integrations.vllm_internals`: every private vLLM name verl-hal uses, behind a
   version check. Imports vLLM only inside its functions.
-- `hal.integrations.tiny_model`: tiny local Llama / Qwen2 models (tied or not) for the
-  demo, tests and benchmark. Imports transformers inside its functions.
 """

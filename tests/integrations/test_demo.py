@@ -41,7 +41,7 @@ def test_demo_delta_engine_matches_trainer_after_every_delta_and_anchor_sync(tmp
     engine's greedy output equals the trainer's (on the bf16-rounded weights it was sent),
     and its log-probabilities of those tokens are within LOGPROB_TOLERANCE of the trainer's.
     """
-    from hal.demo import LOGPROB_TOLERANCE
+    from hal.tools.demo import LOGPROB_TOLERANCE
 
     out = tmp_path / "demo"
     report = tmp_path / "steps.json"
@@ -81,8 +81,8 @@ def test_demo_delta_engine_matches_trainer_after_every_delta_and_anchor_sync(tmp
 
 def test_demo_model_options_parse_and_match_tiny_model():
     from hal.cli import build_parser
-    from hal.demo import ARCHITECTURES
-    from hal.integrations.tiny_model import ARCHITECTURES as TINY_ARCHITECTURES
+    from hal.tools.demo import ARCHITECTURES
+    from hal.tools.tiny_model import ARCHITECTURES as TINY_ARCHITECTURES
 
     assert ARCHITECTURES == TINY_ARCHITECTURES
     args = build_parser().parse_args(["demo", "--tied", "--arch", "qwen2"])
@@ -99,7 +99,7 @@ def test_demo_delta_defaults_and_refusals():
     8 syncs unless given; without it the demo keeps its fp32 wire, lr and transport, and
     --anchor-every is refused; --ray takes none of them."""
     from hal.cli import build_parser
-    from hal.demo import DELTA_LR, LR, main, resolve_options
+    from hal.tools.demo import DELTA_LR, LR, resolve_options
 
     args = build_parser().parse_args(["demo"])
     resolve_options(args)
@@ -119,4 +119,5 @@ def test_demo_delta_defaults_and_refusals():
         resolve_options(build_parser().parse_args(["demo", "--delta", "--anchor-every", "0"]))
     for extra in (["--delta"], ["--anchor-every", "2"], ["--wire-dtype", "bfloat16"], ["--transport", "broadcast"]):
         with pytest.raises(ValueError, match="not to --ray"):
-            main(build_parser().parse_args(["demo", "--ray", *extra]))
+            args = build_parser().parse_args(["demo", "--ray", *extra])
+            args.func(args)  # as `hal demo --ray ...` runs it

@@ -16,8 +16,8 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 
 import torch  # noqa: E402
 
-from hal.demo import engine_greedy, trainer_greedy  # noqa: E402
-from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
+from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
+from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, StaleVersionError, SyncConfig, TensorSource  # noqa: E402
 from tests.integrations.llm import in_process_llm  # noqa: E402
 

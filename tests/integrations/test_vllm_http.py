@@ -22,8 +22,8 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 
 import torch  # noqa: E402
 
-from hal.demo import trainer_greedy  # noqa: E402
-from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
+from hal.tools.demo import trainer_greedy  # noqa: E402
+from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.integrations.vllm_client import HttpEngine, WeightSync, free_port  # noqa: E402
 from hal.sync import StaleVersionError, SyncConfig  # noqa: E402
 
@@ -136,7 +136,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from hal.integrations.vllm_client import HalTrainerInitInfo
 import vllm.plugins
-from hal.integrations.tiny_model import load_trainer_model
+from hal.tools.tiny_model import load_trainer_model
 
 base, model_dir, seed, version = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 model = load_trainer_model(model_dir)

@@ -26,8 +26,8 @@ pytest.importorskip("peft", reason="peft is not installed; the LoRA sync tests n
 
 import torch  # noqa: E402
 
-from hal.demo import trainer_greedy  # noqa: E402
-from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
+from hal.tools.demo import trainer_greedy  # noqa: E402
+from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, SyncConfig, TensorSource  # noqa: E402
 from hal.sync.lora import adapter_config, adapter_tensors, base_tensors  # noqa: E402
 from tests.integrations.llm import in_process_llm  # noqa: E402

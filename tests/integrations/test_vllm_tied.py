@@ -20,9 +20,9 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 
 import torch  # noqa: E402
 
-from hal.demo import engine_greedy, trainer_greedy  # noqa: E402
+from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.integrations.vllm_internals import refresh_tied_weights, tied_aliases, worker_model  # noqa: E402
-from hal.integrations.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
+from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
 from tests.integrations.llm import in_process_llm  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.timeout(120)]

@@ -37,9 +37,9 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 
 import torch  # noqa: E402
 
-from hal.demo import engine_greedy, trainer_greedy  # noqa: E402
+from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.integrations import vllm_internals  # noqa: E402
-from hal.integrations.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
+from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SyncConfig  # noqa: E402
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))

@@ -39,7 +39,7 @@ def build_model(out_dir: Path) -> Path:
     """A two-layer Llama saved in bfloat16 with its tokenizer: verl's `MockServerAdapter`
     compares against `from_pretrained(..., torch_dtype=bfloat16)`, and verl's FSDP engine
     loads bf16 when forward-only (fp32 to train: the same values, widened exactly)."""
-    from hal.integrations.tiny_model import TinyModelSpec, build_model, build_tokenizer
+    from hal.tools.tiny_model import TinyModelSpec, build_model, build_tokenizer
 
     spec = TinyModelSpec(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
     if not (out_dir / "config.json").exists():

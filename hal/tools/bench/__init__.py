@@ -2,11 +2,11 @@
 
     hal bench --preset qwen2.5-0.5b --json out.json --plot out.png
     hal bench --preset tiny --repeats 2 --methods floor,hal_bucketed
-    hal bench --engine vllm ...          # into a live vLLM engine (hal.bench.vllm_engine)
+    hal bench --engine vllm ...          # into a live vLLM engine (hal.tools.bench.vllm_engine)
 
-`--engine transfer` (the default) runs hal.bench.transfer: a sender and a receiver process
+`--engine transfer` (the default) runs hal.tools.bench.transfer: a sender and a receiver process
 joined by gloo, measuring `floor`, `per_tensor`, `hal_bucketed`, `hal_shm` (and the
-read-in-place variants) on synthetic weights from hal.bench.presets. The JSON holds
+read-in-place variants) on synthetic weights from hal.tools.bench.presets. The JSON holds
 {"preset", "results": [{"method", "seconds", "gib_per_s", "ratio_to_floor",
 "peak_extra_bytes", ...}, ...]} plus the configuration and per-sync metrics.
 
@@ -19,9 +19,9 @@ K); `--nodes N` spreads them over N simulated nodes (VERL_HAL_NODE per process) 
 "ratio_to_floor_leaders", "peak_extra_bytes_per_rank", "cpu_s_per_rank" and
 "verified_ranks"; the report "receivers", "nodes", "processes", "pids", "node_keys".
 
-    hal bench --delta --lrs 1e-6,1e-5 --syncs 8   # delta sync after Adam steps (hal.bench.delta)
+    hal bench --delta --lrs 1e-6,1e-5 --syncs 8   # delta sync after Adam steps (hal.tools.bench.delta)
 
-`--delta` runs hal.bench.delta instead: fp32 master weights shaped like the preset, one
+`--delta` runs hal.tools.bench.delta instead: fp32 master weights shaped like the preset, one
 Adam step on random gradients between syncs, each sync measured as `floor`, dense
 `hal_bucketed`, `hal_delta_bytes` and `hal_delta_time` (SyncConfig.delta with
 DeltaConfig.choose "bytes" and "time") with the wire dtype `--wire-dtype`;
@@ -29,7 +29,7 @@ the JSON holds {"preset", "mode": "delta", "results": [one summary per learning 
 `--methods`, `--repeats`, `--warmup`, `--receivers`, `--nodes`, `--trace` and `--plot`
 do not apply to it.
 
-    VERL_DEVICE=cuda hal bench --delta-kernels --segment-mb 32   # hal.bench.delta_kernels
+    VERL_DEVICE=cuda hal bench --delta-kernels --segment-mb 32   # hal.tools.bench.delta_kernels
 
 `--delta-kernels` times `hal.kernels.delta_encode` / `delta_check` / `delta_apply` on one
 segment on the current backend's device, for shares of its words changed from 0 to 1,
@@ -37,7 +37,7 @@ with a plain copy for scale: how fast this device finds and patches changes (the
 holds {"mode": "delta-kernels", "results": [one row per share]}). It takes `--repeats`
 and `--json` only.
 
-    VERL_DEVICE=cuda hal bench --device-transfer      # hal.bench.device_transfer
+    VERL_DEVICE=cuda hal bench --device-transfer      # hal.tools.bench.device_transfer
 
 `--device-transfer` keeps the weights and the receivers' destinations in the current
 backend's device memory: `floor_ipc` (one device-to-device copy per receiver through
@@ -45,7 +45,7 @@ device IPC) against hal.sync over IpcTransport (plain, verified, host-staged) an
 the gloo group (`--device-methods` picks). It takes `--preset`, `--receivers`,
 `--repeats`, `--warmup`, `--bucket-mb`, `--timeout`, `--no-verify` and `--json`.
 
-`--engine vllm` hands the parsed arguments to `hal.bench.vllm_engine.run(args)`, which
+`--engine vllm` hands the parsed arguments to `hal.tools.bench.vllm_engine.run(args)`, which
 returns a dict; that module is imported only then (it needs vllm). If it defines
 `add_arguments(parser)`, its options are declared here too.
 """
@@ -58,15 +58,15 @@ import json
 import sys
 from typing import Any, Callable
 
-from hal.bench.presets import PRESETS
+from hal.tools.bench.presets import PRESETS
 
 ENGINES = ("transfer", "vllm")
-_DEVICE_METHODS = ("floor_ipc", "hal_ipc", "hal_ipc_verified", "hal_ipc_staged", "hal_gloo")  # hal.bench.device_transfer.METHODS
-_VLLM_MODULE = "hal.bench.vllm_engine"
+_DEVICE_METHODS = ("floor_ipc", "hal_ipc", "hal_ipc_verified", "hal_ipc_staged", "hal_gloo")  # hal.tools.bench.device_transfer.METHODS
+_VLLM_MODULE = "hal.tools.bench.vllm_engine"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hal.bench.transfer import ALL_METHODS, METHODS, SHM_METHODS, TOPOLOGY_METHODS
+    from hal.tools.bench.transfer import ALL_METHODS, METHODS, SHM_METHODS, TOPOLOGY_METHODS
 
     parser.add_argument("--engine", choices=ENGINES, default="transfer", help="transfer: process-to-process benchmark (default); vllm: into a live vLLM engine")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="synthetic weight set (default: qwen2.5-0.5b)")
@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip the (untimed) byte check at the receiver")
     parser.add_argument("--trace", action="store_true", help="record per-bucket transport/apply timings of the hal methods' last repetition in the JSON")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    delta = parser.add_argument_group("--delta (hal.bench.delta)")
+    delta = parser.add_argument_group("--delta (hal.tools.bench.delta)")
     delta.add_argument(
         "--delta",
         action="store_true",
@@ -125,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="emulate a link of this many GB/s (1e9 bytes/s) for every method: a send's bytes count as arrived only at "
         "that rate, overlapping the work around it (default: the transport as it is)",
     )
-    device = parser.add_argument_group("--device-transfer (hal.bench.device_transfer)")
+    device = parser.add_argument_group("--device-transfer (hal.tools.bench.device_transfer)")
     device.add_argument(
         "--device-transfer", action="store_true",
         help="weights on the current backend's device (VERL_DEVICE) into receivers' device memory: floor_ipc, hal_ipc, ...",
@@ -134,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-methods", type=comma_list(_DEVICE_METHODS, "method"), default=None,
         help=f"comma-separated subset of {','.join(_DEVICE_METHODS)} (default: all; floor_ipc always)",
     )
-    kernels = parser.add_argument_group("--delta-kernels (hal.bench.delta_kernels)")
+    kernels = parser.add_argument_group("--delta-kernels (hal.tools.bench.delta_kernels)")
     kernels.add_argument(
         "--delta-kernels", action="store_true",
         help="time the delta kernels (encode, check, apply) on one segment on the current backend's device",
@@ -170,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "timeout", None) is None:
         args.timeout = DEFAULT_TIMEOUT_S[_benchmark(args)]
     if getattr(args, "delta_kernels", False):
-        from hal.bench.delta_kernels import KernelBenchConfig, format_table as format_kernel_table, run_delta_kernels
+        from hal.tools.bench.delta_kernels import KernelBenchConfig, format_table as format_kernel_table, run_delta_kernels
 
         if getattr(args, "delta", False):
             raise SystemExit("hal bench: --delta and --delta-kernels are two benchmarks: give one")
@@ -184,11 +184,11 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("hal bench: --segment-mb applies to --delta-kernels only")
     elif getattr(args, "device_transfer", False):
         report = _run_device_transfer(args)
-        from hal.bench.device_transfer import format_table as format_device_table
+        from hal.tools.bench.device_transfer import format_table as format_device_table
 
         print(format_device_table(report))
     elif getattr(args, "delta", False):
-        from hal.bench.delta import format_table as format_delta_table
+        from hal.tools.bench.delta import format_table as format_delta_table
 
         report = _run_delta(args)
         print(format_delta_table(report))
@@ -196,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
         report = importlib.import_module(_VLLM_MODULE).run(args)  # prints its own summary
     else:
         report = _run_transfer(args)
-        from hal.bench.transfer import format_table
+        from hal.tools.bench.transfer import format_table
 
         print(format_table(report))
     _write(report, args)
@@ -204,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
-    from hal.bench.transfer import default_methods, run_transfer
+    from hal.tools.bench.transfer import default_methods, run_transfer
 
     receivers, nodes = getattr(args, "receivers", 1), getattr(args, "nodes", 1)
     if nodes > receivers:
@@ -218,7 +218,7 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_device_transfer(args: argparse.Namespace) -> dict[str, Any]:
-    from hal.bench.device_transfer import DeviceTransferConfig, run_device_transfer
+    from hal.tools.bench.device_transfer import DeviceTransferConfig, run_device_transfer
 
     unsupported = [
         flag
@@ -245,7 +245,7 @@ def _run_device_transfer(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_delta(args: argparse.Namespace) -> dict[str, Any]:
-    from hal.bench.delta import WIRE_DTYPES, DeltaBenchConfig, run_delta
+    from hal.tools.bench.delta import WIRE_DTYPES, DeltaBenchConfig, run_delta
 
     unsupported = [
         flag
@@ -281,7 +281,7 @@ def _run_delta(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _transfer_config(args: argparse.Namespace, methods: tuple[str, ...], receivers: int, nodes: int) -> Any:
-    from hal.bench.transfer import TransferConfig
+    from hal.tools.bench.transfer import TransferConfig
 
     return TransferConfig(
         preset=args.preset,
@@ -305,7 +305,7 @@ def _bucket_bytes(args: argparse.Namespace, itemsize: int | None = None) -> int:
     if args.bucket_mb is not None:
         return int(args.bucket_mb * 1024 * 1024)
     import hal
-    from hal.bench.presets import get_preset
+    from hal.tools.bench.presets import get_preset
     from hal.sync import default_bucket_bytes
 
     params = get_preset(args.preset).params()
@@ -324,7 +324,7 @@ def _write(report: dict[str, Any], args: argparse.Namespace) -> None:
     if args.plot:
         if not results:
             raise ValueError("--plot: the benchmark returned no results to plot")
-        from hal.bench.plot import plot_results
+        from hal.tools.bench.plot import plot_results
 
         plot_results(report, args.plot)
         print(f"wrote {args.plot}")

@@ -100,7 +100,7 @@ from typing import Any, Callable
 
 import torch
 
-from hal.bench.presets import Param, get_preset
+from hal.tools.bench.presets import Param, get_preset
 from hal.procs import free_port, run_gloo_rank, spawn_ranks
 
 GIB = 1024**3
@@ -134,7 +134,7 @@ class TransferConfig:
     """What one `run_transfer` call measures."""
 
     preset: str
-    """A name from hal.bench.presets.PRESETS."""
+    """A name from hal.tools.bench.presets.PRESETS."""
     methods: tuple[str, ...] = ALL_METHODS
     """Which methods, in the order they run (`default_methods(receivers, nodes)` is what
     the CLI runs when none are named)."""

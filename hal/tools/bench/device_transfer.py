@@ -2,7 +2,7 @@
 
     VERL_DEVICE=cuda hal bench --device-transfer --preset qwen2.5-0.5b --json d2d.json
 
-The transfer benchmark (hal.bench.transfer) keeps the weights in host memory. This one
+The transfer benchmark (hal.tools.bench.transfer) keeps the weights in host memory. This one
 runs on the current backend (VERL_DEVICE): the sender's weights and every receiver's
 destinations live in device memory, receiver r on device r mod the device count (one
 GPU holds them all; on a node of several, receivers sit on other GPUs as engines do).
@@ -38,8 +38,8 @@ from typing import Any, Callable
 
 import torch
 
-from hal.bench.presets import PRESETS, get_preset
-from hal.bench.transfer import _PATTERN_PERIOD, _fill_pattern, _layout, _pattern_block, _views
+from hal.tools.bench.presets import PRESETS, get_preset
+from hal.tools.bench.transfer import _PATTERN_PERIOD, _fill_pattern, _layout, _pattern_block, _views
 from hal.procs import free_port, run_gloo_rank, spawn_ranks
 
 METHODS = ("floor_ipc", "hal_ipc", "hal_ipc_verified", "hal_ipc_staged", "hal_gloo")

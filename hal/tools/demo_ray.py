@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hal.demo import engine_greedy, random_prompts, reinforce_step, say, trainer_greedy, write_plot
+from hal.tools.demo import check_ray_options, engine_greedy, random_prompts, reinforce_step, say, trainer_greedy, write_plot
 from hal.integrations.vllm_client import OfflineEngine
 
 TIMEOUT_S = 120.0
@@ -90,7 +90,7 @@ class TrainerActor:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from hal.integrations.tiny_model import load_trainer_model
+        from hal.tools.tiny_model import load_trainer_model
 
         torch.set_num_threads(1)
         torch.manual_seed(seed)
@@ -149,7 +149,7 @@ class TrainerActor:
         """Every rank gathers the full weights (a collective); rank 0 generates greedily with them."""
         import torch
 
-        from hal.integrations.tiny_model import load_trainer_model
+        from hal.tools.tiny_model import load_trainer_model
 
         full = {n: p.full_tensor() for n, p in self.model.named_parameters()}
         if self.rank != 0:
@@ -171,10 +171,11 @@ class TrainerActor:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_ray_options(args)
     import torch
 
     from hal.integrations import ray as hal_ray
-    from hal.integrations.tiny_model import TinyModelSpec, build_tiny_model
+    from hal.tools.tiny_model import TinyModelSpec, build_tiny_model
     from hal.procs import free_port
 
     if args.steps < 1:

@@ -3,7 +3,7 @@
     hal bench --delta --preset qwen2.5-0.5b --lrs 1e-6,1e-5 --syncs 8 --json delta.json
 
 One sender and one receiver process joined by gloo (the process setup of
-hal.bench.transfer). For each learning rate, from the same initial weights:
+hal.tools.bench.transfer). For each learning rate, from the same initial weights:
 
 - The sender holds fp32 master weights shaped like the preset (matrices and biases
   N(0, `init_std`), norm weights 1.0) and a `torch.optim.Adam` at that learning rate.
@@ -41,7 +41,7 @@ receiver's apply time, its ratio to `hal_bucketed` and to `floor` (medians of sa
 ratios, and the ratio of sums); for `hal_delta_time` (`by_time`) what it chose per sync,
 its bytes and its ratios to `hal_bucketed`; every method's seconds, the baseline each
 side keeps (`baseline_bytes`) and the resident memory each method added (RSS high-water
-mark, as in hal.bench.transfer: at set-up plus the anchor sync, and per steady sync). Then, for lr 1e-6 and 1e-5, the verdicts against
+mark, as in hal.tools.bench.transfer: at set-up plus the anchor sync, and per steady sync). Then, for lr 1e-6 and 1e-5, the verdicts against
 issue 11's targets (`TARGETS`), and for every lr a wire-bound projection
 (`wire_bound_projection`: computed from the measured bytes and CPU times, not measured).
 """
@@ -57,8 +57,8 @@ from typing import Any, Callable
 
 import torch
 
-from hal.bench.presets import Param, get_preset
-from hal.bench.transfer import GIB, MIB, RECEIVER, SENDER, PeakMemory, _bytes_equal, _close, _layout, _metrics_dict, _views
+from hal.tools.bench.presets import Param, get_preset
+from hal.tools.bench.transfer import GIB, MIB, RECEIVER, SENDER, PeakMemory, _bytes_equal, _close, _layout, _metrics_dict, _views
 from hal.procs import free_port, run_gloo_rank, spawn_ranks
 
 METHODS = ("floor", "hal_bucketed", "hal_delta_bytes", "hal_delta_time")
@@ -79,7 +79,7 @@ class DeltaBenchConfig:
     """What one `run_delta` call measures."""
 
     preset: str = "qwen2.5-0.5b"
-    """A name from hal.bench.presets.PRESETS: the shapes of the fp32 master weights."""
+    """A name from hal.tools.bench.presets.PRESETS: the shapes of the fp32 master weights."""
     lrs: tuple[float, ...] = (1e-6, 1e-5)
     """Adam learning rates; each runs from the same initial weights with fresh objects."""
     syncs: int = 8
@@ -100,7 +100,7 @@ class DeltaBenchConfig:
     """Standard deviation of the random gradients (Adam is invariant to it, up to its eps)."""
     seed: int = 0
     threads: int = 1
-    """torch intra-op threads per process during the syncs (as hal.bench.transfer)."""
+    """torch intra-op threads per process during the syncs (as hal.tools.bench.transfer)."""
     update_threads: int = 2
     """torch threads of the sender's (untimed) Adam step; the receiver waits meanwhile."""
     timeout_s: float = 1800.0

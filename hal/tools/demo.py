@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 PROMPT_LEN = 6
-ARCHITECTURES = ("llama", "qwen2")  # hal.integrations.tiny_model.ARCHITECTURES, without importing torch here
+ARCHITECTURES = ("llama", "qwen2")  # hal.tools.tiny_model.ARCHITECTURES, without importing torch here
 LR = 3e-3
 DELTA_LR = 1e-3
 DELTA_ANCHOR_EVERY = 8
@@ -214,7 +214,7 @@ def trainer_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> lis
 def random_prompts(gen: Any, n: int, vocab_size: int) -> list[list[int]]:
     import torch
 
-    from hal.integrations.tiny_model import BOS, SPECIAL_TOKENS
+    from hal.tools.tiny_model import BOS, SPECIAL_TOKENS
 
     body = torch.randint(len(SPECIAL_TOKENS), vocab_size, (n, PROMPT_LEN - 1), generator=gen)
     return [[BOS, *row] for row in body.tolist()]
@@ -362,16 +362,17 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def main(args: argparse.Namespace) -> int:
-    if getattr(args, "ray", False):
-        if args.tied or args.in_process:
-            raise ValueError("--ray runs its own engine actor: --tied and --in-process do not apply")
-        if any(getattr(args, name, None) not in (None, False) for name in ("delta", "anchor_every", "wire_dtype", "transport")):
-            raise ValueError("--delta, --anchor-every, --wire-dtype and --transport apply to the single-engine demo, not to --ray")
-        resolve_options(args)
-        from hal.demo_ray import main as ray_main
+def check_ray_options(args: argparse.Namespace) -> None:
+    """Refuse the single-engine options `hal demo --ray` does not take; resolve the rest."""
+    if args.tied or args.in_process:
+        raise ValueError("--ray runs its own engine actor: --tied and --in-process do not apply")
+    if any(getattr(args, name, None) not in (None, False) for name in ("delta", "anchor_every", "wire_dtype", "transport")):
+        raise ValueError("--delta, --anchor-every, --wire-dtype and --transport apply to the single-engine demo, not to --ray")
+    resolve_options(args)
 
-        return ray_main(args)
+
+def main(args: argparse.Namespace) -> int:
+    """The single-engine demo (`hal demo`; `hal demo --ray` is hal.tools.demo_ray.main)."""
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
     resolve_options(args)
@@ -381,7 +382,7 @@ def main(args: argparse.Namespace) -> int:
     _quiet_vllm()
     import torch
 
-    from hal.integrations.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model
+    from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model
     from hal.integrations.vllm_client import OfflineEngine, WeightSync
     from hal.sync import SyncConfig
     from hal.sync.config import DeltaConfig
