@@ -22,8 +22,8 @@ def python_blocks() -> list[str]:
 
 
 def test_the_doc_has_an_example_per_section():
-    # offload, LoRA, standalone rollout
-    assert len(python_blocks()) == 3
+    # offload, LoRA, a sink of your own, standalone rollout
+    assert len(python_blocks()) == 4
 
 
 @pytest.mark.parametrize("index", range(len(python_blocks())))

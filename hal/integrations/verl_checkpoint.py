@@ -66,13 +66,13 @@ from hal.sync import (
     HierarchicalTransport,
     IpcTransport,
     Receiver,
+    SinkPolicy,
     SyncConfig,
     SyncError,
-    SyncHeader,
     TensorSpec,
     TrainerSync,
 )
-from hal.sync.errors import HeaderError, PeerError
+from hal.sync.errors import PeerError
 from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
 
 logger = logging.getLogger(__name__)
@@ -146,31 +146,10 @@ def _delta_config(value: Any) -> DeltaConfig | None:
     return DeltaConfig(**{k: value[k] for k in value.keys()})
 
 
-# ---- the rollout side adopts the specs the trainer's header declares -------------------------
-class _AdoptsHeaderSpecs:
-    """A transport mixin: as the header arrives, the receiver is told which tensors it
-    declares (verl's rollout side has no model of its own to check them against). The
-    receiver then decodes and checks the header itself, as always."""
-
-    adopt: Any = None
-
-    def exchange_header(self, payload: bytes | None) -> bytes:
-        data = super().exchange_header(payload)  # type: ignore[misc]
-        if self.adopt is not None:
-            try:
-                self.adopt(SyncHeader.decode(data).specs)
-            except HeaderError:
-                pass  # the receiver's own decode reports it, on every rank
-        return data
-
-
 _TRANSPORTS = {
     "broadcast": BroadcastTransport,
     "ipc": IpcTransport,
     "hierarchical": HierarchicalTransport,
-}
-_ROLLOUT_TRANSPORTS = {
-    name: type(f"Verl{cls.__name__}", (_AdoptsHeaderSpecs, cls), {}) for name, cls in _TRANSPORTS.items()
 }
 
 
@@ -261,8 +240,8 @@ class _Handoff:
     """A `Sink` that hands each complete tensor to the event loop and waits until the consumer
     is done with it (asks for the next one), so the receiver may reuse its buffer after."""
 
-    in_place = False
-    apply_unchanged = True  # with delta syncs too: every tensor, every update (see the module doc)
+    # with delta syncs too: every tensor, every update (see the module doc)
+    policy = SinkPolicy(in_place=False, apply_unchanged=True)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, backend: Backend) -> None:
         self.loop = loop
@@ -457,18 +436,15 @@ class HalCheckpointEngine(CheckpointEngine):
         if rank != NOT_IN_GROUP:
             self._group = join_sync_group(spec, rank, backend=backend, timeout_s=self.config.timeout_s)
             self._spec = spec
-            classes = _TRANSPORTS if role == "trainer" else _ROLLOUT_TRANSPORTS
             control = "cpu" if backend.dist_backend == "gloo" else backend.device()
-            self._link = classes[transport](self._group, src=0, control_device=control, timeout_s=self.config.timeout_s)
+            self._link = _TRANSPORTS[transport](self._group, src=0, control_device=control, timeout_s=self.config.timeout_s)
         token = env.sync_token()
         if role == "trainer":
             self._trainer = TrainerSync(transport=self._link, config=self.config, backend=backend, token=token)
         else:
-            self._receiver = Receiver(self._link, [], timeout_s=self.config.timeout_s, token=token, backend=backend, version=self.version)
-            self._link.adopt = self._adopt
-
-    def _adopt(self, specs: tuple[TensorSpec, ...]) -> None:
-        self._receiver.specs = {s.name: s for s in specs}
+            # verl's rollout side has no model to check the trainer's tensors against: the
+            # receiver takes what the header declares (still decoded and checked itself)
+            self._receiver = Receiver(self._link, None, timeout_s=self.config.timeout_s, token=token, backend=backend, version=self.version)
 
     def _drop_group(self) -> None:
         if self._link is not None:

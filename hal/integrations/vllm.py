@@ -50,8 +50,8 @@ from vllm.distributed.weight_transfer.base import (
 import hal
 from hal import env
 from hal.integrations import vllm_internals
-from hal.sync import Receiver, SpecMismatchError, SyncMetrics, TensorSpec
-from hal.sync.header import check_init_proof
+from hal.sync import Receiver, SinkPolicy, SpecMismatchError, SyncMetrics, TensorSpec
+from hal.sync.auth import check_init_proof
 from hal.sync.transport import BroadcastTransport, IpcTransport
 
 logger = logging.getLogger(__name__)
@@ -132,13 +132,12 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
 
     init_info_cls = HalInitInfo
     update_info_cls = HalUpdateInfo
-    # A layer whose tensors arrive in different apply calls is carried (copied) until its
-    # last one: per-segment calls would split most layers (docs/benchmarks.md, vLLM: 64 MiB
-    # buckets already doubled the apply time on the CPU).
-    whole_buckets = True
-    # vLLM's layerwise reload re-processes a layer from all of its tensors: in a delta sync
-    # the unchanged ones are handed over too (the wire still carries only what changed).
-    apply_unchanged = True
+    # whole_buckets: a layer whose tensors arrive in different apply calls is carried
+    # (copied) until its last one: per-segment calls would split most layers
+    # (docs/benchmarks.md, vLLM: 64 MiB buckets already doubled the apply time on the CPU).
+    # apply_unchanged: vLLM's layerwise reload re-processes a layer from all of its tensors:
+    # in a delta sync the unchanged ones are handed over too (the wire carries only changes).
+    policy = SinkPolicy(whole_buckets=True, apply_unchanged=True)
 
     def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)

@@ -40,7 +40,7 @@ from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics
 from hal.sync.errors import PeerError
 from hal.sync.group import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group
 from hal.sync.trainer import TrainerSync
-from hal.sync.header import init_proof
+from hal.sync.auth import init_proof
 from hal.sync.source import as_source
 
 logger = logging.getLogger(__name__)

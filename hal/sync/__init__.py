@@ -33,10 +33,11 @@ from hal.sync.plan import BucketPlan, PlanCache, TensorSpec, build_plan
 from hal.sync.receiver import Receiver
 from hal.sync.rollout import CopyInto, copy_into
 from hal.sync.sender import Sender
-from hal.sync.sink import Sink, as_sink
+from hal.sync.sink import Sink, SinkPolicy, as_sink
 from hal.sync.source import ModuleSource, TensorSource, WeightSource, as_source
 from hal.sync.trainer import TrainerSync
-from hal.sync.transport import BroadcastTransport, IpcTransport, SegmentStatus, Transport
+from hal.sync.protocol import SegmentStatus
+from hal.sync.transport import BroadcastTransport, IpcTransport, Transport
 
 __all__ = [
     "AuthError",
@@ -56,6 +57,7 @@ __all__ = [
     "SegmentStatus",
     "Sender",
     "Sink",
+    "SinkPolicy",
     "SourceError",
     "SpecMismatchError",
     "StaleVersionError",

@@ -9,7 +9,7 @@ raises `HeaderError` naming what is wrong, in time and memory bounded by
     challenge = transport.challenge()                                      # every rank
     data = SyncHeader.from_plan(plan, version=step, token=token, challenge=challenge).encode()  # trainer
     header = SyncHeader.decode(data)                                       # each engine worker
-    check_auth(header, engine_token, challenge)
+    check_auth(header, engine_token, challenge)                            # hal.sync.auth
 
 Decoding is linear in the input; the worst input (64 MiB of tiny JSON arrays) costs
 about 1.5 GiB of Python objects and some seconds while it is parsed, then is refused.
@@ -18,8 +18,6 @@ Authentication is checked after decoding, since the proof travels in the header.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import math
 import re
@@ -30,10 +28,11 @@ from typing import Any, Mapping
 
 import torch
 
-from hal.sync.errors import AuthError, HeaderError
+from hal.sync.auth import WIRE_PROTOCOL, auth_proof
+from hal.sync.errors import HeaderError
 from hal.sync.plan import BucketPlan, TensorSpec
 
-HEADER_PROTOCOL = 3
+HEADER_PROTOCOL = WIRE_PROTOCOL
 """Wire format version; bumped whenever the header's keys or their meaning change (3: the
 proof covers the receivers' challenge, `Transport.challenge`)."""
 
@@ -307,62 +306,6 @@ class SyncHeader:
         return cls(**obj)
 
 
-def auth_proof(token: str, *, version: int, digest: str, challenge: str) -> str:
-    """Hex HMAC-SHA256 keyed by `token` over this sync's protocol, version, plan digest and
-    challenge.
-
-    The token itself never travels. Binding the proof to version and digest keeps a proof
-    seen on the wire from vouching for a different sync; binding it to the challenge, which
-    the receivers draw afresh for every header (`Transport.challenge`), keeps a header seen
-    once from being accepted again, in this group or in any later one.
-    """
-    if not isinstance(token, str):
-        raise TypeError(f"auth token must be a str, got {type(token).__name__}")
-    message = f"verl-hal-sync|{HEADER_PROTOCOL}|{version}|{digest}|{challenge}".encode("utf-8")
-    return hmac.new(token.encode("utf-8"), message, hashlib.sha256).hexdigest()
-
-
-def check_auth(header: SyncHeader, token: str | None, challenge: str) -> None:
-    """Refuse `header` with AuthError unless it proves knowledge of `token` for this sync's
-    `challenge` (token None: an open engine)."""
-    if token is None:
-        return
-    if header.auth is None:
-        raise AuthError("the trainer presented no token, but this engine requires one")
-    expected = auth_proof(token, version=header.version, digest=header.digest, challenge=challenge)
-    if not hmac.compare_digest(expected, header.auth):  # constant time: leaks no prefix of the proof
-        raise AuthError("the trainer's token does not match this engine's, or the header was not made for this sync (a replay)")
-
-
-def init_proof(token: str, **fields: str | int | float | None) -> str:
-    """Hex HMAC-SHA256 keyed by `token` over every field of one init request (the
-    rendezvous's address, port and group size, and the settings the engine takes from
-    it: rank offset, transport, wire dtype, timeout): what a trainer shows an engine
-    before the engine joins its group. A proof seen on the way therefore cannot send the
-    engine to another trainer, nor change how it joins."""
-    if not isinstance(token, str):
-        raise TypeError(f"auth token must be a str, got {type(token).__name__}")
-    bound = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    message = f"verl-hal-init|{HEADER_PROTOCOL}|{bound}".encode("utf-8")
-    return hmac.new(token.encode("utf-8"), message, hashlib.sha256).hexdigest()
-
-
-def check_init_proof(token: str | None, proof: str | None, **fields: str | int | float | None) -> None:
-    """Refuse with AuthError, before any connection is made, a trainer that does not prove
-    it knows `token` for exactly these init `fields` (None: an open engine accepts anyone)."""
-    if token is None:
-        return
-    if proof is None:
-        raise AuthError("the trainer presented no token, but this engine requires one (set VERL_HAL_SYNC_TOKEN on the trainer)")
-    expected = init_proof(token, **fields)
-    # isascii first: compare_digest raises TypeError on a non-ASCII str, which is no refusal
-    if not isinstance(proof, str) or not proof.isascii() or not hmac.compare_digest(expected, proof):
-        raise AuthError(
-            "the trainer's token does not match this engine's (VERL_HAL_SYNC_TOKEN differs), "
-            "or the init request was changed on the way"
-        )
-
-
 # -- checks shared by construction and decoding --------------------------------------------
 
 
@@ -585,8 +528,6 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "WIRE_DTYPES",
     "SyncHeader",
-    "auth_proof",
-    "check_auth",
     "dtype_from_name",
     "dtype_name",
 ]

@@ -30,7 +30,8 @@ from hal import env
 from hal.backend import Backend, Event
 from hal.sync.errors import HeaderError, PeerError
 from hal.sync.plan import BucketPlan
-from hal.sync.transport import Complete, Land, SegmentStatus, Transport
+from hal.sync.protocol import Complete, Land, SegmentStatus
+from hal.sync.transport import Transport
 
 TAG_NET = 0x4B1  # sender -> remote leaders: statuses and bytes
 TAG_NODE = 0x4B2  # a leader -> the other ranks of its node: segment statuses

@@ -26,22 +26,26 @@ from hal import kernels
 from hal.backend import Backend
 from hal.sync import errors
 from hal.sync.errors import RankReport
-from hal.sync.header import SyncHeader, check_auth
+from hal.sync.auth import check_auth
+from hal.sync.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
 from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec, bucket_offsets, is_solo, segment_word
 from hal.sync.sink import Pairs, Sink, as_sink
-from hal.sync.transport import SegmentStatus, Transport
+from hal.sync.protocol import SegmentStatus
+from hal.sync.transport import Transport
 
 _MAX_REPORTED = 5
 
 
 class Receiver:
     """Receives syncs into a `Sink` (or an `apply(pairs)` callable), accepting only
-    tensors described by `specs`.
+    tensors described by `specs`, or, with `specs=None`, whatever tensors the sender's
+    header declares (a rollout side without a model of its own; the header is still
+    decoded and checked, and the sink's destinations must fit it).
 
     A sync may carry any subset of `specs` (a LoRA sync sends only adapters).
     `timeout_s` bounds every wait for the sender or the other receivers. `token`, when
-    set, must be proven by the sender in every header (see `hal.sync.header.check_auth`).
+    set, must be proven by the sender in every header (see `hal.sync.auth.check_auth`).
     `validate(specs)` may refuse, before anything is applied, a sync by the list of
     tensors it carries (e.g. "whole layers only"): raise `SpecMismatchError`.
 
@@ -54,7 +58,7 @@ class Receiver:
     def __init__(
         self,
         transport: Transport,
-        specs: Iterable[TensorSpec],
+        specs: Iterable[TensorSpec] | None,
         *,
         timeout_s: float = 60.0,
         token: str | None = None,
@@ -71,8 +75,8 @@ class Receiver:
         self.token = token
         self.validate = validate
         self.backend = backend or hal.current()
-        self.specs: dict[str, TensorSpec] = {}
-        for spec in specs:
+        self.specs: dict[str, TensorSpec] | None = None if specs is None else {}
+        for spec in specs if specs is not None else ():
             if not isinstance(spec, TensorSpec):
                 raise TypeError(f"Receiver specs must be TensorSpec, got {type(spec).__name__}")
             if spec.name in self.specs:
@@ -147,9 +151,9 @@ class Receiver:
         """The destinations a delta can be scattered into (their names and addresses), or
         None when the receiver must keep its own image of the sync instead: some tensor has
         no destination holding exactly its wire bytes (dtype, contiguous, this device), the
-        sink forbids writing into them (`in_place = False`), or the sync is verified (the
+        sink forbids writing into them (`SinkPolicy.in_place`), or the sync is verified (the
         checksum is of the whole resulting bytes, so they are built in the image first)."""
-        if plan.verify or not getattr(sink, "in_place", True):
+        if plan.verify or not sink.policy.in_place:
             return None
         device = self.backend.device()
         key = []
@@ -164,9 +168,10 @@ class Receiver:
         """Refuse specs this receiver does not accept, or that the sink's destinations do not
         fit; keep the sink's destinations for this sync (`_Delivery`), asked once each."""
         problems: list[str] = []
-        known = specs is self._accepted  # checked against `self.specs` already (the same tuple)
+        # checked against `self.specs` already (the same tuple), or nothing to check against
+        known = specs is self._accepted or self.specs is None
         device = self.backend.device()
-        in_place = bool(getattr(sink, "in_place", True))
+        in_place = sink.policy.in_place
         every: dict[str, torch.Tensor] = {}
         exact: dict[str, torch.Tensor] = {}
         for spec in specs:
@@ -315,7 +320,7 @@ class _Delivery:
         self.landing: set[str] = set()  # tensors landing in place with ranges still outstanding
         self.in_place: dict[str, bool] = {}  # the decision taken at each tensor's first range
         self.ready: Pairs = []  # complete tensors waiting for the end of their bucket
-        self.whole_buckets = bool(getattr(sink, "whole_buckets", False)) or plan.verify
+        self.whole_buckets = sink.policy.whole_buckets or plan.verify
         self.notes: list[str] = []
         # every destination the sink names, and those that may be written in place, as the
         # header check asked the sink for them (`Receiver._check_specs`)
@@ -549,7 +554,7 @@ class _Delivery:
     def _deliver(self, pairs: Pairs) -> None:
         """Copy complete tensors into their destinations (those not landed there), then apply.
         A delta sync hands over only the tensors that changed: the others are as they were."""
-        if (self.delta or self.patching) and self.error is None and not getattr(self.sink, "apply_unchanged", False):
+        if (self.delta or self.patching) and self.error is None and not self.sink.policy.apply_unchanged:
             pairs = [(n, t) for n, t in pairs if n in self.changed]
         if not pairs or self.error is not None:
             return

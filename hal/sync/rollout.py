@@ -34,6 +34,7 @@ import torch
 
 from hal.backend import Backend
 from hal.sync.plan import TensorSpec
+from hal.sync.sink import SinkPolicy
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -210,7 +211,7 @@ class CopyInto:
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], *, in_place: bool = True) -> None:
         self.tensors = tensors
-        self.in_place = in_place
+        self.policy = SinkPolicy(in_place=in_place)
         self.received: list[str] = []
 
     def destination(self, name: str) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ decision about where bytes land; the sink only says where it would like each ten
 when a sync it took part of failed (`abort`):
 
     class MyEngine:
+        policy = SinkPolicy()              # what it needs of the receiver (below)
         def destination(self, name):       # a tensor the receiver may write, or None
             return self.weights.get(name)
         def apply(self, pairs):            # complete tensors, in sending order
@@ -27,24 +28,29 @@ bytes are here and, with verification, checked: after a failed sync every destin
 holds its old bytes or its new bytes, never a mix (the one exception, a connection that
 breaks in the middle of an in-place transfer, is reported by name: `Receiver.torn`).
 
-In a delta sync (`SyncConfig.delta`) `apply` gets only the tensors that changed since the
-previous version; a sink that must see every tensor (one that re-processes whole layers)
-sets `apply_unchanged = True`. When every tensor has an exact destination (wire dtype,
-contiguous, this device) and the sync is not verified, the destinations are the delta's
-base: changed words are scattered into them, so they must hold, between syncs, exactly
-what the last sync delivered (a sink whose owner changes them sets `in_place = False`:
-the receiver then keeps its own image of the sync, one model's worth of memory).
+What a sink needs of the receiver beyond that it declares once, as `policy`, a
+`SinkPolicy` (every field has the default most sinks want):
 
-Set `in_place = False` on a sink whose destinations must never be received into
-directly (every tensor then goes through the receiver's buffer and one copy, and not
-even a broken connection can tear one). Set `whole_buckets = True` on a sink that pays for tensors of one group (a layer)
-arriving in different calls: `apply` is then called once per bucket.
+- `in_place` (True): destinations may be received into directly. False: every tensor goes
+  through the receiver's buffer and one copy, so not even a broken connection can tear
+  one; also for a sink whose owner changes its destinations between syncs.
+- `whole_buckets` (False): `apply` once per bucket, for a sink that pays for tensors of one
+  group (a layer) arriving in different calls.
+- `apply_unchanged` (False): in a delta sync (`SyncConfig.delta`) `apply` gets only the
+  tensors that changed since the previous version, unless this is set (a sink that
+  re-processes whole layers must see every tensor).
+
+When every tensor has an exact destination (wire dtype, contiguous, this device), the sync
+is not verified and `in_place` holds, the destinations are a delta's base: changed words
+are scattered into them, so they must hold, between syncs, exactly what the last sync
+delivered (else the receiver keeps its own image of the sync, one model's worth of memory).
 
 A plain callable `apply(pairs)` is accepted wherever a sink is (`as_sink`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
@@ -52,8 +58,28 @@ import torch
 Pairs = list[tuple[str, torch.Tensor]]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SinkPolicy:
+    """What a sink needs of the receiver (see the module doc)."""
+
+    in_place: bool = True
+    whole_buckets: bool = False
+    apply_unchanged: bool = False
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if not isinstance(getattr(self, field.name), bool):
+                raise TypeError(f"SinkPolicy.{field.name} must be a bool, got {getattr(self, field.name)!r}")
+
+
+# What sinks declared before `SinkPolicy`, as attributes: refused by name, never ignored.
+_FORMER_ATTRIBUTES = ("in_place", "whole_buckets", "apply_unchanged")
+
+
 @runtime_checkable
 class Sink(Protocol):
+    policy: SinkPolicy
+
     def destination(self, name: str) -> torch.Tensor | None: ...
     def apply(self, pairs: Pairs) -> None: ...
     def abort(self) -> None: ...
@@ -61,6 +87,8 @@ class Sink(Protocol):
 
 class CallableSink:
     """A sink around a plain `apply(pairs)` callable: no destinations, nothing to abort."""
+
+    policy = SinkPolicy()
 
     def __init__(self, fn: Callable[[Pairs], Any]) -> None:
         self.fn = fn
@@ -77,10 +105,19 @@ class CallableSink:
 
 def as_sink(target: Any) -> Sink:
     """`target` as a `Sink`: a sink as is, a callable wrapped in `CallableSink`."""
-    if isinstance(target, Sink):
+    methods = all(callable(getattr(target, m, None)) for m in ("destination", "apply", "abort"))
+    if methods:
+        policy = getattr(target, "policy", None)
+        if not isinstance(policy, SinkPolicy):
+            former = [a for a in _FORMER_ATTRIBUTES if hasattr(target, a)]
+            hint = f" (it sets {', '.join(former)}: move them into the policy)" if former else ""
+            got = "none" if policy is None else f"a {type(policy).__name__}"
+            raise TypeError(
+                f"sink {type(target).__name__} must declare `policy = SinkPolicy(...)` (hal.sync.sink), got {got}{hint}"
+            )
         return target
     if callable(target):
         return CallableSink(target)
     raise TypeError(
-        f"cannot receive into a {type(target).__name__}: pass a Sink (destination, apply, abort) or a callable apply(pairs)"
+        f"cannot receive into a {type(target).__name__}: pass a Sink (policy, destination, apply, abort) or a callable apply(pairs)"
     )

@@ -49,7 +49,8 @@ from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import TensorSpec
 from hal.sync.sender import Sender
 from hal.sync.source import WeightSource, as_source
-from hal.sync.transport import GroupChannel, Transport
+from hal.sync.protocol import GroupChannel
+from hal.sync.transport import Transport
 
 
 def _control_device(group: Any, backend: Backend) -> torch.device:

@@ -195,7 +195,7 @@ def test_a_refusal_that_crossed_a_process_boundary_is_still_an_auth_error(token)
     import concurrent.futures
 
     from hal.integrations.vllm_client import WeightSync
-    from hal.sync.header import check_init_proof, init_proof
+    from hal.sync.auth import check_init_proof, init_proof
 
     fields = dict(master_address="127.0.0.1", master_port=1234, world_size=2)
     proof = None if token is None else init_proof(token, **fields)
@@ -220,7 +220,7 @@ def test_the_init_proof_covers_every_field_the_engine_takes():
     import dataclasses
 
     from hal.integrations.vllm import HalInitInfo
-    from hal.sync.header import check_init_proof, init_proof
+    from hal.sync.auth import check_init_proof, init_proof
 
     info = HalInitInfo(
         master_address="127.0.0.1", master_port=1234, rank_offset=1, world_size=3,

@@ -1,5 +1,5 @@
 """Who may push weights: a receiver started with a token takes a sync only from a sender
-that proves the same token (hal.sync.header.check_auth, called by Receiver._check_header).
+that proves the same token (hal.sync.auth.check_auth, called by Receiver._check_header).
 
 Sender and receivers run in spawned processes joined by gloo, over the broadcast and the
 shared-memory transports. A refused sync must fail with `AuthError` on every rank (the
@@ -19,6 +19,7 @@ import torch
 import hal
 from hal import kernels
 from hal.sync import BroadcastTransport, IpcTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, TensorSpec
+from hal.sync.sink import SinkPolicy
 from tests.multiproc import run_group
 
 pytestmark = pytest.mark.multiprocess
@@ -90,6 +91,8 @@ class CountingIpc(CountingDataPhases, Replaying, IpcTransport):
 class RecordingEngine:
     """A sink whose tensors are the destinations (bytes may land in them in place), and
     which records every call that would apply anything."""
+
+    policy = SinkPolicy()
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors

@@ -35,7 +35,7 @@ RANK = textwrap.dedent(
     """
     import datetime, os, signal, sys
     import torch.distributed as dist
-    from hal.sync import BroadcastTransport, IpcTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, copy_into
+    from hal.sync import BroadcastTransport, IpcTransport, Receiver, Sender, SinkPolicy, SyncConfig, SyncError, TensorSource, copy_into
     from tests.sync.test_failures import FailingSource, fail_points, specs, weights
 
     rank, port, kind, how = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
@@ -55,6 +55,8 @@ RANK = textwrap.dedent(
 
 
     class FailingApply:
+        policy = SinkPolicy()
+
         def destination(self, name):
             return None
 

@@ -21,6 +21,7 @@ from hal import kernels
 from hal.sync import BroadcastTransport, HierarchicalTransport, IpcTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, TensorSpec, copy_into
 from hal.sync.config import DeltaConfig
 from hal.sync.plan import bucket_offsets
+from hal.sync.sink import SinkPolicy
 from tests.conftest import HARDWARE_PARAMS
 from tests.multiproc import run_group
 from tests.sync.test_failures import FailingSource
@@ -87,6 +88,8 @@ def on_device(pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Te
 
 class Views:
     """A load_weights-style sink: takes views and keeps copies; counts what it was handed."""
+
+    policy = SinkPolicy()
 
     def __init__(self) -> None:
         self.got: dict[str, torch.Tensor] = {}

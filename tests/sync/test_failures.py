@@ -31,6 +31,7 @@ from hal.sync import (
     copy_into,
 )
 from hal.sync.config import wire_dtype_for
+from hal.sync.sink import SinkPolicy
 from tests.multiproc import run_group
 
 pytestmark = pytest.mark.multiprocess
@@ -73,6 +74,8 @@ class FailingSource(TensorSource):
 
 class KeepCopies:
     """An engine that takes views and copies them itself (a load_weights-style sink)."""
+
+    policy = SinkPolicy()
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors

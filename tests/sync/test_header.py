@@ -20,14 +20,13 @@ import pytest
 import torch
 
 from hal.sync import header as header_module
+from hal.sync.auth import auth_proof, check_auth
 from hal.sync.errors import AuthError, HeaderError
 from hal.sync.header import (
     HEADER_PROTOCOL,
     MAX_HEADER_BYTES,
     WIRE_DTYPES,
     SyncHeader,
-    auth_proof,
-    check_auth,
     dtype_from_name,
     dtype_name,
 )

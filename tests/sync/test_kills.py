@@ -21,6 +21,7 @@ import torch
 
 import hal
 from hal.sync import HierarchicalTransport, IpcTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, copy_into
+from hal.sync.sink import SinkPolicy
 from tests.multiproc import RankError, run_group
 from tests.sync.test_failures import classify, fail_points, specs, weights
 
@@ -50,6 +51,8 @@ class KilledSource(TensorSource):
 
 class KilledSink:
     """`copy_into(held)`, with the process killed at the first `destination` or `apply`."""
+
+    policy = SinkPolicy()
 
     def __init__(self, held: dict[str, torch.Tensor], at: str) -> None:
         self.inner = copy_into(held)

@@ -243,12 +243,12 @@ def test_copy_into_is_a_sink_whose_tensors_are_the_destinations():
 
     weights = allocate([TensorSpec("w", (2, 2), torch.float32)], fill=0.0)
     sink = copy_into(weights)
-    assert isinstance(sink, Sink) and sink.in_place
+    assert isinstance(sink, Sink) and sink.policy.in_place
     assert sink.destination("w") is weights["w"] and sink.destination("v") is None
     sink.apply([("w", weights["w"])])  # the receiver wrote it; apply records it
     assert sink.received == ["w"]
     with pytest.raises(KeyError, match="parameter 'v': the engine holds no tensor"):
         sink.apply([("v", torch.ones(2, 2))])
-    assert copy_into(weights, in_place=False).in_place is False
+    assert copy_into(weights, in_place=False).policy.in_place is False
     with pytest.raises(ValueError, match="parameter 'w' is listed twice"):
         allocate([TensorSpec("w", (1,), torch.float32)] * 2)

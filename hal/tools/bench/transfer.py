@@ -500,6 +500,8 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
         untraced = as_sink(apply)
 
         class Traced:  # the same sink (destinations included), its apply timed: tracing does not change the path
+            policy = untraced.policy
+
             def destination(self, name: str) -> torch.Tensor | None:
                 return untraced.destination(name)
 

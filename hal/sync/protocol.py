@@ -1,0 +1,277 @@
+"""What the ranks of a sync say to each other, apart from the weights' bytes.
+
+One sync reads: every rank draws the header's challenge (`GroupChannel.challenge`), the
+sender broadcasts its header (`SyncChannel.exchange_header`; the format and its checks are
+hal.sync.header) with a proof of the token over that challenge (`auth_proof`), every rank
+checks it and all agree on the verdict (`GroupChannel.agree`); then each segment travels
+after its status (`SegmentStatus`), through a transport (hal.sync.transport); then all
+agree on how the sync ended. Every wait is bounded and names the rank and the step.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import hashlib
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from hal.backend import Backend
+from hal.sync.errors import HeaderError, PeerError, RankReport
+from hal.sync.header import MAX_HEADER_BYTES
+
+# Largest status report one rank contributes to an agreement (its error message, JSON).
+MAX_REPORT_BYTES = 8192
+
+
+def _default_group() -> Any:
+    if not dist.is_initialized():
+        raise PeerError("no process group: pass group= or call torch.distributed.init_process_group first")
+    return dist.group.WORLD
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentStatus:
+    """What the sender says about segment `segment` of bucket `bucket` before its bytes."""
+
+    FAILED: ClassVar[int] = -1
+    OK: ClassVar[int] = 1
+    DIRECT: ClassVar[int] = 2  # OK, and every later range of this tensor is sent from its own memory
+    DELTA_INDICES: ClassVar[int] = 3  # OK, the bytes are the words that changed, by index (hal.kernels)
+    DELTA_BITMASK: ClassVar[int] = 4  # OK, the bytes are the words that changed, by bitmask
+
+    code: int
+    bucket: int
+    segment: int
+    nbytes: int
+
+    @property
+    def failed(self) -> bool:
+        return self.code == self.FAILED
+
+    @property
+    def direct(self) -> bool:
+        return self.code == self.DIRECT
+
+    @property
+    def encoding(self) -> int:
+        """How the bytes are encoded: hal.kernels.DENSE, INDICES or BITMASK."""
+        from hal import kernels
+
+        return {self.DELTA_INDICES: kernels.INDICES, self.DELTA_BITMASK: kernels.BITMASK}.get(self.code, kernels.DENSE)
+
+    @classmethod
+    def code_of(cls, encoding: int, direct: bool) -> int:
+        from hal import kernels
+
+        return {kernels.INDICES: cls.DELTA_INDICES, kernels.BITMASK: cls.DELTA_BITMASK}.get(encoding, cls.DIRECT if direct else cls.OK)
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([self.code, self.bucket, self.segment, self.nbytes], dtype=torch.int64, device=device)
+
+    @classmethod
+    def parse(cls, words: torch.Tensor, bucket: int, segment: int, nbytes: int, where: str) -> "SegmentStatus":
+        code, got_bucket, got_segment, got_nbytes = (int(w) for w in words.cpu().tolist())
+        status = cls(code, got_bucket, got_segment, got_nbytes)
+        known = (cls.FAILED, cls.OK, cls.DIRECT, cls.DELTA_INDICES, cls.DELTA_BITMASK)
+        if code not in known or (got_bucket, got_segment) != (bucket, segment):
+            raise PeerError(f"{where}: expected the status of bucket {bucket} segment {segment}, got {status}: the ranks are out of step")
+        encoded = code in (cls.DELTA_INDICES, cls.DELTA_BITMASK)
+        if not status.failed and (got_nbytes != nbytes if not encoded else not 0 < got_nbytes <= nbytes):
+            raise PeerError(f"{where}: bucket {bucket} segment {segment} announced {got_nbytes} bytes, the plan says {nbytes}")
+        return status
+
+
+# land(bucket, segment, status) -> where its bytes should go, or None for the transport's buffer
+Land = Callable[[int, int, SegmentStatus], "torch.Tensor | None"]
+# complete(bucket, segment, landed, status) once the segment's bytes are here
+Complete = Callable[[int, int, bool, SegmentStatus], None]
+
+
+def _random_words() -> torch.Tensor:
+    """Two int64 of fresh randomness from the OS (`secrets`)."""
+    return torch.tensor(struct.unpack("<2q", secrets.token_bytes(16)), dtype=torch.int64)
+
+
+def _digest(words: torch.Tensor) -> str:
+    return hashlib.sha256(words.contiguous().numpy().tobytes()).hexdigest()
+
+
+class GroupChannel:
+    """Small control collectives over one process group, each bounded by `timeout_s`, with
+    errors that say which rank and what: the agreement every rank of a sync ends with,
+    used by transports (over the sync group) and by `TrainerSync` (over the trainer's group);
+    and the challenge each header's proof answers.
+    """
+
+    name: ClassVar[str] = "group"
+
+    def __init__(self, group: Any = None, *, control_device: str | torch.device = "cpu", timeout_s: float = 60.0) -> None:
+        self.group = group if group is not None else _default_group()
+        self.rank = self.group.rank()
+        self.world_size = self.group.size()
+        self.control_device = torch.device(control_device)
+        self.timeout_s = timeout_s
+        """Longest wait for any one transfer or agreement."""
+        self._challenge: str | None = None  # drawn in the last agreement, for the next header
+        # The last collectives' work objects, so that this thread, not the library's, lets go
+        # of them last: a gloo worker thread that drops the last reference to a finished
+        # work releases its tensors, and a tensor Python already let go of then needs the
+        # GIL; while the interpreter shuts down that kills the thread inside a destructor,
+        # and the process aborts ("terminate called without an active exception", issue 18).
+        # The library lets go microseconds after a work completes, so the last few suffice;
+        # few, because a staged transfer's work holds its host copy of a segment.
+        self._recent: collections.deque = collections.deque(maxlen=4)
+
+    def _keep(self, work: Any) -> Any:
+        self._recent.append(work)
+        return work
+
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            ok = work.wait(self._timeout())
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} failed on rank {self.rank} (a peer died or did not answer within {self.timeout_s} s): {exc}") from exc
+        if ok is False:
+            raise PeerError(f"{self.name}: {what} timed out on rank {self.rank} after {self.timeout_s} s")
+
+    def _allreduce(self, tensor: torch.Tensor, what: str) -> None:
+        opts = dist.AllreduceOptions()
+        opts.timeout = self._timeout()
+        try:
+            work = self._keep(self.group.allreduce([tensor], opts))
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
+        self._wait(work, what)
+
+    def agree(self, report: RankReport, what: str = "status") -> list[RankReport]:
+        """Every rank's report, on every rank, so that all stop together.
+
+        Gathered through all-reduces (one row per rank): message lengths and flags first,
+        then, only if some rank has an error to tell, the messages' bytes. The common
+        case, nobody failed, costs one small all-reduce.
+        """
+        text = report.encode().encode()[:MAX_REPORT_BYTES]
+        head = torch.zeros(self.world_size, 4, dtype=torch.int64, device=self.control_device)
+        head[self.rank, 0] = len(text)
+        head[self.rank, 1] = report.flags
+        head[self.rank, 2:] = _random_words()  # the next header's challenge comes along (see `challenge`)
+        self._allreduce(head, f"{what} lengths")
+        rows = head.cpu()
+        self._challenge = _digest(rows[:, 2:])
+        rows_head = rows[:, :2].tolist()
+        sizes = [int(n) for n, _ in rows_head]
+        flags = [int(f) for _, f in rows_head]
+        if any(not 0 <= n <= MAX_REPORT_BYTES for n in sizes) or any(not 0 <= f < 8 for f in flags):
+            raise PeerError(f"{self.name}: {what}: a rank announced a malformed report {rows_head}")
+        width = max(sizes)
+        if width == 0:
+            return [RankReport.decode("", f) for f in flags]
+        rows = torch.zeros(self.world_size, width, dtype=torch.uint8)
+        if text:
+            rows[self.rank, : len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        rows = rows.to(self.control_device)
+        self._allreduce(rows, what)
+        rows = rows.cpu()
+        return [RankReport.decode(rows[r, :n].numpy().tobytes().decode(errors="replace"), flags[r]) for r, n in enumerate(sizes)]
+
+    def challenge(self) -> str:
+        """A fresh challenge for the next header, the same on every rank: 128 random bits
+        from each rank, put together by an all-reduce. The sender's proof covers it
+        (`hal.sync.auth.auth_proof`), so a header is good for one exchange only: one
+        recorded earlier, in this group or another, is refused. Every agreement (`agree`)
+        draws the next one on the way, so only a group's first header, or one after a
+        header without an agreement, costs a collective of its own. Every rank calls this
+        before each header, as every rank calls `agree`: the ranks stay in step."""
+        if self._challenge is None:
+            rows = torch.zeros(self.world_size, 2, dtype=torch.int64, device=self.control_device)
+            rows[self.rank] = _random_words()
+            self._allreduce(rows, "header challenge")
+            self._challenge = _digest(rows.cpu())
+        challenge, self._challenge = self._challenge, None  # used once
+        return challenge
+
+
+class SyncChannel(GroupChannel):
+    """The control plane of one sync group whose rank `src` sends: the header's exchange and
+    the broadcasts of small payloads, on top of the agreement. Transports add the bytes."""
+
+    name: ClassVar[str] = "sync channel"
+
+    def __init__(self, group: Any = None, *, src: int = 0, control_device: str | torch.device = "cpu", timeout_s: float = 60.0) -> None:
+        super().__init__(group, control_device=control_device, timeout_s=timeout_s)
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src={src} is not a rank of a group of size {self.world_size}")
+        if self.world_size < 2:
+            raise ValueError(f"a sync group needs the sender and at least one receiver; this group has {self.world_size} rank")
+        self.src = src
+        self._backend: Backend | None = None
+        self._host_only = False  # the group's library takes no tensor of the device: all goes through host memory
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == self.src
+
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.src
+        opts.timeout = self._timeout()
+        # a device the group's library has no backend for (an NPU tensor in a gloo group)
+        # goes through host memory: the sender's copy, the receivers' landing copied after
+        staged = self._host_only and tensor.device.type != "cpu"
+        target = None if self.is_sender or not staged else tensor
+        if staged:
+            tensor = tensor.to("cpu") if self.is_sender else torch.empty(tensor.shape, dtype=tensor.dtype)
+        try:
+            work = self._keep(self.group.broadcast([tensor], opts))
+        except RuntimeError as exc:
+            raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
+        return _StagedWork(work, tensor, target, self._backend) if staged else work
+
+    def _broadcast_bytes(self, payload: bytes | None, limit: int, what: str) -> bytes:
+        """The sender's `payload` on every rank. Its length travels first; a length over
+        `limit` fails every rank alike (each sees the same length) before the payload moves."""
+        n = len(payload) if self.is_sender and payload is not None else 0
+        size = torch.tensor([n], dtype=torch.int64, device=self.control_device)
+        self._wait(self._broadcast(size, f"{what} size"), f"{what} size")
+        n = int(size.item())
+        if not 0 <= n <= limit:
+            raise HeaderError(f"{what} of {n} bytes announced by rank {self.src}; the limit is {limit} bytes")
+        if self.is_sender:
+            data = torch.frombuffer(bytearray(payload or b""), dtype=torch.uint8).to(self.control_device) if n else torch.empty(0, dtype=torch.uint8)
+        else:
+            data = torch.empty(n, dtype=torch.uint8, device=self.control_device)
+        if n:
+            self._wait(self._broadcast(data, what), what)
+        return bytes(payload or b"") if self.is_sender else data.cpu().numpy().tobytes()
+
+    def exchange_header(self, payload: bytes | None) -> bytes:
+        """The sender's encoded header on every rank (the receivers decode it themselves:
+        nothing that came over the wire is unpickled)."""
+        return self._broadcast_bytes(payload, MAX_HEADER_BYTES, "header")
+
+
+class _StagedWork:
+    """A transfer through host memory (`host`), for a library that cannot touch the device's
+    memory (gloo's send/recv on CUDA; anything of gloo on a PrivateUse1 device such as the
+    NPU): keeps the host copy alive, and for a receive copies it into the device tensor
+    `target` once it has arrived, before `wait` returns."""
+
+    def __init__(self, work: Any, host: torch.Tensor, target: torch.Tensor | None, backend: Backend | None) -> None:
+        self.work, self.host, self.target, self.backend = work, host, target, backend
+
+    def wait(self, timeout: Any = None) -> Any:
+        ok = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        if ok is not False and self.target is not None:
+            target, self.target = self.target, None
+            self.backend.copy_(target, self.host)
+            self.backend.current_stream().synchronize()  # landed before anyone is told it has
+        return ok
