@@ -595,7 +595,7 @@ def _pacing(rank, link, steps, fail_at, verify):
     it, but a delta sync's compares slower still), `slow-apply` (a slow wire, fast
     compares, but the receiver patches deltas slowly), `slow-wire` (the wire far slower
     than any compare). Every step must land bit for bit whatever was chosen."""
-    from hal.sync.sender import _DeltaPacer
+    from hal.sync.delta import _DeltaPacer
 
     transport = (BroadcastTransport if link == "slow-encode" else SlowWire)(None, src=0)
     config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100), verify=verify)
