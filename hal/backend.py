@@ -378,6 +378,15 @@ class Backend:
             return f"{self.device_type}:{self.dist_backend},cpu:gloo"
         return self.dist_backend
 
+    def control_device(self, dist_backend: str | None = None) -> torch.device:
+        """Where a sync group's control messages live, for a group of `dist_backend` (by
+        default this backend's own): host memory where the group's library takes it
+        (`hal.backends.collectives.control_on_host`), else this backend's device."""
+        from hal.backends.collectives import control_on_host
+
+        library = self.dist_backend if dist_backend is None else dist_backend
+        return torch.device("cpu") if control_on_host(library) else self.device()
+
     def describe(self) -> dict[str, Any]:
         """The declared attributes, for `hal info` and logs (JSON-safe).
 

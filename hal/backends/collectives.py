@@ -100,3 +100,20 @@ def takes_device(dist_backend: str, device_type: str) -> bool:
 
     capability = getattr(Backend, "backend_capability", {})
     return device_type.strip().lower() in capability.get(dist_backend.strip().lower(), ())
+
+
+def control_on_host(dist_backend: str) -> bool:
+    """Whether a group of the `torch.distributed` backend named `dist_backend` carries its
+    small control messages (headers, statuses, agreements) in host memory: when one of its
+    libraries takes host tensors (gloo, or a mixed "cuda:nccl,cpu:gloo" group), by
+    `takes_device`. NCCL or HCCL alone move device memory only: the messages are then
+    device tensors.
+
+    >>> control_on_host("cuda:nccl,cpu:gloo"), control_on_host("nccl")
+    (True, False)
+    """
+    if not isinstance(dist_backend, str):
+        raise TypeError(f"control_on_host: dist_backend must be a str, got {type(dist_backend).__name__}")
+    libraries = [item.rpartition(":")[2] for item in dist_backend.split(",") if item.strip()]
+    return any(takes_device(library, "cpu") for library in libraries)
+

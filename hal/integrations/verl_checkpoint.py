@@ -436,7 +436,7 @@ class HalCheckpointEngine(CheckpointEngine):
         if rank != NOT_IN_GROUP:
             self._group = join_sync_group(spec, rank, backend=backend, timeout_s=self.config.timeout_s)
             self._spec = spec
-            control = "cpu" if backend.dist_backend == "gloo" else backend.device()
+            control = backend.control_device()
             self._link = _TRANSPORTS[transport](self._group, src=0, control_device=control, timeout_s=self.config.timeout_s)
         token = env.sync_token()
         if role == "trainer":

@@ -186,7 +186,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             init_info.master_address, init_info.master_port, rank, init_info.world_size,
             backend=backend.dist_backend, timeout_s=init_info.timeout_s,
         )
-        control = "cpu" if backend.dist_backend == "gloo" else backend.device()
+        control = backend.control_device()
         transport = TRANSPORTS[init_info.transport](self._group, src=0, control_device=control)
         self._layer_of = layer_groups([s.name for s in specs])
         self._receiver = Receiver(transport, specs, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate)

@@ -378,7 +378,7 @@ class WeightSync:
             # thread ends now and the port is free, instead of both lasting until the timeout
             server.close()
             raise
-        control = "cpu" if backend.dist_backend == "gloo" else backend.device()
+        control = backend.control_device()
         transport = TRANSPORTS[self.transport](self._group, src=0, control_device=control)
         if self.trainer_group is not None:
             self._trainer = TrainerSync(transport=transport, config=self.config, trainer_group=self.trainer_group, token=self.token)

@@ -96,14 +96,14 @@ class HierarchicalTransport(Transport):
         """Every rank's `payload` (at most `limit` bytes), on every rank."""
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.control_device)
         sizes[self.rank] = len(payload)
-        self._allreduce(sizes, f"{what} lengths")
+        self.allreduce(sizes, f"{what} lengths")
         lengths = [int(n) for n in sizes.cpu().tolist()]
         if any(not 0 < n <= limit for n in lengths):
             raise PeerError(f"{self.name}: {what}: a rank announced a length outside 1..{limit}: {lengths}")
         rows = torch.zeros(self.world_size, max(lengths), dtype=torch.uint8)
         rows[self.rank, : len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         rows = rows.to(self.control_device)
-        self._allreduce(rows, what)
+        self.allreduce(rows, what)
         rows = rows.cpu()
         return [rows[r, :n].numpy().tobytes() for r, n in enumerate(lengths)]
 

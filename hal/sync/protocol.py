@@ -143,7 +143,7 @@ class GroupChannel:
         if ok is False:
             raise PeerError(f"{self.name}: {what} timed out on rank {self.rank} after {self.timeout_s} s")
 
-    def _allreduce(self, tensor: torch.Tensor, what: str) -> None:
+    def allreduce(self, tensor: torch.Tensor, what: str) -> None:
         opts = dist.AllreduceOptions()
         opts.timeout = self._timeout()
         try:
@@ -164,7 +164,7 @@ class GroupChannel:
         head[self.rank, 0] = len(text)
         head[self.rank, 1] = report.flags
         head[self.rank, 2:] = _random_words()  # the next header's challenge comes along (see `challenge`)
-        self._allreduce(head, f"{what} lengths")
+        self.allreduce(head, f"{what} lengths")
         rows = head.cpu()
         self._challenge = _digest(rows[:, 2:])
         rows_head = rows[:, :2].tolist()
@@ -179,7 +179,7 @@ class GroupChannel:
         if text:
             rows[self.rank, : len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         rows = rows.to(self.control_device)
-        self._allreduce(rows, what)
+        self.allreduce(rows, what)
         rows = rows.cpu()
         return [RankReport.decode(rows[r, :n].numpy().tobytes().decode(errors="replace"), flags[r]) for r, n in enumerate(sizes)]
 
@@ -194,7 +194,7 @@ class GroupChannel:
         if self._challenge is None:
             rows = torch.zeros(self.world_size, 2, dtype=torch.int64, device=self.control_device)
             rows[self.rank] = _random_words()
-            self._allreduce(rows, "header challenge")
+            self.allreduce(rows, "header challenge")
             self._challenge = _digest(rows.cpu())
         challenge, self._challenge = self._challenge, None  # used once
         return challenge

@@ -25,11 +25,12 @@ import hal
 from hal import kernels
 from hal.backend import Backend
 from hal.sync import errors
+from hal.sync.delta import DeltaReceiver, scatter_key
 from hal.sync.errors import RankReport
 from hal.sync.auth import check_auth
 from hal.sync.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
-from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec, bucket_offsets, is_solo, segment_word
+from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec, is_solo
 from hal.sync.sink import Pairs, Sink, as_sink
 from hal.sync.protocol import SegmentStatus
 from hal.sync.transport import Transport
@@ -94,15 +95,8 @@ class Receiver:
         # size is part of the layout): a fresh one per sync is page-faulted in each time,
         # which cost more than its transfer (docs/benchmarks.md).
         self._reassembly: dict[str, torch.Tensor] = {}
-        # Delta sync: the bytes of the last complete sync, and which version and layout they
-        # are. Kept either in the sink's destinations themselves (`_baseline_in` names them:
-        # a delta is scattered into them) or, for sinks without exact destinations, in an
-        # image of the sync, its buckets back to back (`plan.bucket_offsets`).
-        self._baseline: torch.Tensor | None = None
-        self._baseline_version: int | None = None
-        self._baseline_digest: str | None = None
-        self._baseline_in: tuple[tuple[str, int], ...] | None = None
-        self._work: torch.Tensor | None = None  # one bucket: patched bytes of segments that are not one whole tensor's
+        self.delta = DeltaReceiver(self.backend)
+        """What delta syncs land on, kept across syncs (hal.sync.delta)."""
 
     @property
     def reassembly_bytes(self) -> int:
@@ -130,39 +124,10 @@ class Receiver:
                     f"bucket layout differs from the sender's ({plan.digest} vs {header.digest}): mismatched verl-hal versions?"
                 )
             if header.delta_base is not None:
-                self._check_delta_base(header.delta_base, plan, sink)
+                self.delta.check_base(header.delta_base, plan, scatter_key(plan, sink, self.backend.device()), self.consistent)
         except errors.SyncError as exc:
             return header, None, errors.report_exception(exc, sender=False)
         return header, plan, RankReport()
-
-    def _check_delta_base(self, base: int, plan: BucketPlan, sink: Sink) -> None:
-        """A delta lands only on exactly the bytes it was computed from."""
-        kept_in = self._scatter_key(plan, sink)
-        if self._baseline_version != base or self._baseline_digest != plan.digest or not self.consistent or self._baseline_in != kept_in:
-            held = "no complete delta-synced version" if self._baseline_version is None else f"version {self._baseline_version}"
-            raise errors.DeltaBaseError(
-                f"a delta against version {base} cannot land: this receiver holds {held}"
-                + ("" if self.consistent else " and part of a failed sync")
-                + ("" if self._baseline_digest in (None, plan.digest) or self._baseline_version is None else " of another layout")
-                + ("" if self._baseline_in == kept_in or self._baseline_version is None else " in other destinations than this sink's")
-            )
-
-    def _scatter_key(self, plan: BucketPlan, sink: Sink) -> tuple[tuple[str, int], ...] | None:
-        """The destinations a delta can be scattered into (their names and addresses), or
-        None when the receiver must keep its own image of the sync instead: some tensor has
-        no destination holding exactly its wire bytes (dtype, contiguous, this device), the
-        sink forbids writing into them (`SinkPolicy.in_place`), or the sync is verified (the
-        checksum is of the whole resulting bytes, so they are built in the image first)."""
-        if plan.verify or not sink.policy.in_place:
-            return None
-        device = self.backend.device()
-        key = []
-        for spec in plan.specs:
-            dest = sink.destination(spec.name)
-            if not isinstance(dest, torch.Tensor) or dest.dtype != spec.dtype or not dest.is_contiguous() or dest.device != device:
-                return None
-            key.append((spec.name, dest.data_ptr()))
-        return tuple(key)
 
     def _check_specs(self, specs: tuple[TensorSpec, ...], sink: Sink) -> None:
         """Refuse specs this receiver does not accept, or that the sink's destinations do not
@@ -233,14 +198,9 @@ class Receiver:
         for name in set(self._reassembly) - multi_piece:  # the layout changed: drop what it no longer needs
             del self._reassembly[name]
 
-        scatter = self._scatter_key(plan, sink) if header.delta else None
-        if header.delta and scatter is None:
-            self._ensure_baseline(plan)
-        else:
-            self._baseline = None  # the destinations hold the base (or nothing is kept)
-        if not header.delta:
-            self._baseline_version = self._baseline_digest = self._baseline_in = None
-        delivery = _Delivery(self, plan, sink, timer, header, scatter=scatter is not None)
+        kept_in = scatter_key(plan, sink, self.backend.device()) if header.delta else None
+        delivery = _Delivery(self, plan, sink, timer)
+        delivery.applier = self.delta.begin(header, plan, kept_in, delivery)
         try:
             delivery.run()
         except errors.PeerError:
@@ -255,8 +215,7 @@ class Receiver:
         self.version = header.version
         self.consistent = True
         self.torn = ()
-        if header.delta:
-            self._baseline_version, self._baseline_digest, self._baseline_in = header.version, plan.digest, scatter
+        self.delta.completed(header, plan, kept_in)
         return SyncMetrics(
             version=header.version,
             bytes=plan.total_bytes,
@@ -268,22 +227,15 @@ class Receiver:
             plan_reused=self.plans.builds == builds,
         )
 
-    def _ensure_baseline(self, plan: BucketPlan) -> None:
-        nbytes = sum(b.nbytes for b in plan.buckets)
-        if self._baseline is None or self._baseline.numel() != nbytes:
-            self._baseline = None  # free the old one first
-            self._baseline = self.backend.empty(nbytes)
-            self._baseline_version = self._baseline_digest = None
-
     @property
     def baseline_bytes(self) -> int:
         """Memory held for delta syncs: an image of the last complete sync when the sink has
         no exact destinations, else one bucket to patch what is not a whole tensor in place
         (0 without delta)."""
-        return sum(t.numel() for t in (self._baseline, self._work) if t is not None)
+        return self.delta.baseline_bytes
 
     def _failed(self, delivery: "_Delivery", sink: Sink) -> None:
-        self._baseline_version = None  # a failed sync leaves no usable base: the next one is whole
+        self.delta.lost()
         if delivery.touched:
             self.consistent = False
         try:
@@ -295,19 +247,11 @@ class Receiver:
 class _Delivery:
     """The receiving state of one sync: where each tensor lands and what was applied."""
 
-    def __init__(self, receiver: Receiver, plan: BucketPlan, sink: Sink, timer: PhaseTimer, header: SyncHeader, *, scatter: bool = False) -> None:
+    def __init__(self, receiver: Receiver, plan: BucketPlan, sink: Sink, timer: PhaseTimer) -> None:
         self.receiver = receiver
-        # Delta sync, two ways. Image (`delta`): every segment's bytes end up in the
-        # receiver's baseline (an image of the sync, buckets back to back): whole ones are
-        # received there, deltas patch it, and tensors are delivered from it. Scatter
-        # (`patching`): the destinations are the base; once a bucket is all here its deltas
-        # are checked, then scattered straight into the destinations of the tensors wholly
-        # in one segment range, and applied to a copy of the old bytes (in `Receiver._work`)
-        # for the rest, which are delivered from there as from the transport's buffer.
-        self.delta = header.delta and not scatter
-        self.patching = scatter and header.delta_base is not None
-        self.offsets = bucket_offsets(plan) if self.delta else []
-        self.pending: list[tuple[Segment, SegmentStatus]] = []  # a patching bucket's segments, applied at its end
+        # A delta sync's image or scatter applier (hal.sync.delta), which answers land,
+        # complete and image per segment in place of the plain path below; None: this one.
+        self.applier: Any = None
         self.changed: set[str] = set()  # tensors of a delta sync some of whose words changed
         self.transport = receiver.transport
         self.backend = receiver.backend
@@ -348,33 +292,14 @@ class _Delivery:
 
     def _land(self, k: int, j: int, status: SegmentStatus) -> torch.Tensor | None:
         bucket = self.plan.buckets[k]
-        if self.patching:  # nothing is written before the whole bucket is here and checked
-            return None
-        if self.delta:  # whole bytes straight into the baseline; a delta payload into the transport's buffer
-            return self._image(k)[bucket.segments[j].start : bucket.segments[j].stop] if status.encoding == kernels.DENSE else None
+        if self.applier is not None:
+            return self.applier.land(bucket, j, status)
         return self._landing(bucket, bucket.segments[j], status)
 
     def _image(self, k: int) -> torch.Tensor:
-        """Where bucket k's bytes are once its segments arrived: the baseline's image of it
-        in a delta-synced sync, else the transport's buffer."""
-        if not self.delta:
-            return self.transport.buffer(k)
-        return self.receiver._baseline[self.offsets[k] : self.offsets[k] + self.plan.buckets[k].nbytes]
-
-    def _patch(self, bucket: Bucket, segment: Segment, landed: bool, status: SegmentStatus) -> None:
-        """Bring the segment's new bytes into the baseline (a delta sync only)."""
-        target = self._image(bucket.index)[segment.start : segment.stop]
-        names = [bucket.pieces[i].spec.name for i, _, _ in segment.parts]
-        if status.encoding == kernels.DENSE:
-            if not landed:  # the transport kept them in its own (shared) buffer
-                # a torch op, as the patches and checksums that read the image next: ordered
-                # with them on the current stream (not queued on another, which they would race)
-                target.copy_(self.transport.buffer(bucket.index)[segment.start : segment.stop])
-            self.changed.update(names)  # not compared: counted as changed
-            return
-        payload = self.transport.buffer(bucket.index)[segment.start : segment.start + status.nbytes]
-        if kernels.delta_apply(target, payload, status.encoding, segment_word(bucket, segment)):
-            self.changed.update(names)
+        """Where bucket k's bytes are once its segments arrived: the transport's buffer, or
+        a delta sync's image of it."""
+        return self.transport.buffer(k) if self.applier is None else self.applier.image(k)
 
     def _landing(self, bucket: Bucket, segment: Segment, status: SegmentStatus) -> torch.Tensor | None:
         """Where a segment lands: the bytes of a destination, or None (the transport's buffer).
@@ -413,16 +338,10 @@ class _Delivery:
         completed: Pairs = []
         try:
             with self.timer("apply"):
-                if self.patching:
-                    self.pending.append((segment, status))
-                    if last_of_bucket:
-                        pending, self.pending = self.pending, []
-                        self._deliver(self._scatter(bucket, pending))
-                    return
-                if self.delta:
-                    self._patch(bucket, segment, landed, status)
-                    landed = False  # in the baseline: delivered from there
-                completed = self._arrived(bucket, segment, landed)
+                if self.applier is not None:
+                    completed = self.applier.complete(bucket, j, landed, status)
+                else:
+                    completed = self.arrived(bucket, segment, landed)
                 if self.whole_buckets:
                     self.ready += completed
                     if last_of_bucket:
@@ -436,7 +355,7 @@ class _Delivery:
         except Exception as exc:  # noqa: BLE001 - reported at the agreement; the protocol goes on
             self._fail(exc)
 
-    def _arrived(self, bucket: Bucket, segment: Segment, landed: bool, buffer: torch.Tensor | None = None) -> Pairs:
+    def arrived(self, bucket: Bucket, segment: Segment, landed: bool, buffer: torch.Tensor | None = None) -> Pairs:
         """The tensors this segment completes, each as (name, where its bytes are now:
         the destination when landed, else `buffer`, by default the bucket's image)."""
         out: Pairs = []
@@ -460,7 +379,7 @@ class _Delivery:
                 out.append((spec.name, views[index]))
                 continue
             # one chunk of a tensor spread over buckets: gather it before anyone sees it
-            into = self._reassembly_buffer(spec)
+            into = self.reassembly_buffer(spec)
             if piece.nbytes:
                 if not copied and self.backend.supports_async_streams:  # the receive completed on the current stream
                     self.receiver._stream.wait_stream(self.backend.current_stream())
@@ -476,85 +395,17 @@ class _Delivery:
             self.receiver._stream.synchronize()  # the buffer is reused after this bucket
         return out
 
-    def _scatter(self, bucket: Bucket, pending: list[tuple[Segment, SegmentStatus]]) -> Pairs:
-        """Apply a patching bucket whose segments are all here; returns what it completes.
-
-        Every delta payload is checked before anything is written, so a bad one leaves every
-        destination as it was. A delta segment that is one range of a tensor wholly in this
-        bucket is scattered straight into its destination; any other is rebuilt in the
-        work buffer from the destinations' old bytes and patched there; whole (DENSE)
-        segments are in the transport's buffer. From those, each range goes to its tensor's
-        destination, or, for a tensor spread over buckets, to its reassembly buffer. All of
-        it is torch work on the current stream, ordered like the kernels' own (on `sim`: now).
-        """
-        if self.error is not None:
-            return []
-        buffer = self.transport.buffer(bucket.index)
-        checked: list[tuple[int, int | None]] = []  # per pending segment: its word size, the words its delta changes
-        for segment, status in pending:
-            word, count = segment_word(bucket, segment), None
-            if status.encoding != kernels.DENSE:
-                payload = buffer[segment.start : segment.start + status.nbytes]
-                count = kernels.delta_check(payload, status.encoding, (segment.stop - segment.start) // word, word)
-            checked.append((word, count))
-        out: Pairs = []
-        for (segment, status), (word, count) in zip(pending, checked):
-            names = [bucket.pieces[i].spec.name for i, _, _ in segment.parts]
-            source, changed = buffer, True
-            if status.encoding != kernels.DENSE:
-                payload = buffer[segment.start : segment.start + status.nbytes]
-                first = bucket.pieces[segment.parts[0][0]] if segment.parts else None
-                if first is not None and first.is_whole and is_solo(bucket, segment):
-                    _, lo, hi = segment.parts[0]
-                    self.touched = True
-                    if kernels.delta_apply(kernels.as_bytes(self.exact[first.spec.name])[lo:hi], payload, status.encoding, word, checked=count):
-                        self.changed.add(first.spec.name)
-                    if hi == first.nbytes:
-                        out.append((first.spec.name, self.exact[first.spec.name]))
-                    continue
-                source = self._work_buffer()
-                for index, lo, hi in segment.parts:  # the old bytes (gaps between pieces are never patched)
-                    piece = bucket.pieces[index]
-                    old = kernels.as_bytes(self.exact[piece.spec.name])[piece.tensor_offset + lo : piece.tensor_offset + hi]
-                    source[piece.offset + lo : piece.offset + hi].copy_(old)
-                changed = bool(kernels.delta_apply(source[segment.start : segment.stop], payload, status.encoding, word, checked=count))
-            if changed:
-                self.changed.update(names)
-            for index, lo, hi in segment.parts:
-                piece = bucket.pieces[index]
-                spec = piece.spec
-                new = source[piece.offset + lo : piece.offset + hi]
-                if piece.is_whole:
-                    if changed and hi > lo:  # unchanged: the destination holds these bytes already
-                        kernels.as_bytes(self.exact[spec.name])[lo:hi].copy_(new)
-                        self.touched = True
-                    if hi == piece.nbytes:
-                        out.append((spec.name, self.exact[spec.name]))
-                    continue
-                into = self._reassembly_buffer(spec)
-                into[piece.tensor_offset + lo : piece.tensor_offset + hi].copy_(new)
-                if hi == piece.nbytes and piece.is_last:
-                    out.append((spec.name, kernels.typed_view(into, 0, spec.shape, spec.dtype)))
-        return out
-
-    def _reassembly_buffer(self, spec: TensorSpec) -> torch.Tensor:
+    def reassembly_buffer(self, spec: TensorSpec) -> torch.Tensor:
         """Where a tensor that arrives in chunks across buckets is gathered (kept across syncs)."""
         into = self.receiver._reassembly.get(spec.name)
         if into is None or into.numel() != spec.nbytes:
             into = self.receiver._reassembly[spec.name] = self.backend.empty(spec.nbytes)
         return into
 
-    def _work_buffer(self) -> torch.Tensor:
-        work = self.receiver._work
-        if work is None or work.numel() < self.plan.max_bucket_nbytes:
-            work = self.receiver._work = None  # free the old one first
-            work = self.receiver._work = self.backend.empty(self.plan.max_bucket_nbytes)
-        return work
-
     def _deliver(self, pairs: Pairs) -> None:
         """Copy complete tensors into their destinations (those not landed there), then apply.
         A delta sync hands over only the tensors that changed: the others are as they were."""
-        if (self.delta or self.patching) and self.error is None and not self.sink.policy.apply_unchanged:
+        if self.applier is not None and self.error is None and not self.sink.policy.apply_unchanged:
             pairs = [(n, t) for n, t in pairs if n in self.changed]
         if not pairs or self.error is not None:
             return

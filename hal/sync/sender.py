@@ -87,90 +87,20 @@ class Sender:
         side's source or a pack failed. The error's `reports` say which receivers were left
         holding part of the sync (`inconsistent_ranks`).
         """
-        return self._send(source, version)
+        return self.offer(source, version=version).send()
 
-    def _send(self, source: Any, version: int, gate: Callable[[errors.SyncError | None], None] | None = None) -> SyncMetrics:
-        """`send`, with `gate(header_error)` called once the receivers' verdict on the header
-        is known, before any tensor is gathered (`TrainerSync` tells the other trainer
-        ranks there whether to gather); a gate that raises stops the sync there."""
+    def offer(self, source: Any, *, version: int) -> "OutgoingSync":
+        """The first phase of `send`: announce `source` as `version` and learn every
+        receiver's verdict on the header, before any tensor is gathered. Raises the
+        `SyncError` every rank raises when some receiver refused; otherwise the sync is
+        under way and its caller either sends it (`OutgoingSync.send`) or cancels it
+        (`OutgoingSync.cancel`): the receivers wait for one or the other. `TrainerSync`
+        tells the other trainer ranks between the two whether to gather."""
         if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
             raise ValueError(f"version must be a non-negative int below 2**63 (e.g. the global step), got {version!r}")
-        start = time.perf_counter()
-        timer = PhaseTimer()
-        transport = self.transport
-        transport.timeout_s = self.config.timeout_s
-        source = as_source(source)
-        metadata = list(source.metadata())
-        builds = self.plans.builds
-        wire_specs = self._wire_specs(metadata)
-        self._size_buckets(wire_specs)
-        plan = self.plans.get(wire_specs, self.bucket_bytes, self.config.verify, transport.segment_bytes(self.config.segment_bytes))
-        where = f"sync of version {version}"
-
-        delta = self.delta
-        base, choice, sample = delta.base(plan) if delta is not None else (None, None, False)
-        while True:
-            try:
-                challenge = transport.challenge()
-                header = SyncHeader.from_plan(
-                    plan, version=version, token=self.token, challenge=challenge, delta=delta is not None, delta_base=base
-                )
-                transport.exchange_header(header.encode())
-                errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, where)
-                break
-            except errors.SyncError as exc:
-                if base is not None and exc.only_delta_base:
-                    base, choice, sample = delta.refused()  # the same sync, whole, at once
-                    continue
-                if gate is not None:
-                    gate(exc)
-                raise
-        gate_error: errors.SyncError | None = None
-        if gate is not None:
-            try:
-                gate(None)
-            except errors.SyncError as exc:
-                gate_error = exc
-        transport.prepare(self.backend, plan)
-        if not self.config.bypass_cpu:
-            self._ensure_staging(plan.max_bucket_nbytes)
-
-        segments = WHOLE
-        if delta is not None:
-            segments = delta.begin(
-                plan, base, choice, sample, new_plan=self.plans.builds != builds, bypass_cpu=self.config.bypass_cpu,
-                transport=transport, stream=self._stream,
-            )
-        if gate_error is None:
-            failure = self._send_buckets(plan, iter(source), timer, segments)
-        else:  # the receivers wait for a first segment: tell them none comes
-            failure = gate_error
-            first = next(((b.index, j) for b in plan.buckets for j, _ in enumerate(b.segments)), None)
-            if first is not None:
-                transport.send_failure(*first)
-            transport.finish()
-        report = errors.RankReport(sender=True)
-        if failure is not None:
-            failure = errors.SourceError(f"{type(failure).__name__}: {failure}") if not isinstance(failure, errors.SyncError) else failure
-            report = errors.report_exception(failure, sender=True)
-        errors.raise_if_any(transport.agree(report, "sync status"), transport.rank, where)
-
-        self.version = version
-        total_s = time.perf_counter() - start
-        if delta is not None:
-            delta.completed(segments, version, total_s)
-        return SyncMetrics(
-            version=version,
-            bytes=plan.total_bytes,
-            buckets=len(plan.buckets),
-            tensors=len(plan.specs),
-            gather_s=timer.get("gather"),
-            pack_s=timer.get("pack"),
-            transfer_s=timer.get("transfer"),
-            total_s=total_s,
-            plan_reused=self.plans.builds == builds,
-            **segments.metrics(),
-        )
+        outgoing = OutgoingSync(self, as_source(source), version)
+        outgoing.offer()
+        return outgoing
 
     def _size_buckets(self, specs: list[TensorSpec]) -> None:
         """Derive the bucket size once, and again only if a larger tensor appears, so that
@@ -323,6 +253,104 @@ class Sender:
             and tensor.dtype == spec.dtype
             and tensor.is_contiguous()
             and tensor.device == buffer.device
+        )
+
+
+class OutgoingSync:
+    """One sync on the sending side, in its two phases: `offer` (the header and every
+    receiver's verdict on it), then `send` (every segment, then the agreement on how the
+    sync ended) or `cancel`. Made by `Sender.offer`; used once."""
+
+    def __init__(self, sender: Sender, source: Any, version: int) -> None:
+        self.sender = sender
+        self.source = source
+        self.version = version
+        self.where = f"sync of version {version}"
+        self.start = time.perf_counter()
+        self.timer = PhaseTimer()
+        self.plan: BucketPlan | None = None
+        self.segments: Any = WHOLE
+        self._builds = sender.plans.builds
+        self._state = "new"
+
+    def offer(self) -> None:
+        sender, transport = self.sender, self.sender.transport
+        transport.timeout_s = sender.config.timeout_s
+        wire_specs = sender._wire_specs(list(self.source.metadata()))
+        sender._size_buckets(wire_specs)
+        segment_bytes = transport.segment_bytes(sender.config.segment_bytes)
+        plan = self.plan = sender.plans.get(wire_specs, sender.bucket_bytes, sender.config.verify, segment_bytes)
+        delta = sender.delta
+        base, choice, sample = delta.base(plan) if delta is not None else (None, None, False)
+        while True:
+            try:
+                challenge = transport.challenge()
+                header = SyncHeader.from_plan(
+                    plan, version=self.version, token=sender.token, challenge=challenge, delta=delta is not None, delta_base=base
+                )
+                transport.exchange_header(header.encode())
+                errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, self.where)
+                break
+            except errors.SyncError as exc:
+                if base is not None and exc.only_delta_base:
+                    base, choice, sample = delta.refused()  # the same sync, whole, at once
+                    continue
+                self._state = "done"
+                raise
+        transport.prepare(sender.backend, plan)
+        if not sender.config.bypass_cpu:
+            sender._ensure_staging(plan.max_bucket_nbytes)
+        if delta is not None:
+            self.segments = delta.begin(
+                plan, base, choice, sample, new_plan=sender.plans.builds != self._builds, bypass_cpu=sender.config.bypass_cpu,
+                transport=transport, stream=sender._stream,
+            )
+        self._state = "offered"
+
+    def send(self) -> SyncMetrics:
+        """Every segment, then every rank's agreement; this sync's metrics. Raises as `Sender.send`."""
+        self._take()
+        failure = self.sender._send_buckets(self.plan, iter(self.source), self.timer, self.segments)
+        return self._end(failure)
+
+    def cancel(self, error: errors.SyncError) -> SyncMetrics:
+        """Send nothing: the receivers, waiting for a first segment, hear that none comes,
+        and every rank agrees the sync failed with `error`, which is raised."""
+        self._take()
+        transport = self.sender.transport
+        first = next(((b.index, j) for b in self.plan.buckets for j, _ in enumerate(b.segments)), None)
+        if first is not None:
+            transport.send_failure(*first)
+        transport.finish()
+        return self._end(error)
+
+    def _take(self) -> None:
+        if self._state != "offered":
+            raise RuntimeError(f"{self.where}: this OutgoingSync is {self._state}, not offered: it is used once")
+        self._state = "done"
+
+    def _end(self, failure: BaseException | None) -> SyncMetrics:
+        sender, transport, plan, segments, timer = self.sender, self.sender.transport, self.plan, self.segments, self.timer
+        report = errors.RankReport(sender=True)
+        if failure is not None:
+            failure = errors.SourceError(f"{type(failure).__name__}: {failure}") if not isinstance(failure, errors.SyncError) else failure
+            report = errors.report_exception(failure, sender=True)
+        errors.raise_if_any(transport.agree(report, "sync status"), transport.rank, self.where)
+        sender.version = self.version
+        total_s = time.perf_counter() - self.start
+        if sender.delta is not None:
+            sender.delta.completed(segments, self.version, total_s)
+        return SyncMetrics(
+            version=self.version,
+            bytes=plan.total_bytes,
+            buckets=len(plan.buckets),
+            tensors=len(plan.specs),
+            gather_s=timer.get("gather"),
+            pack_s=timer.get("pack"),
+            transfer_s=timer.get("transfer"),
+            total_s=total_s,
+            plan_reused=sender.plans.builds == self._builds,
+            **segments.metrics(),
         )
 
 

@@ -33,6 +33,7 @@ Lockstep, and failures:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from typing import Any, Callable, Iterator
@@ -54,13 +55,12 @@ from hal.sync.transport import Transport
 
 
 def _control_device(group: Any, backend: Backend) -> torch.device:
-    """Host tensors where the trainer group's library takes them (gloo, or a mixed
-    "cuda:nccl,cpu:gloo" group), else tensors on the backend's device (NCCL/HCCL alone)."""
+    """Where the trainer group's control messages live (`Backend.control_device`)."""
     try:
         name = str(dist.get_backend(group))
     except (RuntimeError, ValueError, TypeError):  # a group outside c10d's registry: no way to ask
         return torch.device("cpu")
-    return torch.device("cpu") if "gloo" in name.lower() else backend.device()
+    return backend.control_device(name)
 
 
 def metadata_digest(specs: list[TensorSpec]) -> int:
@@ -154,7 +154,7 @@ class TrainerSync:
     def _find_sender(self) -> int:
         flags = torch.zeros(self.channel.world_size, dtype=torch.int64, device=self.channel.control_device)
         flags[self.rank] = int(self.is_sender)
-        self.channel._allreduce(flags, "finding the sending rank")
+        self.channel.allreduce(flags, "finding the sending rank")
         senders = [r for r, f in enumerate(flags.cpu().tolist()) if f]
         if len(senders) != 1:
             raise ValueError(
@@ -193,7 +193,7 @@ class TrainerSync:
         digest = metadata_digest(list(lockstep.metadata()))
         digests = torch.zeros(self.channel.world_size, dtype=torch.int64, device=self.channel.control_device)
         digests[self.rank] = digest
-        self.channel._allreduce(digests, "source metadata")
+        self.channel.allreduce(digests, "source metadata")
         theirs = digests.cpu().tolist()
         report = RankReport(sender=self.is_sender)
         if header_error is not None:
@@ -209,45 +209,38 @@ class TrainerSync:
     def _send(
         self, lockstep: _Lockstep, version: int, where: str, resend: Callable[[errors.SyncError], bool] | None
     ) -> SyncMetrics:
-        gated = stopped = False
-
-        def gate(header_error: errors.SyncError | None) -> None:
-            nonlocal gated, stopped
-            gated = True
-            try:
-                self._gate(lockstep, header_error, where)
-            except errors.SyncError:
-                stopped = True  # every trainer rank raised at the gate: nobody gathers
-                if header_error is None:
-                    raise  # the sender turns it into a failure of the first segment for the receivers
-
+        # the sender's phases (Sender.offer, then OutgoingSync.send or cancel) with the
+        # trainer group's agreements between and after them
+        try:
+            outgoing = self.sender.offer(lockstep, version=version)
+        except Exception as exc:  # refused or failed before the gate: the others wait there
+            told = exc if isinstance(exc, errors.SyncError) else errors.SyncError(f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(errors.SyncError):
+                self._gate(lockstep, told, where)  # raises on every trainer rank: nobody gathers
+            raise
+        try:
+            self._gate(lockstep, None, where)
+        except errors.SyncError as exc:  # a trainer rank declared other tensors: nobody gathers
+            outgoing.cancel(exc)  # the receivers hear that no segment comes; raises on every rank
+            raise
         failure: BaseException | None = None
         metrics: SyncMetrics | None = None
         try:
-            metrics = self.sender._send(lockstep, version, gate)
+            metrics = outgoing.send()
         except Exception as exc:  # noqa: BLE001 - every trainer rank must hear of it
             failure = exc
-        if not gated:  # ended before the receivers' verdict on the header: the others wait at the gate
-            told = failure if isinstance(failure, errors.SyncError) else errors.SyncError(f"{type(failure).__name__}: {failure}")
-            try:
-                self._gate(lockstep, told, where)
-            except errors.SyncError:
-                pass
-            raise failure
-        if not stopped:
-            own = lockstep.drain()  # keep the others' gathers matched to the end
-            if own is not None and failure is None:
-                failure = errors.SourceError(f"{type(own).__name__}: {own}")
-            if failure is None:
-                report = RankReport(sender=True)
-            else:
-                again = isinstance(failure, errors.SyncError) and resend is not None and resend(failure)
-                report = errors.report_exception(failure, sender=True, resend=again)
-            reports = self.channel.agree(report, "trainer status")
-            if failure is None:
-                errors.raise_if_any(reports, self.rank, where)
+        own = lockstep.drain()  # keep the others' gathers matched to the end
+        if own is not None and failure is None:
+            failure = errors.SourceError(f"{type(own).__name__}: {own}")
+        if failure is None:
+            report = RankReport(sender=True)
+        else:
+            again = isinstance(failure, errors.SyncError) and resend is not None and resend(failure)
+            report = errors.report_exception(failure, sender=True, resend=again)
+        reports = self.channel.agree(report, "trainer status")
         if failure is not None:
             raise failure
+        errors.raise_if_any(reports, self.rank, where)
         self.version = version
         return metrics
 

@@ -376,7 +376,7 @@ class IpcTransport(Transport):
             except (ValueError, TypeError, RecursionError, OSError) as exc:
                 raise PeerError(f"ipc transport: rank {self.rank} could not map the sender's buffers: {exc}") from None
         # every rank has mapped the new buffers before the old files go away
-        self._allreduce(torch.zeros(1, device=self.control_device), "ipc handle exchange")
+        self.allreduce(torch.zeros(1, device=self.control_device), "ipc handle exchange")
         for s in old:
             backend.release_shared(s)
 
@@ -425,7 +425,7 @@ class IpcTransport(Transport):
         return False
 
     def _release(self, k: int) -> None:
-        self._allreduce(torch.zeros(1, device=self.control_device), f"bucket {k} released")
+        self.allreduce(torch.zeros(1, device=self.control_device), f"bucket {k} released")
 
     def finish(self) -> None:
         if self.is_sender:

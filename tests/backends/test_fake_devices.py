@@ -811,6 +811,23 @@ def test_takes_device_reads_torchs_table(monkeypatch):
         takes_device(None, "npu")
 
 
+def test_control_messages_live_where_the_groups_library_takes_them(monkeypatch, fake_cuda):
+    """Headers, statuses and agreements go in host memory when a library of the group takes
+    host tensors (gloo, a mixed group), else on the device (NCCL or HCCL alone): one rule,
+    `Backend.control_device`, for every integration and the trainer group."""
+    from hal.backends.collectives import control_on_host
+
+    monkeypatch.setitem(torch.distributed.Backend.backend_capability, "hccl", ["npu"])  # as torch_npu registers it
+    assert control_on_host("gloo") and control_on_host("cuda:nccl,cpu:gloo") and control_on_host("npu:hccl,cpu:gloo")
+    assert not control_on_host("nccl") and not control_on_host("hccl") and not control_on_host("")
+    cuda = hal.get_backend("cuda")
+    assert cuda.control_device() == cuda.device()  # nccl alone
+    assert cuda.control_device("gloo") == torch.device("cpu")
+    assert hal.get_backend("cpu").control_device() == torch.device("cpu")
+    with pytest.raises(TypeError, match="control_on_host: dist_backend must be a str, got NoneType"):
+        control_on_host(None)
+
+
 class _GlooGroup:
     """A gloo group as a transport sees it before any transfer: its name, rank and size."""
 

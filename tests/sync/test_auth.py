@@ -261,13 +261,13 @@ def challenge_worker(rank, world):
     with hal.use("cpu"):
         transport = BroadcastTransport(None, src=0)
         made: list[str] = []
-        allreduce = transport._allreduce
+        allreduce = transport.allreduce
 
         def recording(tensor, what):
             made.append(what)
             return allreduce(tensor, what)
 
-        transport._allreduce = recording
+        transport.allreduce = recording
         challenges = []
         real_challenge = transport.challenge
         transport.challenge = lambda: challenges.append(real_challenge()) or challenges[-1]

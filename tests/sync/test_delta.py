@@ -534,7 +534,7 @@ def drift_worker(rank, world):
             # an unchanged tensor's bytes): the delta lands on top of it and must not pass.
             plan = receiver.plans.get(specs(), BUCKET, True, SEGMENT)
             k, piece = next((b.index, p) for b in plan.buckets for p in b.pieces if p.spec.name == "norm.weight")
-            receiver._baseline[bucket_offsets(plan)[k] + piece.offset] ^= 0x40
+            receiver.delta.image[bucket_offsets(plan)[k] + piece.offset] ^= 0x40
         try:
             receiver.receive(copy_into(held))
             out.append("ok/" + ("exact" if all(same_bytes(held[n], t) for n, t in sent(reference)) else "WRONG"))
@@ -595,7 +595,7 @@ def _pacing(rank, link, steps, fail_at, verify):
     it, but a delta sync's compares slower still), `slow-apply` (a slow wire, fast
     compares, but the receiver patches deltas slowly), `slow-wire` (the wire far slower
     than any compare). Every step must land bit for bit whatever was chosen."""
-    from hal.sync.delta import _DeltaPacer
+    from hal.sync.delta.pacer import Pacer
 
     transport = (BroadcastTransport if link == "slow-encode" else SlowWire)(None, src=0)
     config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100), verify=verify)
@@ -603,7 +603,7 @@ def _pacing(rank, link, steps, fail_at, verify):
     if rank == 0:
         if link in ("slow-encode", "slow-compare"):
             real = kernels.delta_encode
-            _DeltaPacer.SAMPLE_BYTES = 1024  # samples smaller than any compare of a delta sync
+            Pacer.SAMPLE_BYTES = 1024  # samples smaller than any compare of a delta sync
 
             def slow_encode(new, *a, **kw):
                 if link == "slow-encode" or new.numel() > 1024:

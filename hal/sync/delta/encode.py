@@ -1,22 +1,10 @@
-"""Delta sync: after a whole sync, send per segment only the words that changed (docs/delta.md).
-
-The sender and the receiver call one per-segment interface whether delta is on or off:
-
-- sender, per sync: `segments = DeltaSender.begin(...)` (or `WHOLE` without delta); per
-  segment `segments.pack_target(bucket, j)` (where to pack: the transport's buffer, or
-  straight into the baseline), `segments.checksum_base(bucket)`, then
-  `segments.encode(bucket, j, data, ready)` -> (bytes to send, their encoding, event).
-  `DeltaSender` keeps what outlives a sync: the baseline (the wire bytes of the last
-  complete sync), its version and layout, and the pacer that decides, by time or bytes,
-  whether deltas pay.
-- receiver: `DeltaReceiver` keeps the base a delta lands on (the sink's own destinations,
-  or an image of the sync) and checks that a header's delta base is exactly it.
-"""
+"""The sender's half of delta sync: what it keeps across syncs (`DeltaSender`: the wire
+bytes of the last complete sync, their version and layout, the pacer) and the per-segment
+interface the sender calls with delta on or off (`DeltaSegments`, `WHOLE`)."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 import torch
@@ -25,6 +13,7 @@ from hal import kernels
 from hal.backend import Backend
 from hal.sync import errors
 from hal.sync.config import DeltaConfig
+from hal.sync.delta.pacer import Pacer
 from hal.sync.plan import Bucket, BucketPlan, Segment, bucket_offsets, segment_word
 
 
@@ -60,7 +49,7 @@ class DeltaSender:
         self.version: int | None = None  # of the baseline's bytes; None: neither old nor new
         self.digest: str | None = None
         self.since_anchor = 0
-        self.pacer = _DeltaPacer() if config.choose == "time" else None
+        self.pacer = Pacer() if config.choose == "time" else None
         self.anchors_after_refusal = 0
         """Delta syncs some receiver refused (it did not hold the base) and that went whole."""
 
@@ -156,7 +145,7 @@ class DeltaSegments:
         self.samples: set[tuple[int, int]] = set()  # (bucket, segment): the start of each is encoded only to time it
         if sample:
             spots = [(b.index, j) for b in plan.buckets for j, seg in enumerate(b.segments) if seg.parts]
-            n, m = len(spots), _DeltaPacer.SAMPLE_SEGMENTS
+            n, m = len(spots), Pacer.SAMPLE_SEGMENTS
             self.samples = set(spots) if n <= m else {spots[round(i * (n - 1) / (m - 1))] for i in range(m)}
 
     def pack_target(self, bucket: Bucket, j: int) -> torch.Tensor | None:
@@ -198,7 +187,7 @@ class DeltaSegments:
             ready.synchronize()  # the pack is done: its bytes are read here
         began = time.perf_counter()
         if compare or sample:
-            new = data if compare else data[: min(data.numel(), _DeltaPacer.SAMPLE_BYTES) // word * word]
+            new = data if compare else data[: min(data.numel(), Pacer.SAMPLE_BYTES) // word * word]
             old = base[: new.numel()]
             old = old if old.device == data.device else old.to(data.device)
             result = kernels.delta_encode(new, old, word)
@@ -266,69 +255,6 @@ class DeltaSegments:
             "sampled_bytes": self.sampled_bytes,
             "baseline_bytes": self.owner.baseline_bytes,
         }
-
-
-class _DeltaPacer:
-    """`DeltaConfig.choose == "time"`: whether delta syncs pay for their time, from the
-    sender's own measurements (docs/delta.md, "Choosing by time"), in seconds per byte of
-    the segments. A whole sync's time ends with its receivers' statuses, so it includes
-    their apply; the encode's comes from the last delta sync or from samples: a whole sync
-    before a decision encodes the start of a few segments only to time it."""
-
-    FIRST_PAUSE = 2
-    LONGEST_PAUSE = 64
-    WHOLE_KEPT = 4
-    SAMPLE_SEGMENTS = 4
-    SAMPLE_BYTES = 4 << 20
-
-    def __init__(self) -> None:
-        self.whole: deque[float] = deque(maxlen=self.WHOLE_KEPT)  # recent whole syncs that allocated nothing
-        self.encode_rate: float | None = None
-        # what a delta sync cost beyond its encode (pack, wire, the receivers' apply), from
-        # the last complete one: the samples time the encode alone
-        self.delta_rest = 0.0
-        self.pause_next = self.FIRST_PAUSE
-        self.pausing = 0  # whole syncs left before the next decision
-
-    def whole_s_per_byte(self) -> float | None:
-        """The fastest recent whole sync: the minimum, so that noise makes deltas look worse, not better."""
-        return min(self.whole) if self.whole else None
-
-    def choose(self) -> tuple[str, bool]:
-        """For a sync that could carry deltas: "delta" or "paused", and whether it samples
-        (the last sync of a pause does, for the decision after it)."""
-        if self.pausing:
-            self.pausing -= 1
-            return "paused", self.pausing == 0
-        best = self.whole_s_per_byte()
-        if best is None or self.encode_rate is None:
-            return "paused", True  # nothing to judge by yet: measure both
-        if self.encode_rate + self.delta_rest > best:  # a delta sync would cost more than a whole one
-            self._lost()
-            return self.choose()
-        return "delta", False
-
-    def _lost(self) -> None:
-        self.pausing = self.pause_next  # twice as long each time in a row
-        self.pause_next = min(2 * self.pause_next, self.LONGEST_PAUSE)
-
-    def record(self, choice: str, seconds: float, nbytes: int, *, warm: bool, encode_rate: float | None) -> None:
-        if encode_rate is not None:
-            self.encode_rate = encode_rate
-        if not nbytes:
-            return
-        rate = seconds / nbytes
-        best = self.whole_s_per_byte()
-        if choice in ("anchor", "paused"):
-            if warm:  # (a sync that allocated the baseline or built a plan is slower than the next)
-                self.whole.append(rate)
-        else:
-            if choice == "delta" and encode_rate is not None:
-                self.delta_rest = max(0.0, rate - encode_rate)
-            if choice == "stopped" or (best is not None and rate > best):
-                self._lost()
-            else:
-                self.pause_next = self.FIRST_PAUSE
 
 
 def _gaps(bucket: Bucket, segment: Segment) -> list[tuple[int, int]]:
