@@ -50,12 +50,13 @@ def test_pattern_check_catches_a_misplaced_or_missing_tensor():
 
 
 @pytest.mark.multiprocess
-def test_bench_cli_smoke_on_tiny_preset(tmp_path):
+def test_bench_cli_smoke_on_tiny_preset(tmp_path, capsys):
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
     # A 64 KiB bucket is smaller than the tiny embedding (128 KiB), so it is chunked.
     argv = ["bench", "--preset", "tiny", "--repeats", "1", "--warmup", "1", "--bucket-mb", "0.0625",
             "--timeout", "240", "--json", str(out_json), "--plot", str(out_png)]
     assert cli.main(argv) == 0
+    table = capsys.readouterr().out
 
     report = json.loads(out_json.read_text())
     assert report["preset"] == "tiny"
@@ -69,6 +70,12 @@ def test_bench_cli_smoke_on_tiny_preset(tmp_path):
     assert floor["ratio_to_floor"] == pytest.approx(1.0)
     hal_rows = [r for r in report["results"] if r["method"].startswith("hal_")]
     assert all(r["sender_metrics"]["buckets"] >= 2 for r in hal_rows)  # the embedding spans buckets
+    for r in hal_rows:  # the host time per tensor, each side's, in the report and the table
+        send, recv = r["sender_metrics"]["host_us_per_tensor"], r["receiver_metrics"]["host_us_per_tensor"]
+        assert send > 0 and recv > 0
+        row = next(line for line in table.splitlines() if line.startswith(r["method"] + " "))
+        assert row.endswith(f"{send:.1f} / {recv:.1f}"), row
+    assert "host us/tensor (send / recv)" in table
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -29,6 +29,10 @@ class SyncMetrics:
     """Placing received tensors, receiver only: copies into destinations and reassembly
     buffers, and the time inside the apply callable."""
     total_s: float = 0.0
+    host_s: float | None = None
+    """CPU time of the thread that ran the sync (`time.thread_time`): Python and what it
+    did itself (host copies on the cpu backend; not the waits, nor work on device streams or
+    a sim stream's thread). Divided by `tensors`: the per-tensor host cost (`hal bench`)."""
     plan_reused: bool = False
     # ---- delta sync (SyncConfig.delta); None/empty without it -----------------------
     delta: bool | None = None
@@ -59,9 +63,14 @@ class SyncMetrics:
     def gib_per_s(self) -> float | None:
         return self.bytes / self.total_s / 2**30 if self.total_s > 0 and self.bytes else None
 
+    @property
+    def host_us_per_tensor(self) -> float | None:
+        return self.host_s / self.tensors * 1e6 if self.host_s is not None and self.tensors else None
+
     def as_dict(self) -> dict:
         out = asdict(self)
         out["gib_per_s"] = self.gib_per_s
+        out["host_us_per_tensor"] = self.host_us_per_tensor
         return out
 
 

@@ -173,7 +173,7 @@ class Receiver:
     # ---- one sync ---------------------------------------------------------------------
     def receive(self, sink: Any) -> SyncMetrics:
         """Take one sync into `sink` (a `Sink`, or a callable `apply(pairs)`); see the class doc."""
-        start = time.perf_counter()
+        start, host_start = time.perf_counter(), time.thread_time()
         timer = PhaseTimer()
         sink = as_sink(sink)
         transport, rank = self.transport, self.transport.rank
@@ -224,6 +224,7 @@ class Receiver:
             transfer_s=timer.get("transfer"),
             apply_s=timer.get("apply"),
             total_s=time.perf_counter() - start,
+            host_s=time.thread_time() - host_start,
             plan_reused=self.plans.builds == builds,
         )
 

@@ -267,6 +267,7 @@ class OutgoingSync:
         self.version = version
         self.where = f"sync of version {version}"
         self.start = time.perf_counter()
+        self.host_start = time.thread_time()
         self.timer = PhaseTimer()
         self.plan: BucketPlan | None = None
         self.segments: Any = WHOLE
@@ -349,6 +350,7 @@ class OutgoingSync:
             pack_s=timer.get("pack"),
             transfer_s=timer.get("transfer"),
             total_s=total_s,
+            host_s=time.thread_time() - self.host_start,
             plan_reused=sender.plans.builds == self._builds,
             **segments.metrics(),
         )

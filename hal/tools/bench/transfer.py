@@ -867,7 +867,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"bucket {report['config']['bucket_bytes'] / MIB:g} MiB; {report['timing']}; "
         f"{report['torch_threads_per_process']} torch thread(s) per process",
         f"{'method':<18} {'seconds':>8} {'best':>8} {'GiB/s':>7} {'x floor':>8} {'peak extra MiB':>15} "
-        f"{'(send / recv)':>14} {'cpu s (send / recv)':>20}",
+        f"{'(send / recv)':>14} {'cpu s (send / recv)':>20} {'host us/tensor (send / recv)':>29}",
     ]
     for r in report["results"]:
         ratio = "-" if r["ratio_to_floor"] is None else f"{r['ratio_to_floor']:.2f}"
@@ -878,9 +878,19 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{r['method']:<18} {r['seconds']:>8.3f} {r['best_seconds']:>8.3f} {r['gib_per_s']:>7.2f} {ratio:>8} "
             f"{mib(r['peak_extra_bytes']):>15} {'(' + mib(r['sender_peak_extra_bytes']) + ' / ' + mib(r['receiver_peak_extra_bytes']) + ')':>14} "
-            f"{r['sender_cpu_s']:>9.3f} / {r['receiver_cpu_s']:<8.3f}"
+            f"{r['sender_cpu_s']:>9.3f} / {r['receiver_cpu_s']:<8.3f} {_host_per_tensor(r):>29}"
         )
     return "\n".join(lines)
+
+
+def _host_per_tensor(result: dict[str, Any]) -> str:
+    """A hal method's host time per tensor at the sender and the receiver (SyncMetrics.host_s
+    over its tensors, medians); "-" for the methods that are not hal syncs."""
+    send = (result.get("sender_metrics") or {}).get("host_us_per_tensor")
+    recv = (result.get("receiver_metrics") or {}).get("host_us_per_tensor")
+    if send is None and recv is None:
+        return "-"
+    return " / ".join("n/a" if v is None else f"{v:.1f}" for v in (send, recv))
 
 
 def _format_topology_table(report: dict[str, Any]) -> str:
