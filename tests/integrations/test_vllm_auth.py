@@ -251,10 +251,15 @@ def test_a_refused_init_leaves_no_rendezvous_thread_or_port():
     from hal.procs import free_port
 
     class Refusing:
-        name, num_workers, same_node = "refusing", 1, False
+        """A vLLM weight-sync client whose server refuses the trainer's init."""
 
         def init_weight_transfer_engine(self, init_info):
             raise AuthError("refused: VERL_HAL_SYNC_TOKEN differs")
+
+        def start_weight_update(self): ...
+        def update_weights(self, update_info): ...
+        def finish_weight_update(self, weight_version=None): ...
+        def reset_prefix_cache(self): ...
 
     def listening(port: int) -> bool:
         return f":{port} " in subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout

@@ -1,4 +1,5 @@
-"""The hal engine behind a real `vllm serve` process, driven over its HTTP weight-update routes.
+"""The hal engine behind a real `vllm serve` process, driven by vLLM's own `HTTPVLLMWeightSyncClient`
+(and, for what that client lacks, the server's version and cache routes through `ClientEngine`).
 
 One server per module (a subprocess with VLLM_SERVER_DEV_MODE=1, which serves the RL
 routes), killed with its whole process group at teardown.
@@ -24,7 +25,10 @@ import torch  # noqa: E402
 
 from hal.tools.demo import trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
-from hal.integrations.vllm_client import HttpEngine, WeightSync, free_port  # noqa: E402
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  # noqa: E402
+
+from hal.integrations.vllm_client import ClientEngine, WeightSync  # noqa: E402
+from hal.procs import free_port  # noqa: E402
 from hal.sync import StaleVersionError, SyncConfig  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(420)]
@@ -102,11 +106,18 @@ def server_greedy(base: str, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def weight_version(base: str) -> str:
+    """What the server itself reports (GET /weight_info), not through hal."""
+    return json.loads(urllib.request.urlopen(f"{base}/weight_info", timeout=30).read())["weight_version"]
+
+
 def test_http_server_sync_matches_transformers_and_reports_version(server):
     base, model_dir = server
     model = load_trainer_model(model_dir)
-    engine = HttpEngine(base, num_workers=1, timeout_s=120)
-    sync = WeightSync([engine], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=120)
+    # vLLM's own client, as its RL examples build it; WeightSync completes it (ClientEngine)
+    sync = WeightSync([HTTPVLLMWeightSyncClient(base, timeout=120)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=120)
+    (engine,) = sync.engines
+    assert isinstance(engine, ClientEngine) and engine.name == base and engine.num_workers == 1
     try:
         sync.init()
         assert server_greedy(base, PROMPTS) == trainer_greedy(model, PROMPTS, MAX_TOKENS)
@@ -117,11 +128,15 @@ def test_http_server_sync_matches_transformers_and_reports_version(server):
                     p.add_(torch.randn(p.shape, generator=gen) * 0.2)
             result = sync.sync(model, version=version)
             assert result.engine_versions == {base: str(version)}
-            assert engine.get_weight_version() == str(version)
+            assert weight_version(base) == str(version)
             assert server_greedy(base, PROMPTS) == trainer_greedy(model, PROMPTS, MAX_TOKENS)
         with pytest.raises(StaleVersionError):
             sync.sync(model, version=4)
-        assert engine.get_weight_version() == "6"
+        assert weight_version(base) == "6"
+        # what marks an engine inconsistent after a failed sync, through the server's route
+        engine.update_weight_version("inconsistent:6")
+        assert weight_version(base) == engine.get_weight_version() == "inconsistent:6"
+        engine.update_weight_version("6")
     finally:
         sync.close()
 
@@ -169,7 +184,7 @@ def test_vllm_trainer_factory_over_http_in_a_fresh_process(server, tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["plugins_loaded"] is False, "the trainer process loaded vLLM's general plugins: the test proves nothing"
     assert report["version"] == version
-    assert report["engine_versions"] == {"HTTPVLLMWeightSyncClient": str(version)}
+    assert report["engine_versions"] == {base: str(version)}
     # the server now serves the trainer's perturbed weights
     model = load_trainer_model(model_dir)
     gen = torch.Generator().manual_seed(seed)
@@ -190,3 +205,10 @@ def test_without_hal_the_factory_names_the_backends_it_knows():
 
     with pytest.raises(ValueError, match="Invalid weight transfer backend: not-hal. Available trainer engines: .*'hal'"):
         WeightTransferTrainerFactory.trainer_init(Unknown(rank=0), client=object(), source=torch.nn.Linear(1, 1))
+
+
+def test_a_url_or_an_unknown_object_is_refused_naming_what_to_pass():
+    with pytest.raises(TypeError, match=r"HTTPVLLMWeightSyncClient\('http://127.0.0.1:8000'\)"):
+        WeightSync(["http://127.0.0.1:8000"])
+    with pytest.raises(TypeError, match=r"object is neither a hal Engine nor a vLLM weight-sync client .*HTTPVLLMWeightSyncClient\(base_url\)"):
+        WeightSync([object()])

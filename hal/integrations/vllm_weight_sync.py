@@ -1,0 +1,379 @@
+"""`WeightSync`: push a trainer's weights into one or more live vLLM engines through hal.
+
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    sync = WeightSync([OfflineEngine(llm), HTTPVLLMWeightSyncClient("http://127.0.0.1:8000")])
+    sync.init()                                   # once: the group is reused by every sync
+    result = sync.sync(model, version=step)       # start / update (+ send) / finish / reset cache
+    sync.close()
+
+Each engine is driven through vLLM's native weight-update API: through vLLM's own clients
+(`HTTPVLLMWeightSyncClient`, `RayVLLMWeightSyncClient`, or any `VLLMWeightSyncClient`)
+or, where vLLM has none, hal's adapters (hal.integrations.vllm_engines). The engine-side
+`update_weights` call blocks until the workers have received and applied everything, so it
+runs in a background thread while this thread runs the hal `Sender`; both are bounded by a
+timeout and any failure on either side fails the sync with an error that names the engine.
+
+The weight version is the trainer's step: the engine reports it afterwards
+(`get_weight_version`), and a version older than the engine's is refused. A sync that
+fails part-way leaves each engine tensor with its old or its new bytes; an engine left
+holding some of each reports the weight version `inconsistent:<last complete version>`
+until a complete sync lands, and `WeightSync.sync` resends once by default when the
+failure was the trainer's own (its source raised; `resend_after_failure`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Sequence
+
+import hal
+from hal import env
+from hal.integrations import vllm_internals
+from hal.integrations._shared import in_daemon_thread
+from hal.integrations.vllm import TRANSPORTS, HalInitInfo, dtype_name
+from hal.integrations.vllm_engines import Engine, as_engine
+from hal.procs import free_port
+from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics
+from hal.sync.auth import init_proof
+from hal.sync.errors import PeerError
+from hal.sync.group import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.sync.source import as_source
+from hal.sync.trainer import TrainerSync
+
+logger = logging.getLogger(__name__)
+
+# What an engine holding some tensors of a failed sync and old ones for the rest reports
+# as its weight version, followed by the last version it held completely.
+INCONSISTENT_PREFIX = "inconsistent:"
+
+
+@dataclass(slots=True)
+class SyncResult:
+    """One sync into every engine."""
+
+    version: int
+    seconds: float
+    """From the call until every engine reports the new version (finish + cache reset included)."""
+    metrics: SyncMetrics
+    """The sender's metrics (bytes, buckets, transfer and pack time)."""
+    engine_versions: dict[str, str] = field(default_factory=dict)
+    resent: bool = False
+    """The first attempt failed on the trainer's side and this is the resend's result."""
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.metrics.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
+
+
+@contextlib.contextmanager
+def _keep_stdout() -> Iterator[None]:
+    """Restore file descriptor 1 if a gloo group set-up left it on /dev/null.
+
+    vLLM's `init_gloo_process_group` silences fd 1 with a dup2 around the group's
+    creation. When the engine's worker runs in this process (single-process mode), its
+    set-up and ours run at the same time in two threads, and the second dup2 can save
+    /dev/null as "the original": stdout would stay silenced for the rest of the process.
+    """
+    saved = os.dup(1)
+    try:
+        yield
+    finally:
+        try:
+            devnull = os.stat(os.devnull)
+            if os.path.samestat(os.fstat(1), devnull) and not os.path.samestat(os.fstat(saved), devnull):
+                os.dup2(saved, 1)
+        finally:
+            os.close(saved)
+
+
+def _result(future: "concurrent.futures.Future[Any]", what: str, timeout: float) -> Any:
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise PeerError(f"{what} did not return within {timeout:.0f} s") from None
+
+
+class WeightSync:
+    """Drives hal syncs from this (trainer) process into `engines`.
+
+    Each of `engines` is a vLLM weight-sync client (`HTTPVLLMWeightSyncClient(base_url)`,
+    `RayVLLMWeightSyncClient(actor)`: taken as an engine of one worker; wrap it in
+    `ClientEngine(client, num_workers=...)` for more) or an `Engine` (`OfflineEngine(llm)`,
+    `ExtensionEngine(llm)`, `ClientEngine`, your own); anything else is refused naming what
+    to pass. The trainer is rank 0 of one group that joins it with every worker of every engine;
+    the group's collective backend is `hal.current().dist_backend`. `config` is passed to
+    the `Sender` as given (bucket size from free memory and the largest tensor when it
+    says None). `token` (default: `VERL_HAL_SYNC_TOKEN`) is proven to engines started
+    with one. After a sync that failed on the trainer's side (its source raised, a pack
+    failed) and left some engine holding part of it, the sync is sent again up to
+    `resend_after_failure` times (0: raise the first failure as it is).
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        *,
+        config: SyncConfig | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        timeout_s: float = 120.0,
+        transport: str = "auto",
+        token: str | None = None,
+        resend_after_failure: int = 1,
+        trainer_group: Any = None,
+    ) -> None:
+        if transport != "auto" and transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {transport!r}")
+        if not engines:
+            raise ValueError("WeightSync needs at least one engine")
+        engines = [as_engine(e) for e in engines]
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}")
+        if isinstance(resend_after_failure, bool) or not isinstance(resend_after_failure, int) or resend_after_failure < 0:
+            raise ValueError(f"resend_after_failure must be an int >= 0, got {resend_after_failure!r}")
+        if config is not None and not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
+        self.engines: list[Engine] = engines
+        self.config = config if config is not None else SyncConfig()
+        self.master_address = master_address
+        self.master_port = master_port
+        self.timeout_s = timeout_s
+        self.transport = transport
+        """"auto": "ipc" when every engine is on this node and the backend shares memory
+        between processes (`supports_ipc`), else "broadcast"."""
+        self.token = token if token is not None else env.sync_token()
+        self.resend_after_failure = resend_after_failure
+        self.trainer_group = trainer_group
+        """The sharded trainer's own group, when the trainer is several ranks: this process is
+        its sending rank, and every other rank calls `TrainerSync(transport=None, ...).sync`
+        with the same source and version in lockstep (docs/topologies.md)."""
+        self._trainer: TrainerSync | None = None
+        self._attempt = 0
+        self._group: Any = None
+        self._sender: Sender | None = None
+        self._ranks: dict[str, range] = {}
+        self._connected: set[str] = set()  # engines whose init returned: only those are shut down by close()
+        self.version: int | None = None
+        self.inconsistent: set[str] = set()
+        """Engines holding part of a failed sync (some tensors new, some old), by name."""
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(e.num_workers for e in self.engines)
+
+    @property
+    def sender(self) -> Sender:
+        """The hal `Sender` this sync drives (after `init`): it holds `self.config` itself."""
+        if self._sender is None:
+            raise RuntimeError("WeightSync.sender before init()")
+        return self._sender
+
+    def init(self) -> None:
+        """Join every engine's workers into one group with this process (once)."""
+        with _keep_stdout():
+            self._init()
+
+    def _init(self) -> None:
+        if self._group is not None:
+            raise RuntimeError("WeightSync.init called twice")
+        vllm_internals.require_supported_vllm()
+        backend = hal.current()
+        if self.transport == "auto":
+            local = all(e.same_node for e in self.engines)
+            self.transport = "ipc" if local and backend.supports_ipc else "broadcast"
+        port = self.master_port or free_port(self.master_address)
+        # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
+        # workers use to join, would listen on every interface: hal.sync.group), from now on
+        spec = SyncGroupSpec(address=self.master_address, port=port, world_size=self.world_size)
+        server = RendezvousServer(spec, timeout_s=self.timeout_s)
+        calls = []
+        offset = 1
+        for engine in self.engines:
+            info = HalInitInfo(
+                master_address=self.master_address,
+                master_port=port,
+                rank_offset=offset,
+                world_size=self.world_size,
+                wire_dtype=dtype_name(self.config.wire_dtype),
+                timeout_s=self.config.timeout_s,
+                transport=self.transport,
+            )
+            if self.token is not None:  # bound to every field, this engine's rank offset included
+                info.auth = init_proof(self.token, **info.proven())
+            self._ranks[engine.name] = range(offset, offset + engine.num_workers)
+            offset += engine.num_workers
+            payload = asdict(info)
+            what = f"{engine.name}: init_weight_transfer_engine"
+            calls.append((what, in_daemon_thread(f"hal-{what}", lambda e=engine, p=payload: e.init_weight_transfer_engine(p))))
+        group_call = in_daemon_thread(
+            "hal-trainer: join the weight-sync group",
+            lambda: join_sync_group(spec, 0, backend=backend.dist_backend, timeout_s=self.timeout_s, server=server),
+        )
+        try:
+            self._join(group_call, calls, port)
+        except BaseException:
+            # an engine refused or the join failed: close the rendezvous, so that the join
+            # thread ends now and the port is free, instead of both lasting until the timeout
+            server.close()
+            raise
+        control = backend.control_device()
+        transport = TRANSPORTS[self.transport](self._group, src=0, control_device=control)
+        if self.trainer_group is not None:
+            self._trainer = TrainerSync(transport=transport, config=self.config, trainer_group=self.trainer_group, token=self.token)
+            self._sender = self._trainer.sender
+        else:
+            self._sender = Sender(transport, self.config, token=self.token)
+
+    def _join(self, group_call: "concurrent.futures.Future[Any]", calls: list, port: int) -> None:
+        """Wait for the group and every engine's init. An engine that refuses (bad init info,
+        a wrong token, already connected) fails the init at once."""
+        deadline = time.monotonic() + self.timeout_s
+        pending = {group_call, *(f for _, f in calls)}
+        while not group_call.done() and time.monotonic() < deadline:
+            for what, call in calls:
+                if call.done():
+                    self._engine_result(call, what)
+            pending = concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)[1]
+        try:
+            self._group = _result(group_call, "trainer: join the weight-sync group", max(0.0, deadline - time.monotonic()))
+        except Exception as exc:
+            for what, call in calls:
+                if call.done():
+                    self._engine_result(call, what)  # an engine-side error explains the failure better
+            raise PeerError(f"trainer could not join the weight-sync group at {self.master_address}:{port}: {exc}") from exc
+        for (what, call), engine in zip(calls, self.engines):
+            self._engine_result(call, what, self.timeout_s)
+            self._connected.add(engine.name)
+
+    @staticmethod
+    def _engine_result(call: "concurrent.futures.Future[Any]", what: str, timeout: float = 0.0) -> Any:
+        try:
+            return _result(call, what, timeout)
+        except SyncError:
+            raise
+        except Exception as exc:
+            # Through collective_rpc or HTTP the type is lost: vLLM's worker processes pass on
+            # only the message, and every init refusal (check_init_proof) names the variable.
+            text = f"{type(exc).__name__}: {exc}"
+            if "AuthError" in text or env.VERL_HAL_SYNC_TOKEN in text:
+                raise AuthError(f"{what}: {exc}") from exc
+            raise
+
+    def sync(self, source: Any, version: int) -> SyncResult:
+        """Send `source` (a module, a hal source, a dict or list of pairs) as `version`.
+
+        Returns when every engine serves the new weights and reports `version`. Raises the
+        sync's `SyncError` otherwise, after resending a trainer-side failure that left an
+        engine inconsistent (see the class doc); `self.inconsistent` then names the engines
+        that hold part of it, and they report `inconsistent:<version>` as weight version.
+        """
+        if self._sender is None:
+            raise RuntimeError("WeightSync.sync before init()")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError(f"version must be an int (the trainer step), got {version!r}")
+        source = as_source(source)
+        start = time.perf_counter()
+        attempt = self._attempt = 0
+        while True:
+            try:
+                metrics = self._sync_once(source, version)
+                break
+            except SyncError as exc:
+                if self._resends(exc):
+                    attempt = self._attempt = attempt + 1
+                    logger.warning(
+                        "hal sync of version %d failed on the trainer and left %s inconsistent; sending it again (%d of %d): %s",
+                        version, sorted(self.inconsistent), attempt, self.resend_after_failure, exc,
+                    )
+                    continue
+                raise
+        versions = {}
+        for engine in self.engines:
+            engine.finish_weight_update(str(version))
+            # KV computed with the old weights must not be reused (prefix caching)
+            engine.reset_prefix_cache()
+            versions[engine.name] = engine.get_weight_version()
+        self.version = version
+        self.inconsistent.clear()
+        return SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
+
+    def _resends(self, exc: SyncError) -> bool:
+        """Whether a failed attempt is sent again: the trainer's own failure that left an
+        engine holding part of it, with attempts left."""
+        return self._attempt < self.resend_after_failure and exc.trainer_side and bool(exc.inconsistent_ranks)
+
+    def _sync_once(self, source: Any, version: int) -> SyncMetrics:
+        for engine in self.engines:
+            engine.start_weight_update()
+        calls = [
+            (f"{e.name}: update_weights", in_daemon_thread(f"hal-{e.name}-update", lambda e=e: e.update_weights({"version": version})))
+            for e in self.engines
+        ]
+        try:
+            if self._trainer is not None:
+                metrics = self._trainer.sync(source, version=version, resend=self._resends)
+            else:
+                metrics = self._sender.send(source, version=version)
+        except SyncError as exc:
+            # the engines fail the same sync; their message is usually the precise one
+            problems = []
+            for what, call in calls:
+                try:
+                    _result(call, what, self.timeout_s)
+                except BaseException as engine_exc:  # noqa: BLE001
+                    problems.append(f"{what}: {engine_exc}")
+            self._mark_inconsistent(exc)
+            if problems:
+                raise type(exc)(f"{exc} | " + " | ".join(problems), reports=exc.reports, my_rank=exc.my_rank) from exc
+            raise
+        for what, call in calls:
+            _result(call, what, self.timeout_s)
+        return metrics
+
+    def _mark_inconsistent(self, exc: SyncError) -> None:
+        """Record, and make each engine report, that it holds part of a failed sync."""
+        ranks = set(exc.inconsistent_ranks)
+        for engine in self.engines:
+            if not ranks.intersection(self._ranks.get(engine.name, ())):
+                continue
+            self.inconsistent.add(engine.name)
+            label = f"{INCONSISTENT_PREFIX}{'none' if self.version is None else self.version}"
+            try:
+                engine.update_weight_version(label)
+            except Exception as version_exc:  # noqa: BLE001 - the sync's own error is the one to raise
+                logger.warning("engine %s: could not set its weight version to %r: %s", engine.name, label, version_exc)
+
+    def close(self) -> None:
+        """Release the group on both sides; the engines keep serving."""
+        group, sender = self._group, self._sender
+        self._group, self._sender = None, None
+        for engine in self.engines:
+            if engine.name not in self._connected:
+                continue  # never connected to us (a refused init): it may serve another trainer
+            self._connected.discard(engine.name)
+            try:
+                engine.shutdown_weight_transfer_engine()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        if sender is not None:
+            sender.transport.close()
+        if group is not None:
+            try:
+                destroy_sync_group(group)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def __enter__(self) -> "WeightSync":
+        if self._group is None:
+            self.init()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
