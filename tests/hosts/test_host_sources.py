@@ -250,6 +250,39 @@ def test_torch_npu_needs_cover_hals_stream_and_event_methods():
             assert f"{protocol.__name__}.{method}" in listed
 
 
+def _backend_registrations(wheel: Path) -> dict[str, list[str] | None]:
+    """`{library: devices}` of every `Backend.register_backend("<library>", ..., devices=[...])`
+    call in a wheel's torch_npu sources (None: no `devices`)."""
+    import zipfile
+
+    found: dict[str, list[str] | None] = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for path in archive.namelist():
+            if not path.startswith("torch_npu/") or not path.endswith(".py") or "/testing/" in path:
+                continue
+            text = archive.read(path).decode("utf-8", errors="replace")
+            if "register_backend(" not in text:
+                continue
+            for node in ast.walk(ast.parse(text)):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register_backend"
+                        and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                    devices = next((k.value for k in node.keywords if k.arg == "devices"), None)
+                    found[node.args[0].value] = ast.literal_eval(devices) if devices is not None else None
+    return found
+
+
+def test_torch_npu_extends_no_collective_library_but_its_own_to_the_npu():
+    # What hal.backends.collectives.takes_device answers rests on: torch_npu registers HCCL
+    # (and LCCL) for the device type "npu" and leaves gloo to torch ("cpu", "cuda"), so an
+    # NPU tensor in a gloo group must go through host memory (tests/backends/test_npu_gloo.py).
+    from hal.backends.collectives import takes_device
+
+    registered = _backend_registrations(_wheel(TORCH_NPU))
+    assert registered.get(npu_backend.NpuBackend.dist_backend) == [npu_backend.NpuBackend.device_type]
+    assert "gloo" not in registered, registered
+    assert not takes_device("gloo", npu_backend.NpuBackend.device_type)
+
+
 def _fake_functions(source: str, module_var: str | None) -> dict[str, str]:
     """Signatures of what a fake defines: `<module_var>.<name> = lambda/def` (the fake device
     module), or its top-level defs when `module_var` is None (a fake module file)."""
