@@ -8,6 +8,7 @@ versions are read from `npu-smi` and the CANN toolkit's install-info file, witho
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import importlib.util
 import logging
@@ -15,7 +16,7 @@ import os
 import platform
 import re
 import subprocess
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -175,6 +176,19 @@ class NpuBackend(TorchDeviceBackend):
         setter(f"expandable_segments:{expandable_segments}")
         return None
 
+    def new_process_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        """torch_npu's HCCL backend object of a group outside c10d's registry, as hal's sync
+        group needs one (hal.sync.group.join_sync_group): `torch.distributed` has no
+        `ProcessGroupHCCL`, whose class lives in torch_npu's extension and takes an options
+        object, not a timeout. Built the way torch_npu's own registry builds it
+        (`torch_npu._init.registry.distributed`); nothing calls this yet: the sync group
+        asks `torch.distributed` for `ProcessGroup<NAME>` (docs/ascend.md)."""
+        c10d = importlib.import_module("torch_npu._C._distributed_c10d")
+        options = c10d.ProcessGroupHCCL.Options()
+        options._timeout = timeout
+        options.is_high_priority_stream = False
+        return c10d.ProcessGroupHCCL(store, rank, size, options)
+
     def _runtime_versions(self) -> dict[str, str]:
         try:
             return read_npu_versions()
@@ -228,4 +242,7 @@ TORCH_NPU_NEEDS: tuple[Need, ...] = (
     # the collective library, by the name hal passes to torch.distributed
     Need(target="torch_npu._init.registry.distributed:register_distributed_backend_for_npu", text=NpuBackend.dist_backend,
          why="dist_backend"),
+    # what new_process_group does, as torch_npu's own registry does it (the class is C++)
+    *(Need(target="torch_npu._init.registry.distributed:_new_process_group_hccl_helper", sets=field,
+           why="new_process_group (ProcessGroupHCCL.Options)") for field in ("_timeout", "is_high_priority_stream")),
 )
