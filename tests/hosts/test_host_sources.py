@@ -36,6 +36,10 @@ from tests.conftest import FAKE_TORCH_NPU, REPO_ROOT
 # same version as vllm-ascend)"; its docs/source/conf.py pins pip_vllm_version 0.23.0).
 VLLM_READS = {(0, 33): "vllm==0.33.0", (0, 23): "vllm==0.23.0"}
 TORCH_NPU = "torch-npu==2.13.0"  # the torch_npu of this torch (2.13)
+# Every torch_npu whose needs are read: this torch's, and the one vllm-ascend 0.23.0.post1
+# pins (its requirements.txt: torch==2.10.0, torch-npu==2.10.0.post4), what an engine node
+# with the newest vllm-ascend runs.
+TORCH_NPU_READS = (TORCH_NPU, "torch-npu==2.10.0.post4")
 FAKE_REDUCTIONS_FILE = REPO_ROOT / "tests" / "backends" / "test_fake_devices.py"
 
 
@@ -199,8 +203,13 @@ def torch_npu_sources():
     tree.close()
 
 
-def test_torch_npu_needs_hold_for_its_wheel(torch_npu_sources):
-    assert [str(f) for f in check(torch_npu_sources, npu_backend.TORCH_NPU_NEEDS)] == []
+@pytest.mark.parametrize("requirement", TORCH_NPU_READS)
+def test_torch_npu_needs_hold_for_its_wheel(requirement):
+    tree = SourceTree(_wheel(requirement), packages=("torch_npu",))
+    try:
+        assert [str(f) for f in check(tree, npu_backend.TORCH_NPU_NEEDS)] == []
+    finally:
+        tree.close()
 
 
 def _installed_reduce(tree: SourceTree) -> ast.FunctionDef:
@@ -271,13 +280,14 @@ def _backend_registrations(wheel: Path) -> dict[str, list[str] | None]:
     return found
 
 
-def test_torch_npu_extends_no_collective_library_but_its_own_to_the_npu():
+@pytest.mark.parametrize("requirement", TORCH_NPU_READS)
+def test_torch_npu_extends_no_collective_library_but_its_own_to_the_npu(requirement):
     # What hal.backends.collectives.takes_device answers rests on: torch_npu registers HCCL
     # (and LCCL) for the device type "npu" and leaves gloo to torch ("cpu", "cuda"), so an
     # NPU tensor in a gloo group must go through host memory (tests/backends/test_npu_gloo.py).
     from hal.backends.collectives import takes_device
 
-    registered = _backend_registrations(_wheel(TORCH_NPU))
+    registered = _backend_registrations(_wheel(requirement))
     assert registered.get(npu_backend.NpuBackend.dist_backend) == [npu_backend.NpuBackend.device_type]
     assert "gloo" not in registered, registered
     assert not takes_device("gloo", npu_backend.NpuBackend.device_type)
