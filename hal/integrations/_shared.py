@@ -1,4 +1,4 @@
-"""Small helpers the integrations share. Imports no host project (vLLM, verl)."""
+"""Small helpers the integrations share. Imports no host project (vLLM, verl, Ray) at import time."""
 
 from __future__ import annotations
 
@@ -34,3 +34,12 @@ def release_of(version: str) -> tuple[int, int] | None:
         return int(parts[0]), int(parts[1])
     except (IndexError, ValueError):
         return None
+
+
+def import_ray() -> Any:
+    """The `ray` module, or ImportError saying which extra installs it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(f"hal.integrations.ray needs Ray: pip install 'verl-hal[ray]' ({exc})") from None
+    return ray

