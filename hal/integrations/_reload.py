@@ -52,24 +52,35 @@ class CarryArena:
         return out
 
 
-def kernel_layout(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...], torch.dtype]]:
-    """`{name: (parameter, shape, dtype)}` of every parameter `model` computes with, now."""
-    return {name: (p, tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+# One parameter as the engine found it: (name, owning module, attribute, the tensor, shape, dtype).
+Kernel = tuple[str, torch.nn.Module, str, torch.Tensor, torch.Size, torch.dtype]
 
 
-def layout_changes(layout: dict[str, tuple[torch.Tensor, tuple[int, ...], torch.dtype]], model: torch.nn.Module) -> list[str]:
-    """Each parameter of `model` that is not the tensor `layout` holds for its name, or not of
-    its shape and dtype, named with both layouts. A layerwise reload keeps each kernel tensor
-    (it copies into it), so a different tensor means something else laid the weights out
-    anew; by shape alone a transpose of a square matrix would pass."""
+def kernel_layout(model: torch.nn.Module) -> list[Kernel]:
+    """Every parameter `model` computes with, now, with the module attribute that holds it
+    (a tied one once, under its first name, as `named_parameters` lists it)."""
+    seen: set[int] = set()
+    kernels = []
+    for prefix, module in model.named_modules():
+        for attr, p in module._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                kernels.append((f"{prefix}.{attr}" if prefix else attr, module, attr, p, p.shape, p.dtype))
+    return kernels
+
+
+def layout_changes(layout: list[Kernel]) -> list[str]:
+    """Each parameter of `layout` whose module now holds another tensor, or one of another
+    shape or dtype, named with both layouts. A layerwise reload keeps each kernel tensor (it
+    copies into it), so a different tensor means something else laid the weights out anew;
+    by shape alone a transpose of a square matrix would pass. About half a microsecond per
+    parameter (no module traversal, one lookup each): 9 ms for 16,000 here."""
     changes = []
-    for name, p in model.named_parameters():
-        was = layout.get(name)
-        if was is None:
+    for name, module, attr, kernel, shape, dtype in layout:
+        p = module._parameters.get(attr)
+        if p is kernel and p.shape == shape and p.dtype == dtype:
             continue
-        kernel, shape, dtype = was
-        now = (tuple(p.shape), p.dtype)
-        if p is not kernel or now != (shape, dtype):
-            what = "another tensor" if p is not kernel else "the same tensor"
-            changes.append(f"parameter {name!r}: {what} since the engine started (shape {shape}, {dtype} at start, now {now[0]}, {now[1]})")
+        what = "the same tensor" if p is kernel else "another tensor" if p is not None else "no tensor"
+        now = f"now {tuple(p.shape)}, {p.dtype}" if p is not None else "now none"
+        changes.append(f"parameter {name!r}: {what} since the engine started (shape {tuple(shape)}, {dtype} at start, {now})")
     return changes

@@ -202,7 +202,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         tensors, and one that got only some would be processed with the rest uninitialised.
         Refuse one too when a parameter's kernel layout changed since the engine started
         (`kernel_layout`): the reload would copy freshly processed tensors into it."""
-        moved = layout_changes(self._layout, self.model)
+        moved = layout_changes(self._layout)
         if moved:
             raise SpecMismatchError(
                 f"{moved[0]}{f' (+{len(moved) - 1} more)' if len(moved) > 1 else ''}: the engine's weights were laid out "
