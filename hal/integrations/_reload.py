@@ -1,8 +1,8 @@
 """What the vLLM engine keeps around vLLM's layerwise reload (hal.integrations.vllm).
 
 - `CarryArena`: memory for received tensors that wait for the rest of their layer.
-- `kernel_layout` / `layout_changes`: the shapes and dtypes the model computes with, taken
-  when the engine starts and compared before each sync. The reload copies each layer's
+- `kernel_layout` / `layout_changes`: the parameters the model computes with (the tensors,
+  their shapes and dtypes), taken when the engine starts and compared before each sync. The reload copies each layer's
   processed tensors back into the layer's kernel tensors, so a parameter that something
   else laid out anew in between (vllm-ascend 0.23's `NPUWorker.wake_up` transposes MoE
   expert weights back to the checkpoint's layout) would make it fail half-way.
