@@ -9,8 +9,14 @@ of them, and no engine):
   point `hal_weight_transfer` that pyproject.toml declares; importing it registers nothing.
 - `hal.integrations.vllm_lora`: the LoRA engine `backend="hal-lora"`. Importing it
   registers the backend (also declared as the entry point `hal_lora_weight_transfer`).
-- `hal.integrations.vllm_client`: the trainer side, driving offline `LLM`s, HTTP servers
-  and vLLM's trainer factory. Imports vLLM's trainer base classes at import time.
+- `hal.integrations.vllm_client`: the trainer side (`WeightSync`), driving vLLM's own
+  weight-sync clients (HTTP servers, Ray actors), offline `LLM`s, and vLLM's trainer
+  factory; it gathers the names of vllm_weight_sync, vllm_engines and
+  vllm_trainer_engine. Imports vLLM's trainer base classes and clients at import time.
+- `hal.integrations.ray`: Ray placement and tear-down (ray_placement, ray_scope). Imports
+  no Ray until called.
+- `hal.integrations.verl_plugin`: verl's platform and checkpoint engine "hal"
+  (verl_platform, verl_checkpoint with verl_settings and verl_weights). Imports verl.
 - `hal.integrations.vllm_internals`: every private vLLM name verl-hal uses, behind a
   version check. Imports vLLM only inside its functions.
 """

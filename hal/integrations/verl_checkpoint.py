@@ -42,246 +42,42 @@ With `delta`, the wire carries only the changed words (docs/delta.md); each roll
 keeps an image of the last sync (one model at the wire dtype, on its device) and still
 yields every tensor each update, rebuilt from it: verl's server adapters hand the weights
 to vLLM, whose layerwise reload re-processes a layer from all its tensors.
+
+Where each part lives: the settings (`sync_config_from`, re-exported here) in
+hal.integrations.verl_settings; verl's generator as a hal source and hal's receive as
+verl's generator in hal.integrations.verl_weights; the engine, its topology and one
+update here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
-import threading
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 import torch
 from verl.checkpoint_engine import CheckpointEngine
 
 import hal
 from hal import env
-from hal.backend import Backend
 from hal.integrations._shared import in_daemon_thread
-from hal.sync import (
-    BroadcastTransport,
-    DeltaConfig,
-    HierarchicalTransport,
-    IpcTransport,
-    Receiver,
-    SinkPolicy,
-    SyncConfig,
-    SyncError,
-    TensorSpec,
-    TrainerSync,
-)
+from hal.integrations.verl_settings import TRANSPORT_CHOICES, sync_config_from
+from hal.integrations.verl_weights import GeneratorSource, HandoffSink
+from hal.sync import BroadcastTransport, HierarchicalTransport, IpcTransport, Receiver, SyncError, TensorSpec, TrainerSync
 from hal.sync.errors import PeerError
 from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
 
 logger = logging.getLogger(__name__)
 
-# verl's default `update_weights_bucket_megabytes` (CheckpointEngineConfig, verl 0.9.1):
-# a bucket size of exactly this many MiB means the user left it alone, and hal sizes the
-# buckets from free device memory instead.
-VERL_DEFAULT_BUCKET_MEGABYTES = 2048
-# This engine's own settings in engine_kwargs["hal"], beside SyncConfig's fields.
-TRANSPORT_CHOICES = ("auto", "broadcast", "ipc", "hierarchical")
-ENGINE_SETTINGS = {
-    "transport": "how bytes travel: " + " | ".join(TRANSPORT_CHOICES) + " (default auto)",
-    "is_master": "set by verl on trainer rank 0 (the rank that sends)",
-}
-# SyncConfig fields this engine does not take, and why (docs/verl.md, "Not supported yet").
-UNSUPPORTED_SETTINGS: dict[str, str] = {}
 # The sync rank of trainer ranks outside the sync group (they gather, they do not send).
 NOT_IN_GROUP = -1
-
-
-def sync_config_from(bucket_size: int, settings: dict[str, Any]) -> SyncConfig:
-    """The `SyncConfig` for verl's `bucket_size` (bytes) and `engine_kwargs["hal"]` settings
-    (already without this engine's own keys); ValueError naming an unknown setting."""
-    refused = sorted(set(settings) & set(UNSUPPORTED_SETTINGS))
-    if refused:
-        raise ValueError(f"checkpoint engine 'hal': setting {refused[0]!r} is not supported: {UNSUPPORTED_SETTINGS[refused[0]]}")
-    fields = [f.name for f in dataclasses.fields(SyncConfig) if f.name not in UNSUPPORTED_SETTINGS]
-    unknown = sorted(set(settings) - set(fields))
-    if unknown:
-        raise ValueError(
-            f"checkpoint engine 'hal': unknown setting(s) {', '.join(map(repr, unknown))} in "
-            f"engine_kwargs['hal']; valid: the SyncConfig fields {', '.join(fields)}, and "
-            f"{', '.join(sorted(ENGINE_SETTINGS))}"
-        )
-    values = dict(settings)
-    wire = values.get("wire_dtype")
-    if isinstance(wire, str):
-        dtype = getattr(torch, wire.strip(), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"checkpoint engine 'hal': wire_dtype {wire!r} is not a torch dtype name (e.g. 'bfloat16')")
-        values["wire_dtype"] = dtype
-    if "delta" in values:
-        values["delta"] = _delta_config(values["delta"])
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
-        raise ValueError(f"checkpoint engine 'hal': bucket_size must be a positive int of bytes, got {bucket_size!r}")
-    if bucket_size != VERL_DEFAULT_BUCKET_MEGABYTES << 20:
-        given = values.get("bucket_bytes")
-        if given is not None and given != bucket_size:
-            raise ValueError(
-                f"checkpoint engine 'hal': update_weights_bucket_megabytes says {bucket_size >> 20} MiB "
-                f"({bucket_size} bytes) but engine_kwargs['hal'].bucket_bytes says {given}: set one"
-            )
-        values["bucket_bytes"] = bucket_size
-    return SyncConfig(**values)
-
-
-def _delta_config(value: Any) -> DeltaConfig | None:
-    """engine_kwargs["hal"]["delta"]: true, false/None, a mapping of DeltaConfig fields, or a DeltaConfig."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return DeltaConfig()
-    if isinstance(value, DeltaConfig):
-        return value
-    fields = [f.name for f in dataclasses.fields(DeltaConfig)]
-    if not hasattr(value, "keys"):  # (OmegaConf's DictConfig is a mapping too)
-        raise ValueError(f"checkpoint engine 'hal': delta must be true, false or a mapping of {', '.join(fields)}; got {value!r}")
-    unknown = sorted(set(value.keys()) - set(fields))
-    if unknown:
-        raise ValueError(f"checkpoint engine 'hal': unknown delta setting(s) {', '.join(map(repr, unknown))}; valid: {', '.join(fields)}")
-    return DeltaConfig(**{k: value[k] for k in value.keys()})
-
 
 _TRANSPORTS = {
     "broadcast": BroadcastTransport,
     "ipc": IpcTransport,
     "hierarchical": HierarchicalTransport,
 }
-
-
-# ---- the trainer side: verl's generator as a hal source ---------------------------------------
-class LayoutChanged(ValueError):
-    """verl's generator yielded other tensors than the layout this engine learned."""
-
-
-class GeneratorSource:
-    """verl's `(name, tensor)` generator (sync or async) as a hal `WeightSource`.
-
-    `layout`: the tensors of the previous sync, or None to learn them now: `metadata()`
-    then iterates the generator in full (every trainer rank's gathers run there, in
-    lockstep) and, with `keep` (the sending rank), keeps each tensor in host memory for the
-    sync to send; a rank without `keep` then iterates nothing more. With a layout,
-    iteration streams and checks every tensor against it. Iterated in a worker thread: an
-    async generator is stepped on `loop`.
-    """
-
-    def __init__(self, weights: Any, layout: list[TensorSpec] | None, loop: asyncio.AbstractEventLoop, *, keep: bool = True) -> None:
-        self._keep = keep
-        self._loop = loop
-        self._iterator = weights.__aiter__() if hasattr(weights, "__aiter__") else iter(weights)
-        self._async = hasattr(weights, "__aiter__")
-        self.layout = layout
-        self.learned = layout is None
-        self.changed = False
-        self._kept: list[tuple[str, torch.Tensor]] | None = None
-
-    def _next(self) -> tuple[str, torch.Tensor] | None:
-        if not self._async:
-            return next(self._iterator, None)
-        future = asyncio.run_coroutine_threadsafe(self._iterator.__anext__(), self._loop)
-        try:
-            return future.result()
-        except StopAsyncIteration:
-            return None
-
-    def _pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
-        while (pair := self._next()) is not None:
-            name, tensor = pair
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"verl's weight generator yielded a {type(tensor).__name__} for {name!r}, not a tensor")
-            yield name, tensor
-
-    def metadata(self) -> list[TensorSpec]:
-        if self.layout is None:
-            layout, kept = [], []
-            for name, tensor in self._pairs():
-                layout.append(TensorSpec.of(name, tensor))
-                if self._keep:
-                    kept.append((name, tensor.detach().to("cpu")))
-            self.layout, self._kept = layout, kept
-        return self.layout
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        layout = self.metadata()
-        if self._kept is not None:
-            kept, self._kept = self._kept, None
-            kept.reverse()
-            while kept:  # hand each one over and forget it: host memory goes as the sync goes
-                yield kept.pop()
-            return
-        count = 0
-        for name, tensor in self._pairs():
-            if count >= len(layout):
-                self.changed = True
-                raise LayoutChanged(f"verl's generator yielded {name!r} after the {len(layout)} tensors of the learned layout")
-            spec = layout[count]
-            if (name, tuple(tensor.shape), tensor.dtype) != (spec.name, spec.shape, spec.dtype):
-                self.changed = True
-                raise LayoutChanged(
-                    f"tensor {count} of verl's generator is {name!r} {tuple(tensor.shape)} {tensor.dtype}; "
-                    f"the learned layout has {spec.name!r} {spec.shape} {spec.dtype}"
-                )
-            count += 1
-            yield name, tensor
-        if count != len(layout):
-            self.changed = True
-            raise LayoutChanged(f"verl's generator ended after {count} of the learned layout's {len(layout)} tensors")
-
-
-# ---- the rollout side: hal's push-style receive as verl's async generator ---------------------
-_END = object()
-
-
-class _Handoff:
-    """A `Sink` that hands each complete tensor to the event loop and waits until the consumer
-    is done with it (asks for the next one), so the receiver may reuse its buffer after."""
-
-    # with delta syncs too: every tensor, every update (see the module doc)
-    policy = SinkPolicy(in_place=False, apply_unchanged=True)
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, backend: Backend) -> None:
-        self.loop = loop
-        self.timeout_s = timeout_s
-        self.backend = backend
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.closed = False
-        self._released = threading.Event()
-        self._consumer_done: Any = None  # an event recorded on the consumer's stream
-
-    def destination(self, name: str) -> None:
-        return None
-
-    def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        if self.closed:
-            raise RuntimeError("the rollout's consumer of receive_weights stopped before the sync ended")
-        self._released.clear()
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, list(pairs))
-        if not self._released.wait(self.timeout_s):
-            raise TimeoutError(f"the rollout's consumer took more than {self.timeout_s:g} s over {len(pairs)} tensor(s)")
-        if self.closed:
-            raise RuntimeError("the rollout's consumer of receive_weights stopped before the sync ended")
-        done, self._consumer_done = self._consumer_done, None
-        if done is not None:
-            done.synchronize()  # copies the consumer queued on its stream read these views
-
-    def abort(self) -> None:
-        pass
-
-    def release(self) -> None:
-        """On the loop: the consumer asked for more, so the tensors handed out are free."""
-        self._consumer_done = self.backend.current_stream().record_event()
-        self._released.set()
-
-    def finish(self, _result: Any = None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, _END)
-
-    def close(self) -> None:
-        self.closed = True
-        self._released.set()
 
 
 def _numeric_metrics(metrics: dict[str, Any]) -> dict[str, float | int]:
@@ -520,17 +316,13 @@ class HalCheckpointEngine(CheckpointEngine):
             raise RuntimeError("checkpoint engine 'hal': receive_weights before init_process_group on this rollout worker")
         loop = asyncio.get_running_loop()
         receiver = self._receiver
-        handoff = _Handoff(loop, self.config.timeout_s, receiver.backend)
+        handoff = HandoffSink(loop, self.config.timeout_s, receiver.backend)
         done = _in_thread(self._receive, receiver, handoff)
         done.add_done_callback(handoff.finish)
         try:
-            while True:
-                batch = await handoff.queue.get()
-                if batch is _END:
-                    break
+            async for batch in handoff.batches():
                 for pair in batch:
                     yield pair
-                handoff.release()
         finally:
             handoff.close()
             try:
@@ -543,5 +335,5 @@ class HalCheckpointEngine(CheckpointEngine):
         self.last_error = None
 
     @staticmethod
-    def _receive(receiver: Receiver, handoff: _Handoff) -> Any:
+    def _receive(receiver: Receiver, handoff: HandoffSink) -> Any:
         return receiver.receive(handoff)
