@@ -15,6 +15,7 @@ backends hand out the torch objects unchanged.
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence, runtime_checkable
 
@@ -172,9 +173,13 @@ class Backend:
         one per tensor. Casts dtypes like `copy_`; every pair must have equal shapes."""
         if len(dsts) != len(srcs):
             raise ValueError(f"copy_many_: {len(dsts)} destinations for {len(srcs)} sources")
-        for i, (dst, src) in enumerate(zip(dsts, srcs)):
-            if dst.shape != src.shape:
-                raise ValueError(f"copy_many_: pair {i}: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)}")
+        # torch's multi-tensor copy broadcasts like copy_, so shapes are compared here, one
+        # pair at a time inside `map` (a list of thousands of shapes alive at once would set
+        # off the garbage collector, which costs more than the copy); the loop names the pair
+        if any(map(operator.ne, map(_shape_of, dsts), map(_shape_of, srcs))):
+            for i, (dst, src) in enumerate(zip(dsts, srcs)):
+                if dst.shape != src.shape:
+                    raise ValueError(f"copy_many_: pair {i}: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)}")
         if dsts:
             self._copy_many(stream, list(dsts), list(srcs))
 
@@ -524,6 +529,9 @@ def _check_json_safe(value: Any, where: str) -> None:
 def _copy_non_blocking(dst: torch.Tensor, src: torch.Tensor) -> None:
     # non_blocking only matters between pinned host and device memory; elsewhere it is ignored.
     dst.copy_(src, non_blocking=True)
+
+
+_shape_of = operator.attrgetter("shape")
 
 
 def _copy_many_non_blocking(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -60,17 +61,32 @@ class TensorSpec:
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
-        """The spec of a tensor (a DTensor's global shape). Built without the checks of the
-        constructor, which a real tensor's shape and dtype pass by construction: sources
-        call this for every tensor of every sync."""
+        """The spec of a tensor (a DTensor's global shape). Sources call this for every
+        tensor of every sync, so the spec a name had last time is handed out again when the
+        tensor's shape and dtype still match it (`_LAST_SPECS`): nothing per tensor is
+        built, and a plan cache recognises the same layout by identity. A spec is an
+        immutable value checked against the tensor each time, never per-sync state."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"TensorSpec.name must be a non-empty string, got {name!r}")
+        last = _LAST_SPECS.get(name)
+        if last is not None and last.dtype is tensor.dtype and last.shape == tensor.shape:
+            return last
+        # without the constructor's checks, which a real tensor's shape and dtype pass
         spec = object.__new__(cls)
         object.__setattr__(spec, "name", name)
         object.__setattr__(spec, "shape", tuple(tensor.shape))
         object.__setattr__(spec, "dtype", tensor.dtype)
         spec._derive()
+        if len(_LAST_SPECS) >= _MAX_LAST_SPECS:  # many models in one process: start over
+            _LAST_SPECS.clear()
+        _LAST_SPECS[name] = spec
         return spec
+
+
+# The last spec handed out per name by `TensorSpec.of` (see there). Bounded: a process that
+# syncs models of more names than this only loses the reuse, never correctness.
+_LAST_SPECS: dict[str, TensorSpec] = {}
+_MAX_LAST_SPECS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +151,11 @@ class BucketPlan:
     """Tensors every byte of which travels in segments holding nothing else (a range of
     that one tensor, exactly). Only these can go straight from the sender's tensor and
     land straight in a receiver's destination: no other tensor shares their transfers."""
+    total_bytes: int = field(init=False, compare=False)
+    """The bytes of every tensor (derived once: every sync's metrics report it)."""
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_bytes", sum(s.nbytes for s in self.specs))
 
     @property
     def max_bucket_nbytes(self) -> int:
@@ -305,8 +322,14 @@ class PlanCache:
 
     def get(self, specs: Sequence[TensorSpec], bucket_bytes: int, verify: bool, segment_bytes: int | None = None) -> BucketPlan:
         last = self._last
-        if last is not None and last[0] is specs and last[1:] == (bucket_bytes, verify, segment_bytes):
-            return last[4]  # the very tuple of the last call (a receiver's decoded header): nothing to hash
+        if last is not None and last[1:4] == (bucket_bytes, verify, segment_bytes):
+            plan = last[4]
+            if last[0] is specs:
+                return plan  # the very tuple of the last call (a receiver's decoded header): nothing to hash
+            # the same spec objects as the last plan's, in order (what `TensorSpec.of` hands
+            # out while nothing changed): the same layout, at a pointer compare per tensor
+            if len(specs) == len(plan.specs) and all(map(operator.is_, specs, plan.specs)):
+                return plan
         key = plan_key(specs, bucket_bytes, verify, segment_bytes)
         plan = self._plans.pop(key, None)
         if plan is None:
@@ -315,6 +338,7 @@ class PlanCache:
         self._plans[key] = plan  # most recent last
         while len(self._plans) > self._size:
             self._plans.pop(next(iter(self._plans)))
-        # only a tuple is immutable: a list passed again may have changed since
-        self._last = (specs, bucket_bytes, verify, segment_bytes, plan) if isinstance(specs, tuple) else None
+        # only a tuple is immutable: a list passed again may have changed since (the
+        # element-wise compare above still holds for one)
+        self._last = (specs if isinstance(specs, tuple) else None, bucket_bytes, verify, segment_bytes, plan)
         return plan

@@ -13,6 +13,7 @@ receiver stops before landing anything of that segment (docs/design.md, "Failure
 
 from __future__ import annotations
 
+import operator
 import time
 from typing import Any, Callable, Iterator
 
@@ -60,6 +61,7 @@ class Sender:
         self._views = kernels.PieceViews()  # typed views of the pack targets, per plan
         self._staging: torch.Tensor | None = None
         self._sized_for = 0
+        self._last_wire: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])  # (metadata, its wire specs) of the last sync
         self.delta = DeltaSender(self.config.delta, self.backend) if self.config.delta is not None else None
         """Delta sync's state across syncs (hal.sync.delta), or None without delta."""
 
@@ -77,7 +79,12 @@ class Sender:
         wire = self.config.wire_dtype
         if wire is None:
             return metadata
-        return [s if (d := wire_dtype_for(s.dtype, wire)) is s.dtype else TensorSpec(s.name, s.shape, d) for s in metadata]
+        last_metadata, last_wire = self._last_wire
+        if len(metadata) == len(last_metadata) and all(map(operator.is_, metadata, last_metadata)):
+            return last_wire  # the same specs as last time: the same wire specs (and plan)
+        specs = [s if (d := wire_dtype_for(s.dtype, wire)) is s.dtype else TensorSpec(s.name, s.shape, d) for s in metadata]
+        self._last_wire = (metadata, specs)
+        return specs
 
     def send(self, source: Any, *, version: int) -> SyncMetrics:
         """Send every tensor of `source` as weight version `version`; returns this sync's metrics.
@@ -374,7 +381,7 @@ class _Packing:
             raise errors.SpecMismatchError(f"source yielded {name!r} where its metadata() declared {spec.name!r}; iteration must follow metadata order")
         if not isinstance(tensor, torch.Tensor):
             raise errors.SpecMismatchError(f"parameter {name!r}: the source yielded a {type(tensor).__name__}, not a tensor")
-        if tuple(tensor.shape) != spec.shape:
+        if tensor.shape != spec.shape:
             raise errors.SpecMismatchError(f"parameter {name!r}: metadata() declared shape {spec.shape}, iteration yielded {tuple(tensor.shape)}")
         return tensor
 

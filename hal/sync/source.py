@@ -76,8 +76,10 @@ class TensorSource:
         return [TensorSpec.of(name, t) for name, t in self.pairs]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        plain = torch.Tensor
         for name, tensor in self.pairs:
-            yield name, materialize(_detached(tensor))
+            # the common case (a plain tensor out of autograd) without a call per tensor
+            yield name, tensor if type(tensor) is plain and not tensor.requires_grad else materialize(_detached(tensor))
 
 
 def as_source(source: object) -> WeightSource:

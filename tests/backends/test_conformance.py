@@ -267,6 +267,29 @@ def test_copy_refuses_another_shape_with_the_same_element_count(backend):
     assert flat.cpu().tolist() == list(range(6))
 
 
+def test_copy_many_copies_every_pair_and_refuses_another_shape_before_launching(backend):
+    srcs = [torch.arange(n, dtype=torch.float32).to(backend.device()) for n in (1, 5, 64)]
+    dsts = [backend.empty(n, torch.bfloat16) for n in (1, 5, 64)]
+    stream = backend.new_stream()
+    backend.copy_many_(dsts, srcs, stream=stream)  # casting on the way, like copy_
+    stream.synchronize()
+    assert all(torch.equal(d.cpu(), s.cpu().to(torch.bfloat16)) for d, s in zip(dsts, srcs))
+    # a transposed weight in the middle of the list, and a source torch would broadcast
+    for bad, message in (
+        (torch.zeros((3, 2)), r"copy_many_: pair 1: destination has shape \(2, 3\), source \(3, 2\)"),
+        (torch.zeros((1, 3)), r"copy_many_: pair 1: destination has shape \(2, 3\), source \(1, 3\)"),
+    ):
+        targets = [backend.empty(4, torch.float32), backend.empty((2, 3), torch.float32)]
+        for t in targets:
+            t.fill_(-1)
+        with pytest.raises(ValueError, match=message):
+            backend.copy_many_(targets, [torch.ones(4).to(backend.device()), bad.to(backend.device())])
+        backend.synchronize()
+        assert all(t.cpu().eq(-1).all() for t in targets)  # nothing was launched, not even pair 0
+    with pytest.raises(ValueError, match="2 destinations for 1 sources"):
+        backend.copy_many_(targets, targets[:1])
+
+
 def test_copy_element_count_mismatch(backend):
     dst = backend.empty((2, 3), torch.float32)
     src = backend.empty((7,), torch.float32)

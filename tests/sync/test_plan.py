@@ -70,6 +70,20 @@ def test_layout_is_cached_while_metadata_is_unchanged_and_rebuilt_on_any_change(
     assert cache.get(base, 8192, False).digest != first.digest  # bucket size is part of the key
 
 
+def test_spec_of_a_tensor_is_the_last_one_while_it_matches_and_the_cache_knows_it_by_identity(monkeypatch):
+    w = TensorSpec.of("model.w", torch.zeros(4, 4))
+    assert TensorSpec.of("model.w", torch.ones(4, 4)) is w  # same name, shape, dtype: nothing built
+    for changed in (torch.zeros(4, 5), torch.zeros(4, 4, dtype=torch.bfloat16)):
+        fresh = TensorSpec.of("model.w", changed)
+        assert fresh is not w and (fresh.shape, fresh.dtype) == (tuple(changed.shape), changed.dtype)
+    metadata = [TensorSpec.of(f"layer.{i}", torch.zeros(i + 1)) for i in range(3)]
+    cache = PlanCache()
+    plan = cache.get(metadata, 4096, False)
+    again = [TensorSpec.of(f"layer.{i}", torch.zeros(i + 1)) for i in range(3)]  # a new list, the same objects
+    monkeypatch.setattr("hal.sync.plan.plan_key", lambda *a: pytest.fail("the same spec objects are known by identity"))
+    assert cache.get(again, 4096, False) is plan and cache.builds == 1
+
+
 def test_duplicate_names_and_tiny_buckets_are_rejected():
     with pytest.raises(ValueError, match="'p0' appears twice"):
         build_plan([TensorSpec("p0", (1,), torch.float32)] * 2, 4096)

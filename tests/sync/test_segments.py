@@ -3,10 +3,15 @@ with the number of tensors in it (issue 19), and what arrives is still exact.
 
 The same bytes travel once as 64 tensors and once as 1,024 (and in bf16 from fp32, so the
 pack casts too), in one segment of one bucket, on cpu and on sim (asynchronous streams);
-every backend call of the sender and of the receiver is counted.
+every backend call of the sender and of the receiver is counted, and so are the garbage
+collections during the sync: a sync that keeps an object per tensor alive while it runs
+(a list of shapes, a tuple per tensor handed over) sets off the collector, whose full
+passes over a large model's objects cost more than the sync itself (docs/benchmarks.md).
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -52,24 +57,41 @@ def segment_worker(rank, world, backend_name, transport_name, wire):
     transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[transport_name](None, src=0, timeout_s=30)
     config = SyncConfig(bucket_bytes=1 << 20, segment_bytes=1 << 20, wire_dtype=wire, timeout_s=30)
     counts, exact = {}, {}
+    collections: list[int] = []
+    gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
     for n in (64, 1024):
         backend = counting(kind)
         wire_of = lambda t: t.to(wire) if wire is not None else t  # noqa: E731
         if rank == 0:
             sender = Sender(transport, config, backend=backend)
             sender.send(TensorSource(pairs(n, 1)), version=1)  # the first sync allocates
+            source = TensorSource(pairs(n, 2))
             backend.reset()
-            metrics = sender.send(TensorSource(pairs(n, 2)), version=2)
+            gc.collect()
+            collections.clear()
+            metrics = sender.send(source, version=2)
+            during, calls = len(collections), dict(backend.calls)
             assert metrics.buckets == 1
+            sender.send(TensorSource(pairs(n, 3)), version=3)
         else:
             specs = [TensorSpec.of(name, wire_of(t)) for name, t in pairs(n, 0)]
             held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
             receiver = Receiver(transport, specs, backend=backend, timeout_s=30)
             receiver.receive(copy_into(held))
+            sink = copy_into(held)
             backend.reset()
-            receiver.receive(copy_into(held))
+            gc.collect()
+            collections.clear()
+            receiver.receive(sink)
+            during, calls = len(collections), dict(backend.calls)
             exact[n] = all(torch.equal(held[name], wire_of(t)) for name, t in pairs(n, 2))
-        counts[n] = dict(backend.calls)
+            # other destinations under the same names (an engine that reallocated its
+            # weights): what the receiver kept for the old ones must not be used
+            moved = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
+            receiver.receive(copy_into(moved))
+            exact[n] = exact[n] and all(torch.equal(moved[name], wire_of(t)) for name, t in pairs(n, 3))
+            exact[n] = exact[n] and all(torch.equal(held[name], wire_of(t)) for name, t in pairs(n, 2))
+        counts[n] = calls | {"garbage collections": during}
     return counts, exact
 
 
@@ -85,3 +107,4 @@ def test_backend_calls_per_segment_do_not_grow_with_its_tensor_count(backend, tr
     assert received[64] == received[1024], f"receiver: {received}"
     assert sent[1024].get("copy_many_") == 1 and not sent[1024].get("copy_"), sent
     assert received[1024].get("copy_many_") == 1 and not received[1024].get("copy_"), received
+    assert sent[1024]["garbage collections"] == 0 and received[1024]["garbage collections"] == 0, (sent, received)

@@ -11,6 +11,9 @@ parameters a Qwen2-architecture checkpoint holds, in checkpoint order:
                    that it fits here, with the tensor count of the MoE models RL runs on
                    (Qwen3-30B-A3B: about 18,900 tensors)
     tiny           26 tensors, 0.27 MiB bf16 (for tests: seconds, not minutes)
+    split-<n>      64 MiB of bf16 in n equal tensors (n = 64, 1024, 4096, 16384): the same
+                   bytes in more and more tensors, so that what a sync costs per tensor,
+                   not per byte, is the difference between them (issue 19's measurement)
 
 With tied embeddings (both Qwen2.5 sizes here) `lm_head.weight` is the embedding and is
 not a separate tensor.
@@ -110,7 +113,30 @@ class Preset:
         return sum(p.nbytes for p in self.params())
 
 
-PRESETS: dict[str, Preset] = {
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SplitPreset:
+    """`total_bytes` of bf16 in `tensors` equal 1-D tensors named `w.<i>`."""
+
+    name: str
+    tensors: int
+    bytes_total: int = 64 << 20
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def description(self) -> str:
+        return f"{self.bytes_total >> 20} MiB of bf16 in {self.tensors:,} tensors"
+
+    def params(self) -> list[Param]:
+        numel = self.bytes_total // self.tensors // self.dtype.itemsize
+        return [Param(f"w.{i}", (numel,), self.dtype) for i in range(self.tensors)]
+
+    def total_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params())
+
+
+SPLIT_COUNTS = (64, 1024, 4096, 16384)
+
+PRESETS: dict[str, Preset | SplitPreset] = {
     p.name: p
     for p in (
         # Qwen/Qwen2.5-0.5B config.json: 494M parameters.
@@ -170,10 +196,10 @@ PRESETS: dict[str, Preset] = {
             description="a toy Qwen2 shape for tests: 26 bf16 tensors",
         ),
     )
-}
+} | {f"split-{n}": SplitPreset(name=f"split-{n}", tensors=n) for n in SPLIT_COUNTS}
 
 
-def get_preset(name: str) -> Preset:
+def get_preset(name: str) -> Preset | SplitPreset:
     try:
         return PRESETS[name]
     except KeyError:
