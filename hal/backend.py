@@ -167,16 +167,20 @@ class Backend:
             )
         self._copy(stream, dst, src)
 
-    def copy_many_(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], /, *, stream: Stream | None = None) -> None:
+    def copy_many_(
+        self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], /, *, stream: Stream | None = None, shapes_checked: bool = False
+    ) -> None:
         """`dst.copy_(src)` for every pair, as one piece of device work on `stream` (torch's
         multi-tensor copy): a segment of thousands of small tensors costs one launch, not
-        one per tensor. Casts dtypes like `copy_`; every pair must have equal shapes."""
+        one per tensor. Casts dtypes like `copy_`; every pair must have equal shapes, which
+        is checked unless the caller says it compared them already (`shapes_checked`: the
+        sync does, against the specs, for every tensor it packs or hands over)."""
         if len(dsts) != len(srcs):
             raise ValueError(f"copy_many_: {len(dsts)} destinations for {len(srcs)} sources")
         # torch's multi-tensor copy broadcasts like copy_, so shapes are compared here, one
         # pair at a time inside `map` (a list of thousands of shapes alive at once would set
         # off the garbage collector, which costs more than the copy); the loop names the pair
-        if any(map(operator.ne, map(_shape_of, dsts), map(_shape_of, srcs))):
+        if not shapes_checked and any(map(operator.ne, map(_shape_of, dsts), map(_shape_of, srcs))):
             for i, (dst, src) in enumerate(zip(dsts, srcs)):
                 if dst.shape != src.shape:
                     raise ValueError(f"copy_many_: pair {i}: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)}")

@@ -37,7 +37,8 @@ class Destinations:
     every: dict[str, torch.Tensor]
     """Every destination the sink names: the tensor's bytes are copied there if they did not land there."""
     exact: dict[str, torch.Tensor]
-    """Those that may be written in place (the wire's dtype, contiguous, on the buffers' device)."""
+    """Those that may be written in place (the wire's dtype, contiguous, on the buffers' device),
+    among the tensors that travel alone (any tensor, for a delta sync, which patches in place)."""
     objects: list[Any]
     """Per spec of the sync, in order, what the sink answered (a tensor or None): compared by
     identity with the last sync's to know whether the cached handovers still hold."""
@@ -293,8 +294,9 @@ class Delivery:
             stream = self.kept.stream
             if self.backend.supports_async_streams:
                 stream.wait_stream(self.backend.current_stream())
-            # one multi-tensor copy for the segment (per copy, a launch cost more than the copy: H100)
-            self.backend.copy_many_(dsts, srcs, stream=stream)
+            # one multi-tensor copy for the segment (per copy, a launch cost more than the copy: H100);
+            # every destination's shape was checked against its spec this sync, every view is made from it
+            self.backend.copy_many_(dsts, srcs, stream=stream, shapes_checked=True)
             stream.synchronize()  # the views are reused once this returns
         self.sink.apply(applied)
 

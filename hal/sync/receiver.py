@@ -109,13 +109,14 @@ class Receiver:
             check_auth(header, self.token, challenge)
             if self.version is not None and header.version < self.version:
                 raise errors.StaleVersionError(f"receiver holds weight version {self.version}; refusing older version {header.version}")
-            destinations = self._check_specs(header.specs, sink)
-            if self.validate is not None:
-                self.validate(list(header.specs))
             try:
                 plan = self.plans.get(header.specs, header.bucket_bytes, header.verify, header.segment_bytes)
             except ValueError as exc:
                 raise errors.HeaderError(f"header describes no valid bucket layout: {exc}") from None
+            # in place: only tensors that travel alone can land there; a delta may patch any
+            destinations = self._check_specs(header.specs, sink, None if header.delta else plan.solo_tensors)
+            if self.validate is not None:
+                self.validate(list(header.specs))
             if plan.digest != header.digest:
                 raise errors.SpecMismatchError(
                     f"bucket layout differs from the sender's ({plan.digest} vs {header.digest}): mismatched verl-hal versions?"
@@ -126,14 +127,15 @@ class Receiver:
             return header, None, None, errors.report_exception(exc, sender=False)
         return header, plan, destinations, RankReport()
 
-    def _check_specs(self, specs: tuple[TensorSpec, ...], sink: Sink) -> Destinations:
+    def _check_specs(self, specs: tuple[TensorSpec, ...], sink: Sink, exact_for: frozenset[str] | None) -> Destinations:
         """Refuse specs this receiver does not accept, or that the sink's destinations do not
-        fit; returns the sink's destinations for this sync, asked once each."""
+        fit; returns the sink's destinations for this sync, asked once each, and which of
+        those named in `exact_for` (None: all) may be written in place."""
         problems: list[str] = []
         # checked against `self.specs` already (the same tuple), or nothing to check against
         known = specs is self._accepted or self.specs is None
         device = self.backend.device()
-        in_place = sink.policy.in_place
+        in_place = sink.policy.in_place and (exact_for is None or bool(exact_for))
         every: dict[str, torch.Tensor] = {}
         exact: dict[str, torch.Tensor] = {}
         objects = [sink.destination(spec.name) for spec in specs]
@@ -158,7 +160,7 @@ class Receiver:
             every[spec.name] = dest
             # only a destination matching the wire spec exactly (dtype, contiguous, on the
             # buffers' device) may be written in place
-            if in_place and dest.dtype is spec.dtype and dest.is_contiguous() and dest.device == device:
+            if in_place and (exact_for is None or spec.name in exact_for) and dest.dtype is spec.dtype and dest.is_contiguous() and dest.device == device:
                 exact[spec.name] = dest
         if problems:
             more = f" (+{len(problems) - _MAX_REPORTED} more)" if len(problems) > _MAX_REPORTED else ""

@@ -59,6 +59,7 @@ class Sender:
         self.version: int | None = None
         self._stream = self.backend.new_stream()
         self._views = kernels.PieceViews()  # typed views of the pack targets, per plan
+        self._packs: dict[tuple, _SegmentPack] = {}  # per segment of several pieces, per plan and target (`_pack_whole`)
         self._staging: torch.Tensor | None = None
         self._sized_for = 0
         self._last_wire: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])  # (metadata, its wire specs) of the last sync
@@ -182,15 +183,14 @@ class Sender:
         if into is not None:
             target = buffer = into
         segments.clear_gaps(target, bucket, segment, stream)
-        if len(segment.parts) > 1:
+        parts = segment.parts
+        if len(parts) > 1:
             # Several pieces, so none of them goes straight from its own memory (`_direct`):
             # the whole ones are gathered, then packed by one multi-tensor copy into views of
             # the target cached with the plan; chunks of larger tensors go the way below.
-            self._pack_whole(packing, bucket, segment, target, keep, timer)
-        for index, lo, hi in segment.parts:
+            parts = self._pack_whole(packing, bucket, segment, target, keep, timer)
+        for index, lo, hi in parts:
             piece = bucket.pieces[index]
-            if piece.is_whole and len(segment.parts) > 1:
-                continue  # packed above
             spec = piece.spec
             if piece.is_first and lo == 0:
                 with timer("gather"):
@@ -227,26 +227,44 @@ class Sender:
             backend.copy_(buffer[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
         return buffer[segment.start : segment.stop], False
 
-    def _pack_whole(self, packing: "_Packing", bucket: Bucket, segment: Segment, target: torch.Tensor, keep: list[torch.Tensor], timer: PhaseTimer) -> None:
+    def _pack_whole(
+        self, packing: "_Packing", bucket: Bucket, segment: Segment, target: torch.Tensor, keep: list[torch.Tensor], timer: PhaseTimer
+    ) -> list[tuple[int, int, int]]:
         """Gather the whole pieces of a segment and pack them with one multi-tensor copy:
-        one stream wait and one launch per segment, whatever its tensor count."""
-        views = self._views.of(packing.plan, target, bucket)
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        pieces, next_tensor, clock = bucket.pieces, packing.next_tensor, time.perf_counter
-        began = clock()
-        for index, _, hi in segment.parts:
-            piece = pieces[index]
-            if piece.is_whole:
-                tensor = next_tensor(piece.spec)
-                if hi:
-                    dsts.append(views[index])
-                    srcs.append(tensor)
-        timer.add("gather", clock() - began)
+        one stream wait and one launch per segment, whatever its tensor count. Returns the
+        segment's other parts (chunks of larger tensors), for the caller to pack."""
+        packs = self._packs.get((packing.plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start))
+        if packs is None:
+            packs = self._segment_packs(packing.plan, bucket, segment, target)
+        whole, dsts, others = packs
+        began = time.perf_counter()
+        srcs = packing.gather(whole)
+        timer.add("gather", time.perf_counter() - began)
         keep.extend(srcs)
         if self.backend.supports_async_streams:  # a gather (e.g. full_tensor) may still be running
             self._stream.wait_stream(self.backend.current_stream())
-        self.backend.copy_many_(dsts, srcs, stream=self._stream)
+        # every source was checked against its spec (`gather`), every view is made from it
+        self.backend.copy_many_(dsts, srcs, stream=self._stream, shapes_checked=True)
+        return others
+
+    def _segment_packs(self, plan: BucketPlan, bucket: Bucket, segment: Segment, target: torch.Tensor) -> "_SegmentPack":
+        """What packing a segment of several pieces needs, made once per plan and target
+        (`_packs`): per whole piece its spec and whether it has bytes, their views in
+        order, and the other parts."""
+        if len(self._packs) >= 4 * sum(len(b.segments) for b in plan.buckets) + 8:
+            self._packs = {}  # buffers were reallocated or the layout changed: the old keys are stale
+        views = self._views.of(plan, target, bucket)
+        whole, dsts, others = [], [], []
+        for index, lo, hi in segment.parts:
+            piece = bucket.pieces[index]
+            if piece.is_whole:
+                whole.append((piece.spec, hi > 0))
+                if hi:
+                    dsts.append(views[index])
+            else:
+                others.append((index, lo, hi))
+        packs = self._packs[(plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start)] = (whole, dsts, others)
+        return packs
 
     def _direct(self, plan: BucketPlan, spec: TensorSpec, tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
         """Whether every range of this tensor goes straight from its memory, skipping the
@@ -363,6 +381,10 @@ class OutgoingSync:
         )
 
 
+# Per whole piece its spec and whether it has bytes; the views they pack into; the other parts.
+_SegmentPack = tuple[list[tuple[TensorSpec, bool]], list[torch.Tensor], list[tuple[int, int, int]]]
+
+
 class _Packing:
     """The source's iterator and the tensor being packed, for one sync."""
 
@@ -377,13 +399,24 @@ class _Packing:
             name, tensor = next(self.it)
         except StopIteration:
             raise errors.SpecMismatchError(f"source ended before parameter {spec.name!r} that its metadata() declared") from None
-        if name != spec.name:
-            raise errors.SpecMismatchError(f"source yielded {name!r} where its metadata() declared {spec.name!r}; iteration must follow metadata order")
-        if not isinstance(tensor, torch.Tensor):
-            raise errors.SpecMismatchError(f"parameter {name!r}: the source yielded a {type(tensor).__name__}, not a tensor")
-        if tensor.shape != spec.shape:
-            raise errors.SpecMismatchError(f"parameter {name!r}: metadata() declared shape {spec.shape}, iteration yielded {tuple(tensor.shape)}")
+        _check_yielded(spec, name, tensor)
         return tensor
+
+    def gather(self, whole: list[tuple[TensorSpec, bool]]) -> list[torch.Tensor]:
+        """The next tensors of the source, for these specs (checked as `next_tensor` checks
+        them; the loop is inlined: a segment may hold thousands); those with bytes, in order."""
+        srcs: list[torch.Tensor] = []
+        it, plain = self.it, torch.Tensor
+        for spec, has_bytes in whole:
+            try:
+                name, tensor = next(it)
+            except StopIteration:
+                raise errors.SpecMismatchError(f"source ended before parameter {spec.name!r} that its metadata() declared") from None
+            if name != spec.name or (type(tensor) is not plain and not isinstance(tensor, plain)) or tensor.shape != spec.shape:
+                _check_yielded(spec, name, tensor)
+            if has_bytes:
+                srcs.append(tensor)
+        return srcs
 
     def start(self, spec: TensorSpec, tensor: torch.Tensor, direct: bool, in_ranges: bool, backend: Backend, stream: Any) -> None:
         """Take `tensor` as the one being packed, in the form its ranges are cut from: a
@@ -394,3 +427,13 @@ class _Packing:
             backend.copy_(wire, tensor, stream=stream)
             tensor = wire
         self.tensor = tensor
+
+
+def _check_yielded(spec: TensorSpec, name: Any, tensor: Any) -> None:
+    """Refuse what a source yielded where `spec` was declared, naming what differs."""
+    if name != spec.name:
+        raise errors.SpecMismatchError(f"source yielded {name!r} where its metadata() declared {spec.name!r}; iteration must follow metadata order")
+    if not isinstance(tensor, torch.Tensor):
+        raise errors.SpecMismatchError(f"parameter {name!r}: the source yielded a {type(tensor).__name__}, not a tensor")
+    if tensor.shape != spec.shape:
+        raise errors.SpecMismatchError(f"parameter {name!r}: metadata() declared shape {spec.shape}, iteration yielded {tuple(tensor.shape)}")

@@ -289,12 +289,12 @@ def async_pack_failure_worker(rank, world):
             real = backend.copy_many_
             calls = {"n": 0}
 
-            def fails_on_the_stream(dsts, srcs, *, stream=None):
+            def fails_on_the_stream(dsts, srcs, *, stream=None, shapes_checked=False):
                 calls["n"] += 1
                 if calls["n"] == 2:
                     backend.launch(stream, _boom)
                     return
-                real(dsts, srcs, stream=stream)
+                real(dsts, srcs, stream=stream, shapes_checked=shapes_checked)
 
             backend.copy_many_ = fails_on_the_stream
             try:
