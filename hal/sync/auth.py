@@ -15,7 +15,9 @@ from hal.sync.errors import AuthError
 
 # The sync protocol's version, bound into every proof (a proof made for another protocol is
 # no proof here) and announced in every header (hal.sync.header.HEADER_PROTOCOL).
-WIRE_PROTOCOL = 3
+# 4: a piece's checksum pads its last partial word instead of weighing its tail bytes one
+# by one, so that a bucket's checksums are computed all at once (hal.kernels.checksums).
+WIRE_PROTOCOL = 4
 
 
 def auth_proof(token: str, *, version: int, digest: str, challenge: str) -> str:

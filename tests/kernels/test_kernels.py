@@ -103,6 +103,33 @@ def test_checksums_into_takes_the_bytes_from_where_the_newer_ones_begin():
     assert out[0] == expected[0] and (out[1:] != expected[1:]).all()
 
 
+@pytest.mark.parametrize("small,span", [(1 << 20, 32 << 20), (64, 4096)], ids=["default", "tiny-groups"])
+def test_checksums_of_many_ranges_equal_one_checksum_each(monkeypatch, small, span):
+    """Ranges of every kind at once: empty, under a word, with a partial last word, whole
+    blocks, across blocks, large ones (one at a time), out of order, in several groups."""
+    monkeypatch.setattr(kernels, "_SMALL_RANGE_BYTES", small)
+    monkeypatch.setattr(kernels, "_BATCH_SPAN_BYTES", span)
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (40_000,), dtype=torch.uint8, generator=g)
+    ranges = [(0, 0), (8, 3), (16, 4096), (4160, 4101), (8320, 8), (8328, 12_000), (20_480, 1), (30_000, 9_999), (24_000, 5000)]
+    expected = torch.stack([kernels.checksum(data[o : o + n]) for o, n in ranges])
+    assert torch.equal(kernels.checksums(data, ranges), expected)
+    assert kernels.checksums(data, []).numel() == 0
+    with pytest.raises(ValueError, match="8-byte boundaries"):
+        kernels.checksums(data, [(4, 8)])
+    with pytest.raises(ValueError, match="inside the 40000 bytes"):
+        kernels.checksums(data, [(39_992, 16)])
+
+
+def test_checksum_pads_a_partial_last_word_and_weighs_blocks_by_position():
+    data = torch.randint(0, 256, (2 * 4096 + 5,), dtype=torch.uint8)
+    words = data[: 2 * 4096].view(torch.int64)
+    tail = torch.zeros(8, dtype=torch.uint8)
+    tail[:5] = data[2 * 4096 :]
+    expected = words[:512].sum() + 2 * words[512:].sum() + 3 * tail.view(torch.int64)[0]
+    assert kernels.checksum(data) == expected
+
+
 def test_checksum_rejects_typed_tensors():
     with pytest.raises(ValueError, match="flat uint8"):
         kernels.checksum(torch.zeros(4))

@@ -120,7 +120,7 @@ def test_realistic_header_round_trips_and_encodes_deterministically():
 def test_encoding_is_the_documented_compact_json():
     header = small_header(auth=auth_proof(TOKEN, version=7, digest=DIGEST, challenge=CHALLENGE))
     expected = (
-        '{"protocol":3,"version":7,"specs":[["embed.weight",[8,4],"bfloat16"],["scale",[],"float32"],'
+        '{"protocol":4,"version":7,"specs":[["embed.weight",[8,4],"bfloat16"],["scale",[],"float32"],'
         '["ids",[0,3],"int64"]],"bucket_bytes":1048576,"segment_bytes":65536,"verify":true,'
         f'"digest":"{DIGEST}","delta":false,"delta_base":null,"auth":"{header.auth}"}}'
     ).encode()
@@ -304,7 +304,7 @@ def test_sender_refuses_to_encode_an_oversize_header(monkeypatch):
 
 def test_wrong_protocol():
     message = refused_object(lambda o: o.update(protocol=7, unknown_future_key=1))
-    assert message == "header protocol 7; this verl-hal speaks 3: mismatched verl-hal versions on trainer and engine?"
+    assert message == "header protocol 7; this verl-hal speaks 4: mismatched verl-hal versions on trainer and engine?"
     refused_object(lambda o: o.update(protocol="1"), "'protocol'")
     refused(b'{"version":1}', "'protocol'")
 
@@ -322,7 +322,7 @@ def test_bad_auth_format(auth):
 def test_duplicate_json_keys():
     data = small_header().encode().replace(b'"version":7', b'"version":7,"version":8')
     refused(data, "repeats", "'version'")
-    refused(b'{"protocol":3,"protocol":3}', "'protocol'")
+    refused(b'{"protocol":4,"protocol":3}', "'protocol'")
 
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
@@ -336,7 +336,7 @@ def test_float_overflowing_to_infinity_is_not_an_int():
 
 def test_deep_nesting():
     refused(b"[" * 100000, "nests")
-    refused(b'{"protocol":3,"version":' + b"[" * 100000 + b"]" * 100000 + b"}")
+    refused(b'{"protocol":4,"version":' + b"[" * 100000 + b"]" * 100000 + b"}")
     refused(b"{\"a\":" * 100000 + b"1" + b"}" * 100000)
     # nesting short of the recursion limit is just a wrong type, quoted briefly
     refused(small_header().encode().replace(b'"version":7', b'"version":' + b"[" * 500 + b"]" * 500), "'version'")

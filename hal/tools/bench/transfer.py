@@ -50,7 +50,8 @@ receiver-owned memory (a preallocated destination tensor per parameter).
                    consumer that uses the bucket in place would pay. NOT comparable to
                    floor: nothing is left in receiver-owned memory afterwards.
 
-Timing: each repetition starts after a barrier; its time is the latest end minus the
+Timing: each repetition starts after a garbage collection (of the bench's own objects,
+outside the timed region, as `timeit` does) and a barrier; its time is the latest end minus the
 earliest start over all processes (`time.perf_counter`, CLOCK_MONOTONIC, shared by the
 processes of a node). First every method, one after the other, creates its objects and
 runs its warm-up repetitions (at least one; memory is measured here, see below). Then
@@ -667,6 +668,9 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
     report["setup_wall_s"] = time.perf_counter() - began
 
     def one(method: str, state: _MethodState, label: str) -> tuple[float, float, float]:
+        # the bench's own garbage (its checks, the earlier methods') is collected outside
+        # the timed region, as timeit does: a collection it set off would land in a sync
+        gc.collect()
         dist.barrier()
         state.ctx.trace.clear()
         c0 = time.process_time()
