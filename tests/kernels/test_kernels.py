@@ -107,8 +107,8 @@ def test_checksums_into_takes_the_bytes_from_where_the_newer_ones_begin():
 def test_checksums_of_many_ranges_equal_one_checksum_each(monkeypatch, small, span):
     """Ranges of every kind at once: empty, under a word, with a partial last word, whole
     blocks, across blocks, large ones (one at a time), out of order, in several groups."""
-    monkeypatch.setattr(kernels, "_SMALL_RANGE_BYTES", small)
-    monkeypatch.setattr(kernels, "_BATCH_SPAN_BYTES", span)
+    monkeypatch.setattr(kernels.verify, "_SMALL_RANGE_BYTES", small)
+    monkeypatch.setattr(kernels.verify, "_BATCH_SPAN_BYTES", span)
     g = torch.Generator().manual_seed(3)
     data = torch.randint(0, 256, (40_000,), dtype=torch.uint8, generator=g)
     ranges = [(0, 0), (8, 3), (16, 4096), (4160, 4101), (8320, 8), (8328, 12_000), (20_480, 1), (30_000, 9_999), (24_000, 5000)]
