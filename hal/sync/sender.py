@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 

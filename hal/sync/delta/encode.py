@@ -11,7 +11,6 @@ import torch
 
 from hal import kernels
 from hal.backend import Backend
-from hal.sync import errors
 from hal.sync.config import DeltaConfig
 from hal.sync.delta.pacer import Pacer
 from hal.sync.plan import Bucket, BucketPlan, Segment, bucket_offsets, segment_word

@@ -1,0 +1,307 @@
+"""A sync header as JSON on the wire: its limits, the dtype names, and the reading that
+refuses hostile input while it parses, before a hostile value is ever built (the header
+itself is hal.sync.header.SyncHeader).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import reprlib
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from hal.sync.auth import WIRE_PROTOCOL
+from hal.sync.errors import HeaderError
+from hal.sync.plan import TensorSpec
+
+HEADER_PROTOCOL = WIRE_PROTOCOL
+"""Wire format version; bumped whenever the header's keys or their meaning change (3: the
+proof covers the receivers' challenge, `Transport.challenge`; 4: a piece's checksum pads its
+last partial word, hal.kernels.verify)."""
+
+MAX_HEADER_BYTES = 64 * 2**20
+"""Largest encoded header either side accepts: bounds what a hostile peer can make a receiver parse."""
+
+MAX_SPECS = 1_000_000
+MAX_NAME_CHARS = 1024
+MAX_DIMS = 32
+MAX_DIM = 2**48
+MAX_TENSOR_BYTES = 2**48
+MIN_BUCKET_BYTES = 4096  # as SyncConfig: smaller buckets make no sense and stress the plan
+MAX_BUCKET_BYTES = 2**40
+MAX_VERSION = 2**63  # exclusive: versions fit an int64 on every side
+DIGEST_CHARS = 24  # hal.sync.plan.plan_key keeps this many hex characters
+AUTH_CHARS = 64  # hex of an HMAC-SHA256
+
+# No valid header holds a number longer than this (2**63 has 19 digits). Checked before
+# Python converts the literal: conversion of a long digit string is quadratic, and the
+# interpreter's own digit limit can be switched off.
+_MAX_NUMBER_CHARS = 24
+_MAX_QUOTE = 100
+
+_WIRE_DTYPE_NAMES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+)
+
+WIRE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {name: dtype for name in _WIRE_DTYPE_NAMES if isinstance(dtype := getattr(torch, name, None), torch.dtype)}
+)
+"""Wire name -> dtype of every dtype a sync may carry (those this torch lacks are left out)."""
+
+_NAME_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {dtype: dtype.itemsize for dtype in WIRE_DTYPES.values()}
+_HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in (DIGEST_CHARS, AUTH_CHARS)}
+_KEYS = ("protocol", "version", "specs", "bucket_bytes", "segment_bytes", "verify", "digest", "delta", "delta_base", "auth")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of `dtype` (its torch attribute name, e.g. "bfloat16")."""
+    try:
+        return _NAME_OF[dtype]
+    except (KeyError, TypeError):  # TypeError: not hashable, so not a dtype either
+        raise ValueError(f"dtype {_quote(dtype)} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype whose wire name is `name`."""
+    dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise ValueError(f"unknown dtype name {_quote(name)}; valid names: {', '.join(WIRE_DTYPES)}")
+    return dtype
+
+
+# -- checks shared by construction and decoding --------------------------------------------
+
+
+def _check_int(field: str, value: Any, lo: int | None = None, hi: int | None = None, expected: str = "an int") -> None:
+    if type(value) is not int:  # exactly int: a bool or a float is a different value on the wire
+        raise HeaderError(f"header field {field!r}: expected {expected}, got {_describe(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise HeaderError(f"header field {field!r}: {_quote(value)} is outside [{_bound(lo)}, {_bound(hi)}]")
+
+
+def _check_hex(field: str, value: Any, chars: int, alternative: str = "") -> None:
+    if not isinstance(value, str) or not _HEX[chars].fullmatch(value):
+        expected = f"{chars} lowercase hex characters{alternative}"
+        raise HeaderError(f"header field {field!r}: expected {expected}, got {_describe(value)}")
+
+
+def _check_spec(i: int, name: Any, shape: Any, dtype: Any) -> None:
+    # Runs once per tensor on every sync, up to a million times: messages are built only on failure.
+    problem = _spec_problem(name, shape, dtype)
+    if problem is not None:
+        raise HeaderError(f"{_where(i, name)}: {problem}")
+
+
+def _where(i: int, name: Any) -> str:
+    return f"header field 'specs[{i}]'" + (f" ({_quote(name)})" if isinstance(name, str) and name else "")
+
+
+def _spec_problem(name: Any, shape: Any, dtype: Any) -> str | None:
+    if not isinstance(name, str) or not name:
+        return f"name must be a non-empty string, got {_describe(name)}"
+    if len(name) > MAX_NAME_CHARS:
+        return f"name of {len(name)} characters, at most {MAX_NAME_CHARS} are allowed"
+    if "\0" in name:
+        return "name contains NUL"
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: not text, cannot travel as UTF-8
+            return "name is not valid Unicode (it holds a lone surrogate)"
+    if type(shape) is not tuple:
+        return f"shape must be a sequence of ints, got {_describe(shape)}"
+    if len(shape) > MAX_DIMS:
+        return f"shape has {len(shape)} dimensions, at most {MAX_DIMS} are allowed"
+    for d in shape:
+        if type(d) is not int or d < 0 or d > MAX_DIM:
+            return f"shape dimensions must be ints in [0, 2**48], got {_describe(d)}"
+    itemsize = _ITEMSIZE.get(dtype) if isinstance(dtype, torch.dtype) else None
+    if itemsize is None:
+        return f"dtype {_quote(dtype)} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}"
+    if math.prod(shape) * itemsize > MAX_TENSOR_BYTES:  # at most 32 dims of 2**48: a small bignum
+        return f"shape {_quote(shape)} of {_NAME_OF[dtype]} holds more than {MAX_TENSOR_BYTES} bytes"
+    return None
+
+
+class _LastSpecs:
+    """The last spec tuple that passed every check, and the JSON list it was decoded from.
+
+    Every sync of a training job carries the same tensors, and checking a few hundred of
+    them costs milliseconds per sync; a list equal to the last one decoded (compared as
+    plain JSON values, so nothing hostile gets past) reuses its checked tuple.
+    """
+
+    def __init__(self) -> None:
+        self.raw: list | None = None
+        self.specs: tuple[TensorSpec, ...] | None = None
+        self.text: str | None = None  # the JSON text of `raw` as a header carried it
+
+    def remember(self, raw: list | None, specs: tuple[TensorSpec, ...]) -> None:
+        if raw is not None or self.specs is not specs:
+            self.raw = raw
+            self.text = None
+        self.specs = specs
+
+
+_validated = _LastSpecs()
+# Where the specs start in a header this module encoded: `{"protocol":P,"version":V,"specs":`.
+# JSON strings cannot hold an unescaped quote, so this prefix is the structure it looks like.
+_SPECS_AT = re.compile(r'\{"protocol":[0-9]+,"version":[0-9]+,"specs":')
+_encoded: list = [None, ""]  # (the spec tuple last encoded, its JSON text)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _specs_text(specs: tuple[TensorSpec, ...]) -> str:
+    if _encoded[0] is not specs:
+        _encoded[:] = [specs, _dumps([[s.name, list(s.shape), _NAME_OF[s.dtype]] for s in specs])]
+    return _encoded[1]
+
+
+def _decode_specs(raw: Any) -> tuple[TensorSpec, ...]:
+    if _validated.raw is not None and type(raw) is list and raw == _validated.raw and _same_types(raw, _validated.raw):
+        return _validated.specs  # type: ignore[return-value]
+    specs = _decode_new_specs(raw)
+    _validated.remember(raw, specs)
+    return specs
+
+
+def _same_types(a: list, b: list) -> bool:
+    """`==` treats True as 1 and 1.0 as 1: equal lists must also hold values of equal types."""
+    for x, y in zip(a, b):
+        if type(x[1]) is not list or type(y[1]) is not list:
+            return False
+        if any(type(d) is not int for d in x[1]) or type(x[0]) is not str or type(x[2]) is not str:
+            return False
+    return True
+
+
+def _decode_new_specs(raw: Any) -> tuple[TensorSpec, ...]:
+    if not isinstance(raw, list):
+        raise HeaderError(f"header field 'specs': expected a list of [name, shape, dtype], got {_describe(raw)}")
+    if len(raw) > MAX_SPECS:
+        raise HeaderError(f"header field 'specs': {len(raw)} tensors, at most {MAX_SPECS} are allowed")
+    specs = []
+    seen: set[str] = set()
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise HeaderError(f"header field 'specs[{i}]': expected [name, shape, dtype], got {_describe(entry)}")
+        name, shape, dtype = entry
+        torch_dtype = WIRE_DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if torch_dtype is None:
+            raise HeaderError(f"{_where(i, name)}: dtype {_quote(dtype)} is not one of {', '.join(WIRE_DTYPES)}")
+        if isinstance(shape, list):
+            shape = tuple(shape)
+        # checked before TensorSpec sees them: it would coerce true to 1 and 2.5 to 2
+        _check_spec(i, name, shape, torch_dtype)
+        if name in seen:
+            raise HeaderError(f"header field 'specs[{i}]': name {_quote(name)} appears twice")
+        seen.add(name)
+        specs.append(TensorSpec(name, shape, torch_dtype))
+    return tuple(specs)
+
+
+# -- json hooks: refuse while parsing, before a hostile value is ever built ----------------
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise HeaderError(f"header repeats the key {_quote(key)}")
+            seen.add(key)
+    return obj
+
+
+def _refuse_constant(name: str) -> Any:
+    raise HeaderError(f"header holds {name}, which is not a JSON number (no header field takes it)")
+
+
+def _parse_int(literal: str) -> int:
+    if len(literal) > _MAX_NUMBER_CHARS:
+        raise HeaderError(
+            f"header holds an integer of {len(literal)} characters ({_quote(literal)}): no header field takes one that large"
+        )
+    return int(literal)
+
+
+def _parse_float(literal: str) -> float:
+    if len(literal) > _MAX_NUMBER_CHARS:
+        raise HeaderError(f"header holds a number of {len(literal)} characters ({_quote(literal)}): no header field takes one")
+    return float(literal)  # kept so the field that holds it is named in the error
+
+
+# -- messages ---------------------------------------------------------------------------
+
+
+def _protocol_message(protocol: int) -> str:
+    return (
+        f"header protocol {_quote(protocol)}; this verl-hal speaks {HEADER_PROTOCOL}: "
+        "mismatched verl-hal versions on trainer and engine?"
+    )
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel = 3
+_repr.maxstring = _MAX_QUOTE
+_repr.maxother = _MAX_QUOTE
+_repr.maxlong = 40
+for _attr in ("maxtuple", "maxlist", "maxdict", "maxset", "maxfrozenset"):
+    setattr(_repr, _attr, 6)
+
+
+def _quote(value: Any) -> str:
+    """repr of `value`, at most about _MAX_QUOTE characters, whatever its size."""
+    if type(value) is int and value.bit_length() > 128:
+        return f"<int of {value.bit_length()} bits>"  # repr of a huge int is slow, or refused past the digit limit
+    try:
+        text = _repr.repr(value)
+    except Exception:  # a foreign object's __repr__ may raise anything; never hide the real error behind it
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= _MAX_QUOTE else text[: _MAX_QUOTE - 3] + "..."
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {_quote(value)}"
+
+
+def _bound(value: int | None) -> str:
+    if value is None:
+        return "..."
+    for exp in (63, 48, 40):
+        if value in (2**exp, 2**exp - 1):
+            return f"2**{exp}" + ("" if value == 2**exp else " - 1")
+    return str(value)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    text = text if len(text) <= _MAX_QUOTE else text[: _MAX_QUOTE - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
