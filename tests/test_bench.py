@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hal import cli
-from hal.tools.bench import presets, transfer
+from hal.tools.bench import buffers, presets, transfer, transfer_config
 
 pytestmark = pytest.mark.cpu
 
@@ -39,14 +39,14 @@ def test_unknown_preset_names_the_valid_ones():
 
 def test_pattern_check_catches_a_misplaced_or_missing_tensor():
     params = presets.get_preset("tiny").params()
-    offsets, total = transfer._layout(params)
+    offsets, total = buffers.flat_layout(params)
     flat = torch.empty(total, dtype=torch.uint8)
-    transfer._fill_pattern(flat)
-    assert transfer._matches_pattern(flat)
-    views = transfer._views(flat, params, offsets)
+    buffers.fill_pattern(flat)
+    assert buffers.matches_pattern(flat)
+    views = buffers.flat_views(flat, params, offsets)
     views[3].zero_()  # a tensor that never arrived
-    assert not transfer._matches_pattern(flat)
-    assert transfer._first_mismatch(flat, params, offsets) == params[3].name
+    assert not buffers.matches_pattern(flat)
+    assert buffers.first_mismatch(flat, params, offsets) == params[3].name
 
 
 @pytest.mark.multiprocess
@@ -89,7 +89,7 @@ def test_bench_rejects_an_unknown_method(capsys):
 def test_a_run_past_its_deadline_raises_and_leaves_no_process_behind():
     import multiprocessing
 
-    config = transfer.TransferConfig(preset="tiny", methods=("floor",), repeats=1, timeout_s=0.05)
+    config = transfer_config.TransferConfig(preset="tiny", methods=("floor",), repeats=1, timeout_s=0.05)
     with pytest.raises(TimeoutError, match="did not finish"):
         transfer.run_transfer(config)
     assert multiprocessing.active_children() == []
@@ -118,13 +118,13 @@ def _check_processes(report, receivers):
 
 
 def test_node_layout_and_default_methods():
-    assert transfer.node_keys(4, 2) == ["trainer", "node0", "node0", "node1", "node1"]
-    assert transfer.node_leaders(4, 2) == [1, 3]
-    assert transfer.node_keys(3, 1) == ["trainer", "node0", "node0", "node0"]
-    assert transfer.node_leaders(3, 1) == [1]
-    assert transfer.default_methods(1, 1) == transfer.ALL_METHODS  # no new flags: as before
-    assert set(transfer.default_methods(2, 1)) == set(transfer.ALL_METHODS) | {"hal_hier", "floor_leaders"}
-    assert not set(transfer.default_methods(4, 2)) & set(transfer.SHM_METHODS)
+    assert transfer_config.node_keys(4, 2) == ["trainer", "node0", "node0", "node1", "node1"]
+    assert transfer_config.node_leaders(4, 2) == [1, 3]
+    assert transfer_config.node_keys(3, 1) == ["trainer", "node0", "node0", "node0"]
+    assert transfer_config.node_leaders(3, 1) == [1]
+    assert transfer_config.default_methods(1, 1) == transfer_config.ALL_METHODS  # no new flags: as before
+    assert set(transfer_config.default_methods(2, 1)) == set(transfer_config.ALL_METHODS) | {"hal_hier", "floor_leaders"}
+    assert not set(transfer_config.default_methods(4, 2)) & set(transfer_config.SHM_METHODS)
 
 
 def test_bench_rejects_impossible_layouts(capsys):
@@ -133,7 +133,7 @@ def test_bench_rejects_impossible_layouts(capsys):
     with pytest.raises(SystemExit, match="one node"):
         cli.main(["bench", "--preset", "tiny", "--receivers", "2", "--nodes", "2", "--methods", "floor,hal_shm"])
     with pytest.raises(ValueError, match="nodes"):
-        transfer.TransferConfig(preset="tiny", receivers=2, nodes=3)
+        transfer_config.TransferConfig(preset="tiny", receivers=2, nodes=3)
 
 
 @pytest.mark.multiprocess
@@ -145,7 +145,7 @@ def test_bench_cli_with_two_receivers(tmp_path):
     report = json.loads(out_json.read_text())
     _check_processes(report, 2)
     rows = {r["method"]: r for r in report["results"]}
-    assert list(rows) == list(transfer.default_methods(2, 1))
+    assert list(rows) == list(transfer_config.default_methods(2, 1))
     model, segments = report["bytes"], report["segment_bytes_per_sync"]
     assert model <= segments < 1.1 * model  # the plan's segments: the model plus padding inside segments
     for name, r in rows.items():
@@ -343,7 +343,7 @@ def test_device_transfer_pattern_check_catches_one_wrong_byte():
     from hal.tools.bench import device_transfer
 
     flat = torch.zeros(100_003, dtype=torch.uint8)
-    transfer._fill_pattern(flat)
+    buffers.fill_pattern(flat)
     assert device_transfer._matches(flat)
     flat[77_777] ^= 1
     assert not device_transfer._matches(flat)

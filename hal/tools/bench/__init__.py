@@ -66,7 +66,7 @@ _VLLM_MODULE = "hal.tools.bench.vllm_engine"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hal.tools.bench.transfer import ALL_METHODS, METHODS, SHM_METHODS, TOPOLOGY_METHODS
+    from hal.tools.bench.transfer_config import ALL_METHODS, METHODS, SHM_METHODS, TOPOLOGY_METHODS
 
     parser.add_argument("--engine", choices=ENGINES, default="transfer", help="transfer: process-to-process benchmark (default); vllm: into a live vLLM engine")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="synthetic weight set (default: qwen2.5-0.5b)")
@@ -196,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
         report = importlib.import_module(_VLLM_MODULE).run(args)  # prints its own summary
     else:
         report = _run_transfer(args)
-        from hal.tools.bench.transfer import format_table
+        from hal.tools.bench.transfer_table import format_table
 
         print(format_table(report))
     _write(report, args)
@@ -204,7 +204,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
-    from hal.tools.bench.transfer import default_methods, run_transfer
+    from hal.tools.bench.transfer import run_transfer
+    from hal.tools.bench.transfer_config import default_methods
 
     receivers, nodes = getattr(args, "receivers", 1), getattr(args, "nodes", 1)
     if nodes > receivers:
@@ -281,7 +282,7 @@ def _run_delta(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _transfer_config(args: argparse.Namespace, methods: tuple[str, ...], receivers: int, nodes: int) -> Any:
-    from hal.tools.bench.transfer import TransferConfig
+    from hal.tools.bench.transfer_config import TransferConfig
 
     return TransferConfig(
         preset=args.preset,

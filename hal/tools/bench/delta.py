@@ -58,7 +58,8 @@ from typing import Any, Callable
 import torch
 
 from hal.tools.bench.presets import Param, get_preset
-from hal.tools.bench.transfer import GIB, MIB, RECEIVER, SENDER, PeakMemory, _bytes_equal, _close, _layout, _metrics_dict, _views
+from hal.tools.bench.buffers import bytes_equal as _bytes_equal, flat_layout as _layout, flat_views as _views
+from hal.tools.bench.common import GIB, MIB, RECEIVER, SENDER, PeakMemory, close as _close, metrics_dict as _metrics_dict
 from hal.procs import free_port, run_gloo_rank, spawn_ranks
 
 METHODS = ("floor", "hal_bucketed", "hal_delta_bytes", "hal_delta_time")

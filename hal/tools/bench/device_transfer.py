@@ -39,13 +39,12 @@ from typing import Any, Callable
 import torch
 
 from hal.tools.bench.presets import PRESETS, get_preset
-from hal.tools.bench.transfer import _PATTERN_PERIOD, _fill_pattern, _layout, _pattern_block, _views
+from hal.tools.bench.buffers import PATTERN_PERIOD, fill_pattern, flat_layout, flat_views, pattern_block
+from hal.tools.bench.common import GIB, SENDER
 from hal.procs import free_port, run_gloo_rank, spawn_ranks
 
 METHODS = ("floor_ipc", "hal_ipc", "hal_ipc_verified", "hal_ipc_staged", "hal_gloo")
 DEFAULT_METHODS = METHODS
-SENDER = 0
-GIB = float(1 << 30)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,11 +91,11 @@ class _Rank:
 
 
 def _matches(flat: torch.Tensor) -> bool:
-    """Whether `flat` holds what `_fill_pattern` writes, compared on its device (the
+    """Whether `flat` holds what `fill_pattern` writes, compared on its device (the
     transfer benchmark's check is libc memcmp, host memory only)."""
     n = flat.numel()
-    period = min(_PATTERN_PERIOD, n)
-    block = _pattern_block(period, 0).to(flat.device)
+    period = min(PATTERN_PERIOD, n)
+    block = pattern_block(period, 0).to(flat.device)
     return torch.equal(flat[:period], block) and (n == period or torch.equal(flat[period:], flat[: n - period]))
 
 
@@ -144,15 +143,15 @@ def _rank_body(rank: int, config: DeviceTransferConfig) -> dict[str, Any]:
     backend = hal.get_backend(config.backend) if config.backend else hal.current()
     backend.set_device(rank % backend.device_count())
     params = get_preset(config.preset).params()
-    offsets, total = _layout(params)
+    offsets, total = flat_layout(params)
     if rank == SENDER:
         flat = backend.empty_shared(total) if backend.supports_ipc else backend.empty(total, torch.uint8)
-        _fill_pattern(flat)
+        fill_pattern(flat)
     else:
         flat = backend.empty(total, torch.uint8)
         flat.zero_()
     backend.synchronize()
-    state = _Rank(rank, config, backend, flat, list(zip((p.name for p in params), _views(flat, params, offsets))))
+    state = _Rank(rank, config, backend, flat, list(zip((p.name for p in params), flat_views(flat, params, offsets))))
     runs = {m: (_setup_floor_ipc(state) if m == "floor_ipc" else _setup_hal(state, m)) for m in config.methods}
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in config.methods}
     verified = {m: 0 for m in config.methods}
