@@ -366,31 +366,31 @@ def test_bench_device_transfer_refuses_what_it_does_not_take():
 
 
 def test_delta_bench_config_checks_its_fields():
-    from hal.tools.bench import delta
+    from hal.tools.bench import delta_config
 
     with pytest.raises(ValueError, match="lrs"):
-        delta.DeltaBenchConfig(preset="tiny", lrs=(0.0,))
+        delta_config.DeltaBenchConfig(preset="tiny", lrs=(0.0,))
     with pytest.raises(ValueError, match="syncs"):
-        delta.DeltaBenchConfig(preset="tiny", syncs=0)
+        delta_config.DeltaBenchConfig(preset="tiny", syncs=0)
     with pytest.raises(ValueError, match="wire_dtype"):
-        delta.DeltaBenchConfig(preset="tiny", wire_dtype=torch.float64)
+        delta_config.DeltaBenchConfig(preset="tiny", wire_dtype=torch.float64)
     with pytest.raises(ValueError, match="qwen2.5-0.5b"):
-        delta.DeltaBenchConfig(preset="qwen-9000")
+        delta_config.DeltaBenchConfig(preset="qwen-9000")
 
 
 def test_delta_targets_and_projection():
-    from hal.tools.bench import delta
+    from hal.tools.bench import delta_report
 
     summary = {"lr": 1e-6, "bytes_ratio": 0.1, "ratio_to_dense": 0.7, "wire_bytes": 100.0, "dense_wire_bytes": 1000.0,
                "encode_s": 0.5, "apply_s": 0.3, "dense_apply_s": 0.2}
-    verdicts = {t["target"]: t["met"] for t in delta.target_verdicts(summary)}
+    verdicts = {t["target"]: t["met"] for t in delta_report.target_verdicts(summary)}
     assert verdicts == {"wire bytes <= 0.12x dense": True, "seconds <= 0.6x dense hal_bucketed": False}
-    assert [t["met"] for t in delta.target_verdicts({**summary, "lr": 1e-5, "ratio_to_dense": 1.04})] == [True]
+    assert [t["met"] for t in delta_report.target_verdicts({**summary, "lr": 1e-5, "ratio_to_dense": 1.04})] == [True]
     by_time = {"bytes_ratio": 1.0, "ratio_to_dense": 1.01, "mean_ratio_to_dense": 1.08}
-    verdicts = delta.target_verdicts({**summary, "lr": 1e-5, "ratio_to_dense": 1.04, "by_time": by_time})
+    verdicts = delta_report.target_verdicts({**summary, "lr": 1e-5, "ratio_to_dense": 1.04, "by_time": by_time})
     assert [(t["choose"], t["met"]) for t in verdicts] == [("bytes", True), ("time", True), ("time", False)]
-    assert delta.target_verdicts({**summary, "lr": 3e-6}) == []  # no target at this lr
-    wb = delta.wire_bound_projection(summary)
+    assert delta_report.target_verdicts({**summary, "lr": 3e-6}) == []  # no target at this lr
+    wb = delta_report.wire_bound_projection(summary)
     assert wb["extra_s"] == pytest.approx(0.6)  # encode plus the apply time dense sync does not spend
     assert wb["break_even_gb_per_s"] == pytest.approx(900 / 0.6 / 1e9)  # (dense - delta bytes) / extra
     assert wb["ratio_0_6_gb_per_s"] == pytest.approx(500 / 0.6 / 1e9)
@@ -402,10 +402,10 @@ def test_delta_targets_and_projection():
 def test_a_delta_run_past_its_deadline_raises_and_leaves_no_process_behind():
     import multiprocessing
 
-    from hal.tools.bench import delta
+    from hal.tools.bench import delta, delta_config
 
     with pytest.raises(TimeoutError, match="did not finish"):
-        delta.run_delta(delta.DeltaBenchConfig(preset="tiny", syncs=1, timeout_s=0.05))
+        delta.run_delta(delta_config.DeltaBenchConfig(preset="tiny", syncs=1, timeout_s=0.05))
     assert multiprocessing.active_children() == []
 
 

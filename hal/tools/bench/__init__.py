@@ -188,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
 
         print(format_device_table(report))
     elif getattr(args, "delta", False):
-        from hal.tools.bench.delta import format_table as format_delta_table
+        from hal.tools.bench.delta_report import format_table as format_delta_table
 
         report = _run_delta(args)
         print(format_delta_table(report))
@@ -246,7 +246,8 @@ def _run_device_transfer(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_delta(args: argparse.Namespace) -> dict[str, Any]:
-    from hal.tools.bench.delta import WIRE_DTYPES, DeltaBenchConfig, run_delta
+    from hal.tools.bench.delta import run_delta
+    from hal.tools.bench.delta_config import WIRE_DTYPES, DeltaBenchConfig
 
     unsupported = [
         flag
