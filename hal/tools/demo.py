@@ -17,16 +17,19 @@ previous version when that is smaller, and every N-th sync is a whole anchor aga
 table and plot then also show, per step, whether the sync was an anchor or a delta, the
 fraction of words changed, and the bytes sent against what a dense sync sends; the check
 also compares the engine's log-probabilities of its greedy tokens with the trainer's
-(`LOGPROB_TOLERANCE`). See `add_arguments` for the configuration --delta picks and why.
+(`LOGPROB_TOLERANCE` in hal.tools.demo_rl). See `add_arguments` for the configuration --delta picks and why.
 
 Writes a PNG of reward and sync time per step; `--json PATH` writes the per-step record.
 Exits non-zero if outputs stop matching or the engine reports another version.
+
+The code: this module holds the options and the loop; hal.tools.demo_rl the engine, the
+prompts, the REINFORCE step and the engine-trainer comparison (shared with
+hal.tools.demo_ray); hal.tools.demo_plot the PNG.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -34,21 +37,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-PROMPT_LEN = 6
+from hal.tools.demo_plot import write_plot
+from hal.tools.demo_rl import (
+    LOGPROB_TOLERANCE,
+    engine_greedy,
+    engine_greedy_logprobs,
+    quiet_vllm,
+    random_prompts,
+    reinforce_step,
+    round_to_wire,
+    say,
+    shutdown_engine,
+    start_engine,
+    trainer_greedy,
+    trainer_logprobs,
+)
+
 ARCHITECTURES = ("llama", "qwen2")  # hal.tools.tiny_model.ARCHITECTURES, without importing torch here
 LR = 3e-3
 DELTA_LR = 1e-3
 DELTA_ANCHOR_EVERY = 8
 DELTA_SEGMENT_BYTES = 64 << 10
 WIRE_DTYPES = ("float32", "bfloat16")
-LOGPROB_TOLERANCE = 1e-4
-"""--delta also checks the engine's log-probabilities of its greedy tokens against the
-trainer's: fp32 vLLM-CPU and transformers differ by about 1e-5 on the same weights, an
-engine one version behind by about 0.1 (measured on the tiny model, Adam at lr 1e-3)."""
 TRANSPORTS = ("auto", "broadcast", "ipc")  # "auto" and hal.integrations.vllm.TRANSPORTS, without importing vLLM here
-
-def say(line: str) -> None:
-    print(line, flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,201 +126,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _quiet_vllm() -> None:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    for name in ("transformers", "torch"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with contextlib.suppress(Exception):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-
-
-def start_engine(model_dir: Path, *, seed: int, max_model_len: int = 256):
-    """A vLLM `LLM` on `model_dir` in fp32 with the hal weight-transfer backend."""
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
-    return LLM(
-        model=str(model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=max_model_len,
-        kv_cache_memory_bytes=128 * 2**20,
-        seed=seed,
-        weight_transfer_config=WeightTransferConfig(backend="hal"),
-    )
-
-
-def shutdown_engine(llm: Any) -> None:
-    from hal.integrations import vllm_internals
-
-    with contextlib.suppress(Exception):
-        vllm_internals.shutdown_llm(llm)
-
-
-def engine_greedy(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def engine_greedy_logprobs(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy completions and the engine's log-probability of each of their tokens."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [[top[t].logprob for t, top in zip(toks, o.outputs[0].logprobs)] for toks, o in zip(tokens, outs)]
-    return tokens, logprobs
-
-
-def token_logprobs(logits: Any, targets: Any) -> Any:
-    """log p(target) at each position, from logits [..., T, vocab] and targets [..., T]."""
-    import torch
-
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def trainer_logprobs(model: Any, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
-    """The transformers model's log-probability of each completion token, one prompt at a time."""
-    import torch
-
-    model.eval()
-    out = []
-    with torch.no_grad():
-        for prompt, completion in zip(prompts, completions):
-            ids = torch.tensor([prompt + completion])
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
-            out.append(token_logprobs(logits, torch.tensor(completion)).tolist())
-    return out
-
-
-def trainer_greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy completions from the transformers model, one prompt at a time (no padding)."""
-    import torch
-
-    model.eval()
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )
-            outs.append(out[0, len(prompt):].tolist())
-    return outs
-
-
-def random_prompts(gen: Any, n: int, vocab_size: int) -> list[list[int]]:
-    import torch
-
-    from hal.tools.tiny_model import BOS, SPECIAL_TOKENS
-
-    body = torch.randint(len(SPECIAL_TOKENS), vocab_size, (n, PROMPT_LEN - 1), generator=gen)
-    return [[BOS, *row] for row in body.tolist()]
-
-
-def reinforce_step(model: Any, optimizer: Any, prompts: list[list[int]], completions: list[list[list[int]]], rewards: list[list[float]]) -> float:
-    """One policy-gradient step: advantage = reward minus the mean of the prompt's samples."""
-    import torch
-
-    model.train()
-    seqs, advs = [], []
-    for prompt, comps, rs in zip(prompts, completions, rewards):
-        baseline = sum(rs) / len(rs)
-        for comp, r in zip(comps, rs):
-            seqs.append(prompt + comp)
-            advs.append(r - baseline)
-    ids = torch.tensor(seqs)
-    adv = torch.tensor(advs)
-    logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1 : -1]
-    targets = ids[:, PROMPT_LEN:]
-    logp = token_logprobs(logits, targets)
-    loss = -(adv.unsqueeze(1) * logp).sum(dim=1).mean()
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return float(loss.detach())
-
-
-def write_plot(path: Path, steps: list[dict[str, Any]], model_name: str = "Llama") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if steps and "delta" in steps[0]:
-        write_delta_plot(path, steps, model_name, plt)
-        return
-    xs = [s["step"] for s in steps]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax1.plot(xs, [s["reward"] for s in steps], marker="o")
-    ax1.set_ylabel("reward (target-token fraction)")
-    ax1.set_title(f"hal demo: RL on a tiny {model_name}, trainer -> live vLLM engine")
-    ax1.grid(alpha=0.3)
-    ax2.bar(xs, [s["sync_seconds"] * 1000 for s in steps], color="tab:orange")
-    ax2.set_ylabel("sync (ms)")
-    ax2.set_xlabel("step (= weight version)")
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_delta_plot(path: Path, steps: list[dict[str, Any]], model_name: str, plt: Any) -> None:
-    """Reward, fraction changed, bytes sent against dense, sync time: anchors marked."""
-    from matplotlib.ticker import MaxNLocator
-
-    xs = [s["step"] for s in steps]
-    anchors = [s["step"] for s in steps if not s["delta"]]
-    colors = ["tab:gray" if not s["delta"] else "tab:blue" for s in steps]
-    fig, axes = plt.subplots(4, 1, figsize=(7, 10), sharex=True)
-    ax1, ax2, ax3, ax4 = axes
-    ax1.plot(xs, [s["reward"] for s in steps], color="tab:blue", zorder=1)
-    outcomes = (
-        (True, "o", "tab:green", f"engine = trainer (greedy tokens; log-probs within {LOGPROB_TOLERANCE:g})"),
-        (False, "X", "tab:red", "engine DIFFERS from trainer"),
-    )
-    for matched, marker, color, label in outcomes:
-        picked = [s for s in steps if (s["outputs_match"] and s["logprob_gap"] <= LOGPROB_TOLERANCE) is matched]
-        if picked:
-            ax1.scatter([s["step"] for s in picked], [s["reward"] for s in picked], marker=marker, color=color, label=label, zorder=2)
-    ax1.legend(loc="upper left", fontsize=8)
-    ax1.set_ylabel("reward (target-token fraction)")
-    ax1.set_title(f"hal demo --delta: RL on a tiny {model_name}, trainer -> live vLLM engine")
-    fractions = [s["changed_fraction"] for s in steps]
-    ax2.bar([x for x, f in zip(xs, fractions) if f is not None], [100 * f for f in fractions if f is not None], color="tab:blue")
-    ax2.set_ylabel("words changed (%)")
-    ax2.set_ylim(0, 100)
-    ax3.plot(xs, [s["dense_wire_bytes"] / 2**10 for s in steps], color="black", linestyle="--", label="dense sync")
-    ax3.bar(xs, [s["wire_bytes"] / 2**10 for s in steps], color=colors, label="sent (gray: anchor)")
-    ax3.set_ylabel("bytes sent (KiB)")
-    ax3.set_ylim(bottom=0)
-    ax3.legend(loc="lower right", fontsize=8)
-    ax4.bar(xs, [s["sync_seconds"] * 1000 for s in steps], color=colors)
-    ax4.set_ylabel("sync (ms)")
-    ax4.set_xlabel("step (= weight version); gray bars and dotted lines: whole (anchor) syncs")
-    ax4.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        for a in anchors:
-            ax.axvline(a, color="tab:gray", linestyle=":", linewidth=1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def resolve_options(args: argparse.Namespace) -> None:
     """Fill in the defaults that depend on --delta (see add_arguments), in place."""
     delta = getattr(args, "delta", False)
@@ -326,21 +142,6 @@ def resolve_options(args: argparse.Namespace) -> None:
         anchor_every = args.anchor_every = DELTA_ANCHOR_EVERY
     if delta and (isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or anchor_every < 1):
         raise ValueError(f"--anchor-every must be at least 1, got {anchor_every!r}")
-
-
-def round_to_wire(reference: Any, trainer: Any, dtype: Any) -> Any:
-    """`reference` holds the trainer's weights as the engine got them: cast to the wire
-    dtype and back (the engine runs fp32 and casts on load). Returns `reference`."""
-    import torch
-
-    from hal.sync import wire_dtype_for
-
-    with torch.no_grad():
-        for (name, ref), (other, p) in zip(reference.named_parameters(), trainer.named_parameters(), strict=True):
-            if name != other:
-                raise RuntimeError(f"reference model parameter {name!r} does not line up with the trainer's {other!r}")
-            ref.copy_(p.to(wire_dtype_for(p.dtype, dtype)))
-    return reference
 
 
 DELTA_KEYS = ("delta", "changed_fraction", "wire_bytes", "dense_wire_bytes", "segments_by_encoding", "logprob_gap")
@@ -379,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
     delta = getattr(args, "delta", False)
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    _quiet_vllm()
+    quiet_vllm()
     import torch
 
     from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model

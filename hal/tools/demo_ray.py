@@ -31,7 +31,9 @@ from typing import Any
 
 from vllm import LLM
 
-from hal.tools.demo import check_ray_options, engine_greedy, random_prompts, reinforce_step, say, trainer_greedy, write_plot
+from hal.tools.demo import check_ray_options
+from hal.tools.demo_plot import write_plot
+from hal.tools.demo_rl import engine_greedy, random_prompts, reinforce_step, say, trainer_greedy
 
 TIMEOUT_S = 120.0
 

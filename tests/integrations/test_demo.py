@@ -41,7 +41,7 @@ def test_demo_delta_engine_matches_trainer_after_every_delta_and_anchor_sync(tmp
     engine's greedy output equals the trainer's (on the bf16-rounded weights it was sent),
     and its log-probabilities of those tokens are within LOGPROB_TOLERANCE of the trainer's.
     """
-    from hal.tools.demo import LOGPROB_TOLERANCE
+    from hal.tools.demo_rl import LOGPROB_TOLERANCE
 
     out = tmp_path / "demo"
     report = tmp_path / "steps.json"
