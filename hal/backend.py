@@ -15,6 +15,7 @@ backends hand out the torch objects unchanged.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence, runtime_checkable
@@ -396,6 +397,21 @@ class Backend:
         library = self.dist_backend if dist_backend is None else dist_backend
         return torch.device("cpu") if control_on_host(library) else self.device()
 
+    def new_process_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, /) -> Any:
+        """A `dist_backend` group object of `size` ranks over `store`, outside c10d's registry
+        (what hal's sync group is: `hal.sync.group.join_sync_group`). Every rank calls it;
+        `timeout` bounds each collective. The default is torch.distributed's
+        `ProcessGroup<NAME>(store, rank, size, timeout)`; a backend whose library's class lives
+        elsewhere, or takes an options object, builds it its own way (the npu backend).
+        ValueError naming the library when torch.distributed has no such class."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"backend {self.name!r}: new_process_group: size must be an int >= 1, got {size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"backend {self.name!r}: new_process_group: rank {rank!r} is not a rank of a group of {size}")
+        if not isinstance(timeout, datetime.timedelta) or timeout <= datetime.timedelta(0):
+            raise ValueError(f"backend {self.name!r}: new_process_group: timeout must be a positive timedelta, got {timeout!r}")
+        return self._new_process_group(store, rank, size, timeout)
+
     def describe(self) -> dict[str, Any]:
         """The declared attributes, for `hal info` and logs (JSON-safe).
 
@@ -425,6 +441,19 @@ class Backend:
             raise NotImplementedError(f"backend {self.name!r} does not support {operation} ({capability} is False)")
 
     # ---- hooks ----------------------------------------------------------------------
+    def _new_process_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        import torch.distributed as dist
+
+        # ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupMPI: the library's name in any case
+        name = "ProcessGroup" + self.dist_backend.upper()
+        cls = next((getattr(dist, n) for n in dir(dist) if n.lower() == name.lower()), None)
+        if cls is None:
+            raise ValueError(
+                f"backend {self.name!r}: collective library {self.dist_backend!r}: torch.distributed has no {name} here "
+                f"(is its package imported?)"
+            )
+        return cls(store, rank, size, timeout)
+
     def _device_count(self) -> int:
         raise NotImplementedError
 

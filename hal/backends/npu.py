@@ -176,13 +176,11 @@ class NpuBackend(TorchDeviceBackend):
         setter(f"expandable_segments:{expandable_segments}")
         return None
 
-    def new_process_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-        """torch_npu's HCCL backend object of a group outside c10d's registry, as hal's sync
-        group needs one (hal.sync.group.join_sync_group): `torch.distributed` has no
-        `ProcessGroupHCCL`, whose class lives in torch_npu's extension and takes an options
-        object, not a timeout. Built the way torch_npu's own registry builds it
-        (`torch_npu._init.registry.distributed`); nothing calls this yet: the sync group
-        asks `torch.distributed` for `ProcessGroup<NAME>` (docs/ascend.md)."""
+    def _new_process_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        # torch.distributed has no ProcessGroupHCCL: torch_npu's class lives in its extension
+        # and takes an options object, not a timeout. Built the way torch_npu's own registry
+        # builds it (`torch_npu._init.registry.distributed._new_process_group_hccl_helper`):
+        # Options with `_timeout`, no high-priority stream.
         c10d = importlib.import_module("torch_npu._C._distributed_c10d")
         options = c10d.ProcessGroupHCCL.Options()
         options._timeout = timeout
@@ -242,7 +240,7 @@ TORCH_NPU_NEEDS: tuple[Need, ...] = (
     # the collective library, by the name hal passes to torch.distributed
     Need(target="torch_npu._init.registry.distributed:register_distributed_backend_for_npu", text=NpuBackend.dist_backend,
          why="dist_backend"),
-    # what new_process_group does, as torch_npu's own registry does it (the class is C++)
+    # what _new_process_group does, as torch_npu's own registry does it (the class is C++)
     *(Need(target="torch_npu._init.registry.distributed:_new_process_group_hccl_helper", sets=field,
            why="new_process_group (ProcessGroupHCCL.Options)") for field in ("_timeout", "is_high_priority_stream")),
 )

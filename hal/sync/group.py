@@ -4,9 +4,13 @@ A group made here leaves each process's default process group (a trainer's FSDP 
 alone, and its rendezvous listens only where it is told: rank 0 serves the store on a
 socket it bound to `SyncGroupSpec.address` (torch's own TCPStore server listens on every
 interface, whatever host it is given: measured), and gloo's listener goes on a loopback
-address when the group is one node's. It uses the rendezvous layout of vLLM's
-`stateless_init_torch_distributed_process_group`, so a trainer joining here and vLLM
-workers joining with vLLM's helper (the hal engine does) meet in one group.
+address when the group is one node's. Every rank joins here: the trainer's sender and
+the hal vLLM engine's workers alike (vLLM's own stateless helper would ask the vLLM platform
+for a device group, which vllm-ascend's `NPUPlatform` cannot build). The group object of a
+library other than gloo is the hal backend's to build (`Backend.new_process_group`:
+torch_npu's HCCL group on the npu backend). The rendezvous layout is that of vLLM's
+`stateless_init_torch_distributed_process_group`, so a process joining with that helper
+still meets the ranks that join here.
 
     spec = SyncGroupSpec.create(world_size=1 + workers)           # on the trainer's side
     group = join_sync_group(spec, rank, timeout_s=60)             # every rank, concurrently
@@ -90,13 +94,15 @@ def join_sync_group(
     """Join the sync group as `rank`; returns the group hal's transports speak to.
 
     Every rank of `spec` calls this (concurrently: it returns once all have joined). The
-    group is a torch.distributed c10d backend object (`torch.distributed.ProcessGroupGloo`
-    or the class named after the collective library) created outside c10d's registry: it
-    leaves this process's default process group (a trainer's FSDP group) alone, and
+    group is a c10d backend object created outside c10d's registry: for gloo,
+    `torch.distributed.ProcessGroupGloo` (bound as below); for any other library, what the
+    hal backend that speaks it builds, `Backend.new_process_group` (torch.distributed's
+    `ProcessGroup<NAME>` by default; torch_npu's HCCL group on the npu backend). It leaves
+    this process's default process group (a trainer's FSDP group) alone, and
     `torch.distributed.broadcast(..., group=...)` does not accept it; hal's transports call
-    its methods. `backend`: the collective library's name ("gloo", ...) or a hal Backend
-    whose `dist_backend` to use; None: `hal.current().dist_backend`. Every rank must name
-    the same library.
+    its methods. `backend`: a hal Backend whose `dist_backend` to use, or a collective
+    library's name ("gloo", or the library of the backend in use, `hal.current()`, which then
+    builds the group); None: `hal.current()`. Every rank must name the same library.
 
     Rank 0 serves the rendezvous store on `spec.address` only. A gloo rank's own listener
     goes on `bind_address`: by default `spec.address` when that is a loopback address (a
@@ -120,6 +126,7 @@ def join_sync_group(
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     library = _library_name(backend)
+    builder = None if library == "gloo" else _group_builder(backend, library)
     if library == "gloo":
         if bind_address is None and _is_loopback(spec.address):
             bind_address = spec.address
@@ -145,10 +152,10 @@ def join_sync_group(
         store = server.client if server is not None else dist.TCPStore(spec.address, spec.port, spec.world_size, False, timeout)
         # vLLM's stateless helper keeps its keys under this prefix: either side may use it.
         prefixed = dist.PrefixStore(spec.init_method, store)
-        if library == "gloo":
+        if builder is None:
             group = _gloo_group(prefixed, rank, spec.world_size, timeout, bind_address)
         else:
-            group = _library_class(library)(prefixed, rank, spec.world_size, timeout)
+            group = builder.new_process_group(prefixed, rank, spec.world_size, timeout)
     except BaseException as exc:
         if owned is not None:
             owned.close()
@@ -260,17 +267,20 @@ def _gloo_group(store: Any, rank: int, size: int, timeout: datetime.timedelta, b
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
-def _library_class(library: str) -> Any:
-    """torch.distributed names each library's backend class `ProcessGroup<NAME>`; a plugin
-    library's class appears there once its package is imported. Each takes (store, rank,
-    size, timeout)."""
-    import torch.distributed as dist
+def _group_builder(backend: Backend | str | None, library: str) -> Backend:
+    """The hal backend that builds a `library` group: the one passed, else the one in use,
+    which must speak `library` (a library named for another device is a mistake to name)."""
+    if isinstance(backend, Backend):
+        return backend
+    import hal
 
-    name = "ProcessGroup" + library.upper()
-    cls = getattr(dist, name, None)
-    if cls is None:
-        raise ValueError(f"collective library {library!r}: torch.distributed has no {name} here (is its package imported?)")
-    return cls
+    current = hal.current()
+    if current.dist_backend != library:
+        raise ValueError(
+            f"collective library {library!r}: the hal backend in use, {current.name!r}, speaks "
+            f"{current.dist_backend!r}; pass the hal Backend whose library {library!r} is (backend=...)"
+        )
+    return current
 
 
 def destroy_sync_group(group: Any) -> None:
