@@ -233,7 +233,7 @@ class HalCheckpointEngine(CheckpointEngine):
             self._group = join_sync_group(spec, rank, backend=backend, timeout_s=self.config.timeout_s)
             self._spec = spec
             control = backend.control_device()
-            self._link = _TRANSPORTS[transport](self._group, src=0, control_device=control, timeout_s=self.config.timeout_s)
+            self._link = _TRANSPORTS[transport](self._group, src=0, control_device=control)
         token = env.sync_token()
         if role == "trainer":
             self._trainer = TrainerSync(transport=self._link, config=self.config, backend=backend, token=token)

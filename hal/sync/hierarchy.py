@@ -71,18 +71,22 @@ class HierarchicalTransport(Transport):
     """The network once per node, shared memory within a node (see the module doc).
 
     `node` overrides this rank's node key (default `hal.env.node_key()`); the keys are
-    exchanged at construction, so every rank of the group must construct it together.
-    `network_bytes` counts, on the sender, the segment bytes it sent over the network.
+    exchanged at construction, so every rank of the group must construct it together, and
+    `timeout_s` bounds that exchange (each sync's waits are bounded by the sync, as on
+    every transport). `network_bytes` counts, on the sender, the segment bytes it sent
+    over the network.
     """
 
     name = "hierarchical"
 
-    def __init__(self, group: Any = None, *, node: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, group: Any = None, *, node: str | None = None, timeout_s: float = 60.0, **kwargs: Any) -> None:
         super().__init__(group, **kwargs)
         key = node if node is not None else env.node_key()
         if not isinstance(key, str) or not key or len(key.encode()) > MAX_NODE_KEY_BYTES:
             raise ValueError(f"node key must be a non-empty string of at most {MAX_NODE_KEY_BYTES} bytes, got {key!r}")
-        self.layout = NodeLayout(tuple(k.decode() for k in self._gather_bytes(key.encode(), MAX_NODE_KEY_BYTES, "node keys")), self.src)
+        with self.bounded(timeout_s):
+            keys = self._gather_bytes(key.encode(), MAX_NODE_KEY_BYTES, "node keys")
+        self.layout = NodeLayout(tuple(k.decode() for k in keys), self.src)
         self.leader = self.layout.leader_of(self.rank)
         self.serves = self.layout.served_by(self.rank) if self.leader == self.rank else []
         self.remote_leaders = self.layout.remote_leaders if self.is_sender else []

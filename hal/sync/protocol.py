@@ -11,12 +11,13 @@ agree on how the sync ended. Every wait is bounded and names the rank and the st
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import hashlib
 import secrets
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -103,21 +104,24 @@ def _digest(words: torch.Tensor) -> str:
 
 
 class GroupChannel:
-    """Small control collectives over one process group, each bounded by `timeout_s`, with
-    errors that say which rank and what: the agreement every rank of a sync ends with,
-    used by transports (over the sync group) and by `TrainerSync` (over the trainer's group);
-    and the challenge each header's proof answers.
+    """Small control collectives over one process group, with errors that say which rank
+    and what: the agreement every rank of a sync ends with, used by transports (over the
+    sync group) and by `TrainerSync` (over the trainer's group); and the challenge each
+    header's proof answers.
+
+    A channel owns no timeout: whoever runs a sync bounds every wait of it, per call
+    (`with channel.bounded(timeout_s):`; `Sender` from its `SyncConfig.timeout_s`, a
+    `Receiver` from its own), so the setting lives in one place and is never copied.
     """
 
     name: ClassVar[str] = "group"
 
-    def __init__(self, group: Any = None, *, control_device: str | torch.device = "cpu", timeout_s: float = 60.0) -> None:
+    def __init__(self, group: Any = None, *, control_device: str | torch.device = "cpu") -> None:
         self.group = group if group is not None else _default_group()
         self.rank = self.group.rank()
         self.world_size = self.group.size()
         self.control_device = torch.device(control_device)
-        self.timeout_s = timeout_s
-        """Longest wait for any one transfer or agreement."""
+        self._bound_s: float | None = None  # while `bounded`: the longest wait of any one step
         self._challenge: str | None = None  # drawn in the last agreement, for the next header
         # The last collectives' work objects, so that this thread, not the library's, lets go
         # of them last: a gloo worker thread that drops the last reference to a finished
@@ -131,6 +135,28 @@ class GroupChannel:
     def _keep(self, work: Any) -> Any:
         self._recent.append(work)
         return work
+
+    @contextlib.contextmanager
+    def bounded(self, timeout_s: float) -> Iterator[None]:
+        """Bound every wait of the calls made inside (one transfer, one agreement, one
+        handle exchange) by `timeout_s` seconds; a sync's owner wraps the sync in this."""
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+            raise ValueError(f"{self.name}: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        outer, self._bound_s = self._bound_s, float(timeout_s)
+        try:
+            yield
+        finally:
+            self._bound_s = outer
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound in force (see `bounded`)."""
+        if self._bound_s is None:
+            raise RuntimeError(
+                f"{self.name} on rank {self.rank}: a collective outside a sync; every wait is bounded by the sync that "
+                "makes it (Sender.send, Receiver.receive, TrainerSync.sync) or by `with channel.bounded(timeout_s):`"
+            )
+        return self._bound_s
 
     def _timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
@@ -206,8 +232,8 @@ class SyncChannel(GroupChannel):
 
     name: ClassVar[str] = "sync channel"
 
-    def __init__(self, group: Any = None, *, src: int = 0, control_device: str | torch.device = "cpu", timeout_s: float = 60.0) -> None:
-        super().__init__(group, control_device=control_device, timeout_s=timeout_s)
+    def __init__(self, group: Any = None, *, src: int = 0, control_device: str | torch.device = "cpu") -> None:
+        super().__init__(group, control_device=control_device)
         if not 0 <= src < self.world_size:
             raise ValueError(f"src={src} is not a rank of a group of size {self.world_size}")
         if self.world_size < 2:

@@ -171,11 +171,13 @@ class Receiver:
     # ---- one sync ---------------------------------------------------------------------
     def receive(self, sink: Any) -> SyncMetrics:
         """Take one sync into `sink` (a `Sink`, or a callable `apply(pairs)`); see the class doc."""
+        with self.transport.bounded(self.timeout_s):
+            return self._receive(as_sink(sink))
+
+    def _receive(self, sink: Sink) -> SyncMetrics:
         start, host_start = time.perf_counter(), time.thread_time()
         timer = PhaseTimer()
-        sink = as_sink(sink)
         transport, rank = self.transport, self.transport.rank
-        transport.timeout_s = self.timeout_s
         builds = self.plans.builds
         while True:
             challenge = transport.challenge()

@@ -52,7 +52,6 @@ class Sender:
             raise TypeError(f"Sender config must be a SyncConfig, got {type(self.config).__name__}")
         self.backend = backend or hal.current()
         self.token = token
-        self.transport.timeout_s = self.config.timeout_s
         # None until the first sync when derived from free memory (it depends on the largest tensor)
         self.bucket_bytes: int | None = self.config.bucket_bytes
         self.plans = PlanCache()
@@ -300,8 +299,11 @@ class OutgoingSync:
         self._state = "new"
 
     def offer(self) -> None:
+        with self.sender.transport.bounded(self.sender.config.timeout_s):
+            self._offer()
+
+    def _offer(self) -> None:
         sender, transport = self.sender, self.sender.transport
-        transport.timeout_s = sender.config.timeout_s
         wire_specs = sender._wire_specs(list(self.source.metadata()))
         sender._size_buckets(wire_specs)
         segment_bytes = transport.segment_bytes(sender.config.segment_bytes)
@@ -336,8 +338,9 @@ class OutgoingSync:
     def send(self) -> SyncMetrics:
         """Every segment, then every rank's agreement; this sync's metrics. Raises as `Sender.send`."""
         self._take()
-        failure = self.sender._send_buckets(self.plan, iter(self.source), self.timer, self.segments)
-        return self._end(failure)
+        with self.sender.transport.bounded(self.sender.config.timeout_s):
+            failure = self.sender._send_buckets(self.plan, iter(self.source), self.timer, self.segments)
+            return self._end(failure)
 
     def cancel(self, error: errors.SyncError) -> SyncMetrics:
         """Send nothing: the receivers, waiting for a first segment, hear that none comes,
@@ -345,10 +348,11 @@ class OutgoingSync:
         self._take()
         transport = self.sender.transport
         first = next(((b.index, j) for b in self.plan.buckets for j, _ in enumerate(b.segments)), None)
-        if first is not None:
-            transport.send_failure(*first)
-        transport.finish()
-        return self._end(error)
+        with transport.bounded(self.sender.config.timeout_s):
+            if first is not None:
+                transport.send_failure(*first)
+            transport.finish()
+            return self._end(error)
 
     def _take(self) -> None:
         if self._state != "offered":

@@ -136,12 +136,16 @@ class TrainerSync:
         self.config = config if config is not None else SyncConfig()
         self.backend = backend or hal.current()
         group = trainer_group if trainer_group is not None else _world()
-        # the other ranks may wait while the sender waits on the sync group: two waits' worth
-        self.channel = GroupChannel(group, control_device=_control_device(group, self.backend), timeout_s=2 * self.config.timeout_s)
+        self.channel = GroupChannel(group, control_device=_control_device(group, self.backend))
         self.channel.name = "trainer group"
         self.sender = Sender(transport, self.config, backend=self.backend, token=token) if transport is not None else None
         self.version: int | None = None
-        self.sender_rank = self._find_sender()
+        with self._bounded():
+            self.sender_rank = self._find_sender()
+
+    def _bounded(self) -> Any:
+        # the other ranks may wait while the sender waits on the sync group: two waits' worth
+        return self.channel.bounded(2 * self.config.timeout_s)
 
     @property
     def rank(self) -> int:
@@ -178,14 +182,15 @@ class TrainerSync:
         if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
             raise ValueError(f"version must be a non-negative int below 2**63 (e.g. the global step), got {version!r}")
         where = f"sync of version {version}"
-        if self.sender is not None:
-            return self._send(_Lockstep(as_source(source)), version, where, resend)
-        while True:
-            try:
-                return self._follow(_Lockstep(as_source(source)), version, where)
-            except errors.SyncError as exc:
-                if not exc.resend_follows:
-                    raise
+        with self._bounded():
+            if self.sender is not None:
+                return self._send(_Lockstep(as_source(source)), version, where, resend)
+            while True:
+                try:
+                    return self._follow(_Lockstep(as_source(source)), version, where)
+                except errors.SyncError as exc:
+                    if not exc.resend_follows:
+                        raise
 
     # ---- the agreements over the trainer group ------------------------------------------------
     def _gate(self, lockstep: _Lockstep, header_error: errors.SyncError | None, where: str) -> None:

@@ -57,10 +57,9 @@ class Transport(SyncChannel):
         *,
         src: int = 0,
         control_device: str | torch.device = "cpu",
-        timeout_s: float = 60.0,
         dist_backend: str | None = None,
     ) -> None:
-        super().__init__(group, src=src, control_device=control_device, timeout_s=timeout_s)
+        super().__init__(group, src=src, control_device=control_device)
         self.dist_backend = dist_backend
         """The group's collective library ("gloo", ...); None: the device backend's `dist_backend`."""
         self._traits: Any = None

@@ -24,8 +24,9 @@ methods do to the tensors, not their code), load it the way vLLM does at start-u
 drive hal's engine with a real trainer `Sender` over a real group, through vLLM's own
 layerwise reload (the vLLM installed here). The group is joined with `dist_backend`
 "hccl" while the vLLM platform cannot build a device group, as vllm-ascend's
-`NPUPlatform` cannot: its tensors are host tensors, so torch's `ProcessGroupHCCL` is
-stood in by gloo.
+`NPUPlatform` cannot, and torch.distributed has no `ProcessGroupHCCL`, as with torch_npu:
+the group object comes from the backend's `new_process_group`, where gloo stands in for
+HCCL (its tensors are host tensors).
 """
 
 from __future__ import annotations
@@ -99,7 +100,11 @@ class NzCastMethod(QuantizeMethodBase):
 class Embedding310Method(UnquantizedEmbeddingMethod):
     """What 310P's `AscendUnquantizedEmbeddingMethod310` does: a derived copy the head computes with."""
 
+    def __init__(self) -> None:
+        self.processed = 0
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.processed += 1
         layer.weight_nz = layer.weight.detach().clone()
 
 
@@ -206,14 +211,15 @@ def expected_kernel(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 class HcclOnHost(CpuBackend):
-    """The cpu backend under the collective library name of the npu backend."""
+    """The cpu backend under the collective library name of the npu backend, building its
+    group as the npu backend does, by its own `new_process_group` (torch.distributed has no
+    ProcessGroupHCCL: the sync group must ask the backend): gloo stands in for HCCL."""
 
     name = "hccl-on-host"
     dist_backend = "hccl"
 
-
-def _gloo_standing_in_for_hccl(store, rank, size, timeout):
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    def _new_process_group(self, store, rank, size, timeout):
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def _platform_without_device_groups(*args, **kwargs):
@@ -227,7 +233,7 @@ def ascend_like(tmp_path, monkeypatch):
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(type(current_platform), "stateless_init_device_torch_dist_pg", _platform_without_device_groups, raising=False)
-    monkeypatch.setattr(dist, "ProcessGroupHCCL", _gloo_standing_in_for_hccl, raising=False)
+    assert not hasattr(dist, "ProcessGroupHCCL")  # as with torch_npu 2.13 imported
     save_file(dict(checkpoint(0)), str(tmp_path / "model.safetensors"))
     model = AscendLikeModel()
     record_metadata_for_reloading(model)  # vLLM records the checkpoint layout right after building the model
@@ -248,7 +254,7 @@ def ascend_like(tmp_path, monkeypatch):
         engine.init_transfer_engine(HalInitInfo(master_address=spec.address, master_port=spec.port, world_size=2, timeout_s=30))
         trainer.join(30)
         group = joined["group"]
-        sender = Sender(BroadcastTransport(group, src=0, control_device=backend.control_device(), timeout_s=30),
+        sender = Sender(BroadcastTransport(group, src=0, control_device=backend.control_device()),
                         SyncConfig(bucket_bytes=4096, timeout_s=30))
 
         def sync(pairs, version) -> BaseException | None:
@@ -358,21 +364,16 @@ def test_weights_laid_out_anew_behind_the_engine_refuse_the_sync_before_anything
         assert torch.equal(p, before[name]), f"{name} changed by a refused sync"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "hal.integrations.vllm_internals.refresh_tied_weights knows vLLM-CPU's derived `cpu_linear` only; "
-        "310P's embedding method derives `weight_nz` and the tied head keeps the start-up copy "
-        "(fix belongs in vllm_internals: re-run the alias's processing when its method is a subclass "
-        "of UnquantizedEmbeddingMethod that overrides process_weights_after_loading)"
-    ),
-)
 def test_a_tied_head_computes_with_the_new_weights_on_310p(ascend_like):
     engine, model, sync = ascend_like
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
-    pairs = checkpoint(1)
-    assert sync(pairs, 1) is None
-    embedding = dict(pairs)["model.embed_tokens.weight"]
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied after the reload
-    torch.testing.assert_close(model.model.embed_tokens.weight_nz, embedding, rtol=0, atol=0)  # the owner: reprocessed
-    torch.testing.assert_close(model.lm_head.weight_nz, embedding, rtol=0, atol=0, msg="the tied head's derived copy is stale")
+    for version in (1, 2):
+        head = model.lm_head.quant_method.processed
+        pairs = checkpoint(version)
+        assert sync(pairs, version) is None
+        embedding = dict(pairs)["model.embed_tokens.weight"]
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied after the reload
+        torch.testing.assert_close(model.model.embed_tokens.weight_nz, embedding, rtol=0, atol=0)  # the owner: reprocessed
+        torch.testing.assert_close(model.lm_head.weight_nz, embedding, rtol=0, atol=0, msg="the tied head's derived copy is stale")
+        assert engine.refreshed_tied == ["lm_head"]
+        assert model.lm_head.quant_method.processed == head + 1  # once per sync

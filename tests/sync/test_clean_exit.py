@@ -41,7 +41,7 @@ RANK = textwrap.dedent(
     rank, port, kind, how = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=20))
-    transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0, timeout_s=20)
+    transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](None, src=0)
     segment = 4096 if kind == "broadcast" else None
     config = SyncConfig(bucket_bytes=16 * 1024, segment_bytes=segment, verify=True, timeout_s=20)
 

@@ -60,23 +60,25 @@ def _fields(header: SyncHeader) -> dict:
 
 
 def hostile_sender_worker(rank, world):
-    transport = BroadcastTransport(None, src=0, timeout_s=TIMEOUT_S)
+    transport = BroadcastTransport(None, src=0)
     kinds, slowest = [], 0.0
     if rank == 0:
         for payload in hostile_payloads():
             start = time.monotonic()
             try:
-                transport.challenge()  # the protocol's first step, as a sender's: the receivers draw theirs
-                transport.exchange_header(payload)
-                raise_if_any(transport.agree(RankReport(sender=True), "header check"), rank, "hostile sync")
+                with transport.bounded(TIMEOUT_S):  # as a Sender bounds a sync of its own
+                    transport.challenge()  # the protocol's first step, as a sender's: the receivers draw theirs
+                    transport.exchange_header(payload)
+                    raise_if_any(transport.agree(RankReport(sender=True), "header check"), rank, "hostile sync")
                 kinds.append("accepted")
             except SyncError as exc:
                 kinds.append(type(exc).__name__)
             slowest = max(slowest, time.monotonic() - start)
         # a length far beyond any header: every rank refuses it before a payload moves
-        transport.challenge()
-        size = torch.tensor([MAX_HEADER_BYTES + 1], dtype=torch.int64)
-        transport._wait(transport._broadcast(size, "header size"), "header size")
+        with transport.bounded(TIMEOUT_S):
+            transport.challenge()
+            size = torch.tensor([MAX_HEADER_BYTES + 1], dtype=torch.int64)
+            transport._wait(transport._broadcast(size, "header size"), "header size")
         # and then a correct sync
         Sender(transport, SyncConfig(bucket_bytes=8192)).send(TensorSource(weights()), version=1)
         return kinds, slowest

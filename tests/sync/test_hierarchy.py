@@ -33,7 +33,7 @@ def wire_bytes(segment_bytes, verify) -> int:
 def layout_worker(rank, world, nodes, cases):
     """Every case: one good sync, one whose source fails part-way, one good again."""
     os.environ["VERL_HAL_NODE"] = nodes[rank]
-    transport = HierarchicalTransport(None, src=0, timeout_s=20.0)
+    transport = HierarchicalTransport(None, src=0)
     out = {"leader": transport.leader, "serves": transport.serves}
     results = []
     for segment_bytes, verify, sink_kind in cases:

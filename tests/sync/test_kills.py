@@ -90,7 +90,7 @@ def kill_worker(rank, world, backend, transport_kind, nodes, victim, point, pid_
         os.environ["VERL_HAL_NODE"] = nodes[rank]
     with hal.use(backend):
         kind = {"ipc": IpcTransport, "hier": HierarchicalTransport}[transport_kind]
-        transport = kind(None, src=0, timeout_s=TIMEOUT_S)
+        transport = kind(None, src=0)
         config = SyncConfig(bucket_bytes=BUCKET, timeout_s=TIMEOUT_S)
         if rank == 0:
             sender = Sender(transport, config)

@@ -54,7 +54,7 @@ def pairs(n: int, seed: int) -> list[tuple[str, torch.Tensor]]:
 
 def segment_worker(rank, world, backend_name, transport_name, wire):
     kind = {"cpu": CpuBackend, "sim": SimBackend}[backend_name]
-    transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[transport_name](None, src=0, timeout_s=30)
+    transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[transport_name](None, src=0)
     config = SyncConfig(bucket_bytes=1 << 20, segment_bytes=1 << 20, wire_dtype=wire, timeout_s=30)
     counts, exact = {}, {}
     collections: list[int] = []
