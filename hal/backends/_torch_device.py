@@ -1,10 +1,14 @@
 """Shared body of the backends whose runtime is a torch device module (torch.cuda, torch.npu).
 
-`torch.get_device_module(device_type)` returns `torch.cuda` or the module torch_npu
+Where torch's device-generic API covers a need (`torch.accelerator` for devices, the
+current stream, synchronize and memory; `torch.Stream` / `torch.Event`, a stream being its
+own context manager), it is used: when the backend's device type is torch's current
+accelerator, which it is on a CUDA build with a GPU and with torch_npu imported. Otherwise
+(and for what the generic API lacks: seeds, device names, IPC rebuild) the device module
+`torch.get_device_module(device_type)` answers, `torch.cuda` or the module torch_npu
 registers as `torch.npu`; both expose the same functions, so the CUDA and NPU backends
 differ only in their declared attributes and in how they find out if they are usable.
-Streams and events are the module's own `Stream` / `Event` (subclasses of
-`torch.Stream` / `torch.Event`), handed out unchanged.
+Streams and events are handed out unchanged.
 
 IPC goes through torch's own device-tensor reduction (`torch.multiprocessing.reductions.
 reduce_tensor`, which torch_npu replaces for NPU tensors when it is imported), but its
@@ -60,26 +64,44 @@ class TorchDeviceBackend(Backend):
         """`torch.cuda` / `torch.npu`, looked up on use so that tests can substitute it."""
         return torch.get_device_module(self.device_type)
 
+    @property
+    def generic(self) -> bool:
+        """Whether torch's device-generic API speaks for this device: it is torch's current
+        accelerator and its runtime answers (a PrivateUse1 device renamed without one, as
+        the tests' stand-in for torch_npu, does not). Asked each time: cheap, and tests
+        substitute the device module."""
+        current = torch.accelerator.current_accelerator()
+        if current is None or current.type != self.device_type:
+            return False
+        try:
+            torch.accelerator.current_device_index()  # torch's runtime hooks for it, not Python's module
+        except RuntimeError:  # "PyTorch is not linked with support for npu devices"
+            return False
+        return True
+
     def _device_count(self) -> int:
-        return int(self.module.device_count())
+        return int(torch.accelerator.device_count() if self.generic else self.module.device_count())
 
     def _current_device(self) -> int:
-        return int(self.module.current_device())
+        return int(torch.accelerator.current_device_index() if self.generic else self.module.current_device())
 
     def _set_device(self, index: int) -> None:
-        self.module.set_device(index)
+        if self.generic:
+            torch.accelerator.set_device_index(index)
+        else:
+            self.module.set_device(index)
 
     def _new_stream(self) -> Any:
-        return self.module.Stream()
+        return torch.Stream(device=self.device()) if self.generic else self.module.Stream()
 
     def _current_stream(self) -> Any:
-        return self.module.current_stream()
+        return torch.accelerator.current_stream() if self.generic else self.module.current_stream()
 
     def _stream_context(self, stream: Any) -> contextlib.AbstractContextManager:
-        return self.module.stream(stream)
+        return stream if self.generic else self.module.stream(stream)  # a torch.Stream is its own context
 
     def _new_event(self, timing: bool) -> Any:
-        return self.module.Event(enable_timing=timing)
+        return torch.Event(device=self.device(), enable_timing=timing) if self.generic else self.module.Event(enable_timing=timing)
 
     def _launch(self, stream: Any, fn: Callable[..., Any], args: tuple) -> None:
         if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
@@ -99,20 +121,26 @@ class TorchDeviceBackend(Backend):
         if stream is None:
             fn(*args)  # kernels go to the current stream
             return
-        with self.module.stream(stream):
+        with self._stream_context(stream):
             fn(*args)
 
     def _synchronize(self) -> None:
-        self.module.synchronize()
+        if self.generic:
+            torch.accelerator.synchronize()
+        else:
+            self.module.synchronize()
 
     def _empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def _memory_info(self) -> tuple[int, int]:
-        return self.module.mem_get_info()
+        return tuple(torch.accelerator.get_memory_info()) if self.generic else self.module.mem_get_info()
 
     def _empty_cache(self) -> None:
-        self.module.empty_cache()
+        if self.generic:
+            torch.accelerator.empty_cache()
+        else:
+            self.module.empty_cache()
 
     def _empty_shared(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device())

@@ -154,6 +154,67 @@ def test_fake_cuda_runtime_calls(fake_cuda):
     assert backend.memory_info() == hal.MemoryInfo(free=5 * 2**30, total=80 * 2**30)
 
 
+class FakeGenericStream:
+    """Stands in for torch.Stream: records the device it was made for, is its own context."""
+
+    def __init__(self, runtime: "FakeAccelerator", device: torch.device) -> None:
+        self.runtime, self.device = runtime, device
+
+    def __enter__(self) -> "FakeGenericStream":
+        self.saved, self.runtime.current = self.runtime.current, self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runtime.current = self.saved
+
+
+class FakeAccelerator:
+    """torch's device-generic API (torch.accelerator, torch.Stream, torch.Event) speaking for
+    a fake CUDA, as on a CUDA build with a GPU; every call is logged."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple] = []
+        self.index, self.current = 0, None
+        acc = torch.accelerator
+        for name, value in {
+            "current_accelerator": lambda check_available=False: torch.device("cuda"),
+            "current_device_index": lambda: self.index,
+            "device_count": lambda: 3,
+            "set_device_index": lambda i: (self.calls.append(("set_device_index", i)), setattr(self, "index", i)),
+            "current_stream": lambda device=None: self.current,
+            "synchronize": lambda device=None: self.calls.append(("synchronize",)),
+            "get_memory_info": lambda device=None: (7 * 2**30, 96 * 2**30),
+            "empty_cache": lambda: self.calls.append(("empty_cache",)),
+        }.items():
+            monkeypatch.setattr(acc, name, value)
+        monkeypatch.setattr(torch, "Stream", lambda device=None, priority=0: FakeGenericStream(self, device))
+        monkeypatch.setattr(torch, "Event", lambda device=None, enable_timing=False: ("event", device, enable_timing))
+
+
+def test_fake_cuda_through_torchs_device_generic_api(fake_cuda, monkeypatch):
+    """Where torch's current accelerator is the backend's device, torch.accelerator,
+    torch.Stream and torch.Event answer, not the device module (whose calls are logged
+    in fake_cuda.calls and must not appear)."""
+    generic = FakeAccelerator(monkeypatch)
+    backend = hal.get_backend("cuda")
+    assert backend.generic and backend.device_count() == 3
+    backend.set_device(2)
+    assert generic.calls[-1] == ("set_device_index", 2) and backend.current_device() == 2
+    stream = backend.new_stream()
+    assert isinstance(stream, FakeGenericStream) and stream.device == torch.device("cuda", 2)
+    seen = []
+    backend.launch(stream, lambda: seen.append(backend.current_stream()))
+    assert seen == [stream] and backend.current_stream() is None  # the stream was current for the work only
+    assert backend.new_event(timing=True) == ("event", torch.device("cuda", 2), True)
+    backend.synchronize()
+    backend.empty_cache()
+    assert backend.memory_info() == hal.MemoryInfo(free=7 * 2**30, total=96 * 2**30)
+    assert ("synchronize",) in generic.calls and ("empty_cache",) in generic.calls
+    assert not [c for c in fake_cuda.calls if c[0] in ("set_device", "synchronize", "empty_cache")]
+    backend.manual_seed(3)  # what the generic API lacks still goes to the device module
+    assert fake_cuda.calls[-1] == ("manual_seed_all", 3)
+
+
 def test_fake_cuda_ipc_rejects_host_tensor(fake_cuda):
     backend = hal.get_backend("cuda")
     with pytest.raises(ValueError, match="export_ipc on backend 'cuda': tensor is on cpu, expected cuda"):

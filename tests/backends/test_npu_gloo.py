@@ -128,7 +128,7 @@ def run(kind, world, timeout_s=30):
             groups[rank] = group
             guarded = GlooRefusesNpu(group, counts.setdefault(rank, {}))
             transport = {"broadcast": BroadcastTransport, "ipc": IpcTransport}[kind](
-                guarded, src=0, control_device=backend.control_device("gloo"), timeout_s=timeout_s)
+                guarded, src=0, control_device=backend.control_device("gloo"))
             if rank == 0:
                 sender = Sender(transport, SyncConfig(bucket_bytes=16 * 1024, timeout_s=timeout_s))
                 for v in (1, 2):
