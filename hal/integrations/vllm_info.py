@@ -1,0 +1,81 @@
+"""What a trainer sends a hal vLLM engine: `HalInitInfo` once, `HalUpdateInfo` with each update.
+
+vLLM parses both from the dicts its API carries (`init_weight_transfer_engine({"init_info":
+...})`, `update_weights({"update_info": ...})`) with the engine's `init_info_cls` /
+`update_info_cls`; the trainer side (hal.integrations.vllm_weight_sync) builds them. Also
+the transports by the names `HalInitInfo.transport` takes, and dtype names as they
+travel. hal.integrations.vllm re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from hal.sync import BroadcastTransport, IpcTransport
+
+TRANSPORTS = {"broadcast": BroadcastTransport, "ipc": IpcTransport}
+
+
+def dtype_from_name(name: str | None) -> torch.dtype | None:
+    """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16; None stays None."""
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype name {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+@dataclass(kw_only=True)
+class HalInitInfo(WeightTransferInitInfo):
+    """What every worker needs to join the trainer's group, sent once by the trainer.
+
+    The sync settings travel here so sender and receivers cannot disagree on them.
+    """
+
+    master_address: str
+    """Host of the trainer's rendezvous store (the trainer is rank 0 of the group)."""
+    master_port: int
+    rank_offset: int = 1
+    """Group rank of this engine's first worker; worker `r` of the engine joins as `rank_offset + r`."""
+    world_size: int = 2
+    """Trainer (1) plus every worker of every engine in the group."""
+    wire_dtype: str | None = None
+    """The dtype floating-point tensors travel in, when the trainer casts (the engine's
+    expected specs follow it). Bucket and segment sizes and verification are not here:
+    every sync's header carries them."""
+    timeout_s: float = 60.0
+    """Longest wait of a worker for the trainer or the other workers, in any sync."""
+    transport: str = "broadcast"
+    """"broadcast": each bucket is broadcast over the group (any topology). "ipc": buckets
+    live in memory the trainer shares with the workers (same node only, and the backend
+    must support IPC); the group only carries control messages."""
+    auth: str | None = None
+    """The trainer's proof that it knows the engine's token (`hal.sync.header.init_proof`
+    over every other field, `proven()`); None from a trainer without one."""
+
+    def proven(self) -> dict[str, str | int | float | None]:
+        """The fields `auth` proves (`hal.sync.header.init_proof`): all but the proof itself."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "auth"}
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"HalInitInfo.transport must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
+        if not 1 <= self.rank_offset < self.world_size:
+            raise ValueError(f"HalInitInfo.rank_offset {self.rank_offset} outside 1..{self.world_size - 1} (world_size)")
+        dtype_from_name(self.wire_dtype)
+
+
+@dataclass(kw_only=True)
+class HalUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the weight version the trainer is about to send (its step)."""
+
+    version: int

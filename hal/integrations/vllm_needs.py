@@ -1,0 +1,115 @@
+"""Every vLLM name verl-hal relies on, with how hal calls it: `VLLM_NEEDS`.
+
+Private names (used through the fence, hal.integrations.vllm_internals) and public ones
+(imported by hal.integrations.vllm, vllm_engines, vllm_trainer_engine, vllm_lora*).
+tests/hosts/ checks the table against the sources of the installed vLLM (in every
+release's environment of `make test-vllm-versions` too) and of the wheels of other
+releases (never importing them), and that it covers every vLLM name the fence uses
+(tests/hosts/sources.py has the target syntax; hal.host_needs the fields). `optional`: hal
+looks it up with a fallback; `since` / `before`: the releases in which hal relies on it
+there (vLLM 0.32 moved the RL routes and added the engine shutdown). The constants come
+from the fence, so the table and the code cannot name different things. Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+from hal.host_needs import Call, Need
+from hal.integrations.vllm_internals import (
+    _DERIVED_ATTR,
+    _EMBEDDING_METHOD,
+    _LAYERWISE_LOGGER,
+    _LORA_VALIDATORS,
+    _QUANT_METHOD_ATTR,
+    SHUTDOWN_SINCE,
+)
+
+_WT = "vllm.distributed.weight_transfer"
+VLLM_NEEDS: tuple[Need, ...] = (
+    Need(target="vllm:__version__", why="vllm_version"),
+    # weight-transfer API (public): the engine hal implements, the factories it registers in
+    Need(target=f"{_WT}.base:WeightTransferEngine", call=Call(4), implemented_by="hal.integrations.vllm:HalWeightTransferEngine",
+         why="HalWeightTransferEngine(config, vllm_config, device, model) completes vLLM's engine"),
+    Need(target=f"{_WT}.base:WeightTransferEngine.parallel_config", why="HalWeightTransferEngine.group_rank"),
+    Need(target=f"{_WT}.base:WeightTransferEngine.model_config", why="HalWeightTransferEngine.init_transfer_engine"),
+    Need(target=f"{_WT}.base:WeightTransferEngine.vllm_config", why="HalLoraWeightTransferEngine (lora_config)"),
+    Need(target=f"{_WT}.base:WeightTransferEngine.model", why="HalWeightTransferEngine.apply"),
+    Need(target=f"{_WT}.base:WeightTransferEngine._default_model", why="lora_manager"),
+    Need(target=f"{_WT}.base:WeightTransferEngine.parse_init_info", call=Call(1), why="HalWorkerExtension.hal_init"),
+    Need(target=f"{_WT}.base:WeightTransferInitInfo", why="HalInitInfo"),
+    Need(target=f"{_WT}.base:WeightTransferUpdateInfo", why="HalUpdateInfo"),
+    Need(target=f"{_WT}.base:TrainerInitInfo", why="HalTrainerInitInfo (hal.integrations.vllm_trainer_engine)"),
+    Need(target=f"{_WT}.base:TrainerWeightTransferEngine", call=Call(0, "client", "source", "is_sender"),
+         implemented_by="hal.integrations.vllm_trainer_engine:HalTrainerWeightTransferEngine", why="HalTrainerWeightTransferEngine"),
+    Need(target=f"{_WT}.factory:WeightTransferEngineFactory.register_engine", call=Call(3), why="register_engine"),
+    Need(target=f"{_WT}.factory:WeightTransferEngineFactory._registry", why="registered, registered_class"),
+    Need(target=f"{_WT}.factory:WeightTransferTrainerFactory.register_engine", call=Call(3), why="register (trainer side)"),
+    Need(target=f"{_WT}.factory:WeightTransferTrainerFactory._registry", why="registered (trainer side)"),
+    Need(target="vllm.config.weight_transfer:WeightTransferConfig", call=Call(0, "backend"), why="HalWorkerExtension"),
+    Need(target="vllm.config.parallel:ParallelConfig.data_parallel_index", why="HalWeightTransferEngine.group_rank"),
+    Need(target="vllm.config.parallel:ParallelConfig.world_size", why="HalWeightTransferEngine.group_rank, OfflineEngine"),
+    Need(target="vllm.config.parallel:ParallelConfig.rank", why="HalWeightTransferEngine.group_rank"),
+    Need(target="vllm.lora.request:LoRARequest", why="hal.integrations.vllm_lora"),
+    # vLLM's trainer-side clients, which WeightSync drives (hal.integrations.vllm_engines.ClientEngine)
+    Need(target=f"{_WT}.base:VLLMWeightSyncClient", why="ClientEngine, as_engine (the clients' protocol)"),
+    *(Need(target=f"{_WT}.base:VLLMWeightSyncClient.{method}", call=Call(n), why="ClientEngine") for method, n in (
+        ("init_weight_transfer_engine", 1), ("start_weight_update", 0), ("update_weights", 1), ("finish_weight_update", 1))),
+    Need(target=f"{_WT}.clients:HTTPVLLMWeightSyncClient.base_url", why="ClientEngine (its name, ServerRoutes)"),
+    Need(target=f"{_WT}.clients:HTTPVLLMWeightSyncClient.timeout", why="ClientEngine (ServerRoutes' timeout)"),
+    Need(target=f"{_WT}.clients:RayVLLMWeightSyncClient.handles", why="ClientEngine (one actor, ActorMethods)"),
+    *(Need(target=f"{_WT}.clients:{client}.shutdown_weight_transfer_engine", call=Call(0), optional=True,
+           since=SHUTDOWN_SINCE, why="ClientEngine.shutdown_weight_transfer_engine")
+      for client in ("HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient")),
+    # offline LLM (public)
+    *(Need(target=f"vllm:LLM.{method}", call=Call(n), why="OfflineEngine") for method, n in (
+        ("init_weight_transfer_engine", 1), ("start_weight_update", 0), ("update_weights", 1), ("finish_weight_update", 1),
+        ("update_weight_version", 1), ("get_weight_version", 0), ("reset_prefix_cache", 0))),
+    Need(target="vllm:LLM.shutdown_weight_transfer_engine", call=Call(0), since=SHUTDOWN_SINCE,
+         why="OfflineEngine (none before 0.32: engines_can_be_shut_down)"),
+    Need(target="vllm:LLM.collective_rpc", call=Call(1, "kwargs"), why="ExtensionEngine"),
+    # the routes of `vllm serve` hal posts to itself (vLLM's HTTP client posts the four phases);
+    # 0.32 moved them from the development router to the RL one
+    *(Need(target=router, text=f"/{route}", why="ServerRoutes (hal.integrations.vllm_engines)", **releases)
+      for route in ("update_weight_version", "weight_info")
+      for router, releases in (("vllm.entrypoints.serve.dev.rlhf.api_router", {"before": (0, 32)}),
+                               ("vllm.entrypoints.rl.online.api_router", {"since": (0, 32)}))),
+    Need(target="vllm.entrypoints.serve.dev.cache.api_router", text="/reset_prefix_cache", why="ServerRoutes.reset_prefix_cache"),
+    # private, through the functions of this module
+    Need(target="vllm.model_executor.model_loader.reload:initialize_layerwise_reload", call=Call(1), why="initialize_layerwise_reload"),
+    Need(target="vllm.model_executor.model_loader.reload:finalize_layerwise_reload", call=Call(2), why="finalize_layerwise_reload"),
+    Need(target=_LAYERWISE_LOGGER, text="%s: Failed to load weights",
+         why="_ComputedBufferWarningFilter (the logger _LAYERWISE_LOGGER and its message)"),
+    Need(target="vllm.model_executor.layers.rotary_embedding:RotaryEmbedding", why="_ComputedBufferWarningFilter (layer names)"),
+    Need(target=f"{_EMBEDDING_METHOD[0]}:ParallelLMHead", why="_ComputedBufferWarningFilter (layer names)"),
+    Need(target="vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check", call=Call(0), optional=True,
+         why="no_mtp_completeness_check"),
+    Need(target=":".join(_EMBEDDING_METHOD) + ".process_weights_after_loading",
+         call=Call(1), why="refresh_tied_weights (_EMBEDDING_METHOD, _reprocess)"),
+    Need(target=f"{_EMBEDDING_METHOD[0]}:VocabParallelEmbedding.{_QUANT_METHOD_ATTR}",
+         why="refresh_tied_weights (_QUANT_METHOD_ATTR)"),
+    Need(target="vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", sets=_DERIVED_ATTR,
+         why="refresh_tied_weights (_DERIVED_ATTR, set there)"),
+    Need(target="vllm.entrypoints.llm:LLM.llm_engine", why="shutdown_llm, OfflineEngine"),
+    Need(target="vllm.v1.engine.llm_engine:LLMEngine.engine_core", why="shutdown_llm"),
+    Need(target="vllm.v1.engine.llm_engine:LLMEngine.vllm_config", why="OfflineEngine"),
+    Need(target="vllm.v1.engine.core_client:EngineCoreClient.shutdown", call=Call(0), why="shutdown_llm"),
+    Need(target="vllm.v1.worker.gpu_worker:Worker.model_runner", why="worker_model, reload_weights, HalWorkerExtension"),
+    Need(target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_model", call=Call(0), why="worker_model"),
+    Need(target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights", call=Call(0, "weights_iterator"), why="reload_weights"),
+    Need(target="vllm.lora.model_manager:LoRAModelManager.supported_lora_modules", why="lora_target_modules"),
+    Need(target="vllm.lora.model_manager:LoRAModelManager.packed_modules_mapping", why="lora_target_modules"),
+    Need(target="vllm.lora.model_manager:LoRAModelManager.model", why="build_lora_model"),
+    Need(target="vllm.lora.model_manager:LoRAModelManager.list_adapters", call=Call(0), why="loaded_lora_ids"),
+    Need(target="vllm.lora.model_manager:LoRAModelManager.__init__", sets="lora_manager",
+         why="lora_manager (the manager sets model.lora_manager)"),
+    *(Need(target=f"vllm.lora.model_manager:LoRAModelManager.{check}", call=Call(1), optional=True, why="validate_lora_model")
+      for check in _LORA_VALIDATORS),
+    Need(target="vllm.lora.peft_helper:PEFTHelper.from_dict", call=Call(1), why="peft_helper"),
+    Need(target="vllm.lora.lora_model:LoRAModel.from_lora_tensors",
+         call=Call(0, "lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size", "weights_mapper", "skip_prefixes"),
+         why="build_lora_model"),
+    Need(target="vllm.model_executor.models.interfaces:SupportsQuant.hf_to_vllm_mapper", why="build_lora_model"),
+    Need(target="vllm.model_executor.models.utils:WeightsMapper.get_rename_mapper", call=Call(0),
+         why="build_lora_model (the model's hf_to_vllm_mapper)"),
+    Need(target="vllm.lora.worker_manager", text="lora_skip_prefixes", optional=True,
+         why="build_lora_model (read as vLLM's own adapter loader reads it)"),
+)
