@@ -37,7 +37,8 @@ from hal.sync.sink import Sink, SinkPolicy, as_sink
 from hal.sync.source import ModuleSource, TensorSource, WeightSource, as_source
 from hal.sync.trainer import TrainerSync
 from hal.sync.protocol import SegmentStatus
-from hal.sync.transport import BroadcastTransport, IpcTransport, Transport
+from hal.sync.ipc import IpcTransport
+from hal.sync.transport import BroadcastTransport, Transport
 
 __all__ = [
     "AuthError",

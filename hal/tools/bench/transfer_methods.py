@@ -99,11 +99,12 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
     from hal.device import get_backend
     from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec, as_sink
     from hal.sync.rollout import copy_into
-    from hal.sync import hierarchy, transport as transports
+    import hal.sync
+    from hal.sync import hierarchy
 
     backend = get_backend("cpu")  # host weights and gloo, whatever VERL_DEVICE says
 
-    transport_cls = getattr(transports, transport_name, None) or getattr(hierarchy, transport_name)
+    transport_cls = getattr(hal.sync, transport_name)  # BroadcastTransport, IpcTransport, HierarchicalTransport
     transport = transport_cls(group=None, src=SENDER)  # HierarchicalTransport reads VERL_HAL_NODE here
     hierarchical = isinstance(transport, hierarchy.HierarchicalTransport)
     if hierarchical:
