@@ -17,44 +17,21 @@ from __future__ import annotations
 import contextlib
 import datetime
 import operator
-from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
+from hal.backend_hooks import BackendHooks, copy_many_non_blocking, copy_non_blocking
+from hal.backend_runtime import RuntimeQuestions
+from hal.backend_types import BackendUnavailableError, Event, MemoryInfo, Stream
 
-class BackendUnavailableError(RuntimeError):
-    """A known backend that cannot be used in this process; the message says why."""
-
-
-@runtime_checkable
-class Stream(Protocol):
-    def wait_stream(self, stream: "Stream") -> None: ...
-    def wait_event(self, event: "Event") -> None: ...
-    def record_event(self, event: "Event | None" = None) -> "Event": ...
-    def synchronize(self) -> None: ...
-    def query(self) -> bool: ...
+__all__ = ["Backend", "BackendUnavailableError", "Event", "MemoryInfo", "Stream", "copy_many_non_blocking", "copy_non_blocking"]
 
 
-@runtime_checkable
-class Event(Protocol):
-    def record(self, stream: Stream | None = None) -> None: ...
-    def wait(self, stream: Stream | None = None) -> None: ...
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
-    def elapsed_time(self, end_event: "Event") -> float: ...
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryInfo:
-    """Device memory in bytes, as the backend's runtime reports it."""
-
-    free: int
-    total: int
-
-
-class Backend:
-    """Base of every backend. Subclasses set the class attributes and the hooks."""
+class Backend(RuntimeQuestions, BackendHooks):
+    """Base of every backend. Subclasses set the class attributes and the hooks
+    (hal.backend_hooks: what a backend implements, with their defaults); what a device's
+    runtime says of itself is hal.backend_runtime's."""
 
     # The value of VERL_DEVICE that selects this backend.
     name: ClassVar[str] = ""
@@ -267,103 +244,6 @@ class Backend:
         """Give back memory from `empty_shared` (the exporter calls this when done)."""
         self._release_shared(tensor)
 
-    # ---- runtime questions with device-specific answers -------------------------------
-    # Each has a generic "not applicable" answer in the base hook; only the backends whose
-    # device has the notion override it. hal.compat.verl translates these into verl's names.
-    def set_allocator_settings(self, *, expandable_segments: bool) -> str | None:
-        """Configure the device's caching allocator; returns None when applied, else why not.
-
-        `expandable_segments`: let the allocator grow a segment in place instead of
-        allocating new ones (less fragmentation for weights that are freed and reloaded).
-        Applied on CUDA, and on NPU where torch_npu offers the setting; elsewhere nothing
-        changes and the answer is the reason (the CPU has no caching allocator), like
-        `unavailable_reason()`. Invalid input raises `ValueError`.
-        """
-        if not isinstance(expandable_segments, bool):
-            raise ValueError(
-                f"set_allocator_settings: expandable_segments must be a bool, got "
-                f"{type(expandable_segments).__name__} {expandable_segments!r}"
-            )
-        return self._set_allocator_settings(expandable_segments)
-
-    def device_capability(self, index: int | None = None, /) -> tuple[int, int] | None:
-        """(major, minor) compute capability of device `index` (the current one when None).
-
-        CUDA answers with its compute capability (a ROCm build with what torch reports for
-        the GPU); devices without the notion (npu, cpu, sim) answer None. A bad index raises
-        `ValueError` as `device()` does.
-        """
-        if index is None:
-            index = self.current_device()
-        self._check_index(index)
-        answer = self._device_capability(index)
-        if answer is None:
-            return None
-        major, minor = answer
-        return int(major), int(minor)
-
-    def runtime_versions(self) -> dict[str, str]:
-        """Versions of the device runtime under torch, by component name; empty when none.
-
-        cuda: `"cuda"` (the CUDA runtime torch was built with) or `"hip"` on ROCm; the
-        driver is not included (torch has no public call for it and a subprocess is not
-        cheap). npu: `"driver"` (npu-smi's Software Version) and `"cann"` (the CANN toolkit's
-        install-info file), lower-cased; raises `RuntimeError` naming what is missing when
-        npu-smi or the file cannot be read. cpu, sim: `{}`.
-        """
-        versions = self._runtime_versions()
-        for key, value in versions.items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise TypeError(f"backend {self.name!r}: runtime_versions must map str to str, got {key!r}: {value!r}")
-        return dict(versions)
-
-    def supports_device_memory_ipc(self) -> bool:
-        """Whether device memory can be opened by another process through an IPC handle.
-
-        This is device memory only: cpu and sim answer False although their `supports_ipc`
-        is True (they share host memory files). cuda: True except on ROCm builds (rebuilding
-        HIP IPC handles fails in vLLM workers). npu: only with driver >= 25.3.rc1 and CANN
-        >= 8.3.rc1, read through `runtime_versions()` (so it raises `RuntimeError` when they
-        cannot be read).
-        """
-        if not self.supports_ipc:
-            return False
-        return bool(self._supports_device_memory_ipc())
-
-    def vendor_name(self) -> str:
-        """Who makes the device this process computes on: the declared `vendor`, unless the
-        torch build says otherwise (cuda on a ROCm build of torch: "amd")."""
-        return self._vendor_name()
-
-    def device_model(self, index: int | None = None, /) -> str | None:
-        """The product name the device's runtime reports for device `index` (the current
-        one when None): "NVIDIA H100 80GB HBM3", "Ascend910B2"; None on cpu and sim. A bad
-        index raises `ValueError` as `device()` does."""
-        if index is None:
-            index = self.current_device()
-        self._check_index(index)
-        model = self._device_model(index)
-        return None if model is None else str(model)
-
-    # ---- profiling ----------------------------------------------------------------------
-    def profiler_range(self, message: str, /) -> contextlib.AbstractContextManager:
-        """A context manager marking a named range for the device's profiler (NVTX on CUDA).
-
-        Where the device's runtime has no such ranges (npu, cpu, sim) it does nothing.
-        """
-        if not isinstance(message, str):
-            raise ValueError(f"profiler_range: message must be a str, got {type(message).__name__}")
-        marker = self._profiler_range(message)
-        return contextlib.nullcontext() if marker is None else marker
-
-    def profiler_control(self, *, start: bool) -> str | None:
-        """Start (`start=True`) or stop the device's own profiler capture (cudaProfilerStart
-        / Stop on CUDA); returns None when done, else why nothing happened (like
-        `set_allocator_settings`)."""
-        if not isinstance(start, bool):
-            raise ValueError(f"profiler_control: start must be a bool, got {type(start).__name__}")
-        return self._profiler_control(start)
-
     # ---- misc -----------------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:
         """Seed torch's CPU generator and every device generator of this backend."""
@@ -440,107 +320,6 @@ class Backend:
         if not getattr(self, capability):
             raise NotImplementedError(f"backend {self.name!r} does not support {operation} ({capability} is False)")
 
-    # ---- hooks ----------------------------------------------------------------------
-    def _new_process_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-        import torch.distributed as dist
-
-        # ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupMPI: the library's name in any case
-        name = "ProcessGroup" + self.dist_backend.upper()
-        cls = next((getattr(dist, n) for n in dir(dist) if n.lower() == name.lower()), None)
-        if cls is None:
-            raise ValueError(
-                f"backend {self.name!r}: collective library {self.dist_backend!r}: torch.distributed has no {name} here "
-                f"(is its package imported?)"
-            )
-        return cls(store, rank, size, timeout)
-
-    def _device_count(self) -> int:
-        raise NotImplementedError
-
-    def _current_device(self) -> int:
-        raise NotImplementedError
-
-    def _set_device(self, index: int) -> None:
-        raise NotImplementedError
-
-    def _torch_device(self, index: int) -> torch.device:
-        return torch.device(self.device_type, index)
-
-    def _new_stream(self) -> Stream:
-        raise NotImplementedError
-
-    def _current_stream(self) -> Stream:
-        raise NotImplementedError
-
-    def _stream_context(self, stream: Stream) -> contextlib.AbstractContextManager:
-        raise NotImplementedError
-
-    def _new_event(self, timing: bool) -> Event:
-        raise NotImplementedError
-
-    def _launch(self, stream: Stream | None, fn: Callable[..., Any], args: tuple) -> None:
-        raise NotImplementedError
-
-    def _copy(self, stream: Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._launch(stream, _copy_non_blocking, (dst, src))
-
-    def _copy_many(self, stream: Stream | None, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-        self._launch(stream, _copy_many_non_blocking, (dsts, srcs))
-
-    def _synchronize(self) -> None:
-        raise NotImplementedError
-
-    def _empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype)
-
-    def _memory_info(self) -> tuple[int, int]:
-        raise NotImplementedError
-
-    def _empty_cache(self) -> None:
-        pass
-
-    def _empty_shared(self, nbytes: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _export_ipc(self, tensor: torch.Tensor) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _import_ipc(self, handle: Any) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _release_shared(self, tensor: torch.Tensor) -> None:
-        pass
-
-    def _manual_seed(self, seed: int) -> None:
-        pass
-
-    def _device_manual_seed(self, seed: int, all_devices: bool) -> None:
-        raise NotImplementedError
-
-    def _vendor_name(self) -> str:
-        return self.vendor
-
-    def _device_model(self, index: int) -> str | None:
-        return None  # host memory (cpu, sim): no device with a product name
-
-    def _profiler_range(self, message: str) -> contextlib.AbstractContextManager | None:
-        return None  # only CUDA has NVTX ranges
-
-    def _profiler_control(self, start: bool) -> str | None:
-        return f"backend {self.name!r} has no device profiler to {'start' if start else 'stop'}"
-
-    def _set_allocator_settings(self, expandable_segments: bool) -> str | None:
-        return f"backend {self.name!r} has no caching allocator with settings: nothing to configure"
-
-    def _device_capability(self, index: int) -> tuple[int, int] | None:
-        return None  # only CUDA devices have a compute capability
-
-    def _runtime_versions(self) -> dict[str, str]:
-        return {}
-
-    def _supports_device_memory_ipc(self) -> bool:
-        return False
-
 
 def _check_json_safe(value: Any, where: str) -> None:
     """TypeError unless `value` is made of dicts (str keys), lists, str, int, bool and None only."""
@@ -559,20 +338,11 @@ def _check_json_safe(value: Any, where: str) -> None:
     raise TypeError(f"{where}: a {type(value).__name__} is not JSON-safe (dict, list, str, int, bool or None only)")
 
 
-def _copy_non_blocking(dst: torch.Tensor, src: torch.Tensor) -> None:
-    # non_blocking only matters between pinned host and device memory; elsewhere it is ignored.
-    dst.copy_(src, non_blocking=True)
-
-
-_shape_of = operator.attrgetter("shape")
-
-
-def _copy_many_non_blocking(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    torch._foreach_copy_(dsts, srcs, non_blocking=True)
-
-
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     n = dtype.itemsize
     for d in shape:
         n *= d
     return n
+
+
+_shape_of = operator.attrgetter("shape")

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from hal.backend import Backend, _copy_many_non_blocking, _copy_non_blocking
+from hal.backend import Backend, copy_many_non_blocking, copy_non_blocking
 from hal.backends._ipc import HandleReader, check_view, dtype_name, to_hex
 
 # The arguments of torch's device-tensor reduction, in its order: `reduce_tensor(t)` returns
@@ -112,10 +112,10 @@ class TorchDeviceBackend(Backend):
 
     def _copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
         # a copy is ordered on the stream even with host memory at one end: no host wait
-        self._enqueue(stream, _copy_non_blocking, (dst, src))
+        self._enqueue(stream, copy_non_blocking, (dst, src))
 
     def _copy_many(self, stream: Any, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-        self._enqueue(stream, _copy_many_non_blocking, (dsts, srcs))  # like _copy: ordered on the stream, no host wait
+        self._enqueue(stream, copy_many_non_blocking, (dsts, srcs))  # like _copy: ordered on the stream, no host wait
 
     def _enqueue(self, stream: Any, fn: Callable[..., Any], args: tuple) -> None:
         if stream is None:
