@@ -27,7 +27,8 @@ from hal.sync.config import SyncConfig, default_bucket_bytes, wire_dtype_for
 from hal.sync.delta import WHOLE, DeltaSender
 from hal.sync.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
-from hal.sync.plan import Bucket, BucketPlan, PlanCache, Segment, TensorSpec
+from hal.sync.packing import SegmentPacker, SourceCursor
+from hal.sync.plan import BucketPlan, PlanCache, TensorSpec
 from hal.sync.source import as_source
 from hal.sync.transport import Transport
 
@@ -56,10 +57,8 @@ class Sender:
         self.bucket_bytes: int | None = self.config.bucket_bytes
         self.plans = PlanCache()
         self.version: int | None = None
-        self._stream = self.backend.new_stream()
-        self._views = kernels.PieceViews()  # typed views of the pack targets, per plan
-        self._packs: dict[tuple, _SegmentPack] = {}  # per segment of several pieces, per plan and target (`_pack_whole`)
-        self._staging: torch.Tensor | None = None
+        self.packer = SegmentPacker(transport, self.config, self.backend)
+        """Packs each segment (hal.sync.packing): the pack stream, views and staging buffer."""
         self._sized_for = 0
         self._last_wire: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])  # (metadata, its wire specs) of the last sync
         self.delta = DeltaSender(self.config.delta, self.backend) if self.config.delta is not None else None
@@ -119,11 +118,6 @@ class Sender:
             self.bucket_bytes = default_bucket_bytes(self.backend, largest)
             self._sized_for = largest
 
-    def _ensure_staging(self, nbytes: int) -> None:
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = None  # free the old one before allocating the larger
-            self._staging = self.backend.empty_pinned(nbytes)
-
     def _send_buckets(
         self, plan: BucketPlan, it: Iterator[tuple[str, torch.Tensor]], timer: PhaseTimer, segments: Any = WHOLE
     ) -> BaseException | None:
@@ -131,7 +125,8 @@ class Sender:
         announcing that failure in its place. Returns that failure; a transport failure
         (PeerError) propagates instead: the group can no longer agree on anything."""
         transport, async_streams = self.transport, self.backend.supports_async_streams
-        packing = _Packing(plan, it)
+        packer, stream = self.packer, self.packer.stream
+        cursor = SourceCursor(plan, it)
         alive: dict[int, list[torch.Tensor]] = {}  # tensors sent from their own memory, until their bucket is sent
         failure: BaseException | None = None
         for bucket in plan.buckets:
@@ -141,15 +136,15 @@ class Sender:
                     transport.wait_sent(k - 2)
                 alive.pop(k - 2, None)
             if async_streams:  # earlier sends (issued on the current stream) read this buffer; sources were made there
-                self._stream.wait_stream(self.backend.current_stream())
+                stream.wait_stream(self.backend.current_stream())
             keep = alive.setdefault(k, [])
             for j, segment in enumerate(bucket.segments):
                 try:
                     gathered = timer.get("gather") or 0.0
                     began = time.perf_counter()
                     into = segments.pack_target(bucket, j)
-                    data, direct = self._pack(packing, bucket, segment, keep, timer, segments, into)
-                    data, encoding, ready = segments.encode(bucket, j, data, self._stream.record_event())
+                    data, direct = packer.pack(cursor, bucket, segment, keep, timer, segments, into)
+                    data, encoding, ready = segments.encode(bucket, j, data, stream.record_event())
                     direct = direct and encoding == kernels.DENSE
                     # on synchronous backends the copies happen here, not on the stream
                     timer.add("pack", time.perf_counter() - began - ((timer.get("gather") or 0.0) - gathered))
@@ -168,116 +163,6 @@ class Sender:
             transport.finish()
         alive.clear()
         return failure
-
-    def _pack(
-        self, packing: "_Packing", bucket: Bucket, segment: Segment, keep: list[torch.Tensor], timer: PhaseTimer,
-        segments: Any = WHOLE, into: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, bool]:
-        """Pack one segment; returns the bytes to send (a range of the bucket buffer, of
-        `into` when given (the delta baseline), or a tensor's own bytes) and whether they
-        come straight from a tensor that sends every range that way."""
-        backend, stream = self.backend, self._stream
-        buffer = self.transport.buffer(bucket.index)
-        target = buffer if self.config.bypass_cpu else self._staging
-        if into is not None:
-            target = buffer = into
-        segments.clear_gaps(target, bucket, segment, stream)
-        parts = segment.parts
-        if len(parts) > 1:
-            # Several pieces, so none of them goes straight from its own memory (`_direct`):
-            # the whole ones are gathered, then packed by one multi-tensor copy into views of
-            # the target cached with the plan; chunks of larger tensors go the way below.
-            parts = self._pack_whole(packing, bucket, segment, target, keep, timer)
-        for index, lo, hi in parts:
-            piece = bucket.pieces[index]
-            spec = piece.spec
-            if piece.is_first and lo == 0:
-                with timer("gather"):
-                    tensor = packing.next_tensor(spec)
-                if self.backend.supports_async_streams:  # a gather (e.g. full_tensor) may still be running
-                    stream.wait_stream(backend.current_stream())
-                in_ranges = not (piece.is_whole and hi == piece.nbytes)
-                packing.start(spec, tensor, self._direct(packing.plan, spec, tensor, buffer), in_ranges, backend, stream)
-                keep.append(packing.tensor)
-            tensor = packing.tensor
-            if packing.direct:
-                keep.append(tensor)  # also when its first range went in an earlier bucket
-                return kernels.as_bytes(tensor)[piece.tensor_offset + lo : piece.tensor_offset + hi], True
-            if hi == lo:
-                continue
-            if piece.is_whole and lo == 0 and hi == piece.nbytes:
-                kernels.pack_into(backend, target, piece.offset, tensor, spec.dtype, stream=stream)
-            else:
-                # a range of the piece, in wire bytes (ALIGNMENT-aligned: whole elements)
-                kernels.pack_range_into(backend, target, piece.offset + lo, tensor, spec.dtype, piece.tensor_offset + lo, hi - lo, stream=stream)
-        if segment.stop == bucket.nbytes and bucket.nbytes > bucket.checksum_offset:  # checksums travel last
-            sums = kernels.typed_view(target, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
-            ranges = bucket.checksum_ranges()
-            baseline = segments.checksum_base(bucket)
-            if baseline is None or target.data_ptr() == baseline.data_ptr():
-                backend.launch(stream, kernels.checksums_into, sums, target, ranges)
-            else:
-                # over the bucket's new bytes, which the receiver checks what it rebuilt against:
-                # with delta sync the earlier segments' are in the baseline by now (the buffer
-                # holds the payloads sent), this segment's only in the target until it is encoded
-                fresh = target[segment.start : bucket.checksum_offset]
-                backend.launch(stream, kernels.checksums_into, sums, baseline, ranges, fresh, segment.start)
-        if not self.config.bypass_cpu:
-            backend.copy_(buffer[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
-        return buffer[segment.start : segment.stop], False
-
-    def _pack_whole(
-        self, packing: "_Packing", bucket: Bucket, segment: Segment, target: torch.Tensor, keep: list[torch.Tensor], timer: PhaseTimer
-    ) -> list[tuple[int, int, int]]:
-        """Gather the whole pieces of a segment and pack them with one multi-tensor copy:
-        one stream wait and one launch per segment, whatever its tensor count. Returns the
-        segment's other parts (chunks of larger tensors), for the caller to pack."""
-        packs = self._packs.get((packing.plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start))
-        if packs is None:
-            packs = self._segment_packs(packing.plan, bucket, segment, target)
-        whole, dsts, others = packs
-        began = time.perf_counter()
-        srcs = packing.gather(whole)
-        timer.add("gather", time.perf_counter() - began)
-        keep.extend(srcs)
-        if self.backend.supports_async_streams:  # a gather (e.g. full_tensor) may still be running
-            self._stream.wait_stream(self.backend.current_stream())
-        # every source was checked against its spec (`gather`), every view is made from it
-        self.backend.copy_many_(dsts, srcs, stream=self._stream, shapes_checked=True)
-        return others
-
-    def _segment_packs(self, plan: BucketPlan, bucket: Bucket, segment: Segment, target: torch.Tensor) -> "_SegmentPack":
-        """What packing a segment of several pieces needs, made once per plan and target
-        (`_packs`): per whole piece its spec and whether it has bytes, their views in
-        order, and the other parts."""
-        if len(self._packs) >= 4 * sum(len(b.segments) for b in plan.buckets) + 8:
-            self._packs = {}  # buffers were reallocated or the layout changed: the old keys are stale
-        views = self._views.of(plan, target, bucket)
-        whole, dsts, others = [], [], []
-        for index, lo, hi in segment.parts:
-            piece = bucket.pieces[index]
-            if piece.is_whole:
-                whole.append((piece.spec, hi > 0))
-                if hi:
-                    dsts.append(views[index])
-            else:
-                others.append((index, lo, hi))
-        packs = self._packs[(plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start)] = (whole, dsts, others)
-        return packs
-
-    def _direct(self, plan: BucketPlan, spec: TensorSpec, tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
-        """Whether every range of this tensor goes straight from its memory, skipping the
-        pack: it travels alone in its segments, is already contiguous, in its wire dtype
-        and where the buffers are. Not when staging through the host (the point of
-        staging) nor when verifying (checksums are computed over the packed bucket)."""
-        return (
-            self.config.bypass_cpu
-            and not self.config.verify
-            and spec.name in plan.solo_tensors
-            and tensor.dtype == spec.dtype
-            and tensor.is_contiguous()
-            and tensor.device == buffer.device
-        )
 
 
 class OutgoingSync:
@@ -327,11 +212,11 @@ class OutgoingSync:
                 raise
         transport.prepare(sender.backend, plan)
         if not sender.config.bypass_cpu:
-            sender._ensure_staging(plan.max_bucket_nbytes)
+            sender.packer.ensure_staging(plan.max_bucket_nbytes)
         if delta is not None:
             self.segments = delta.begin(
                 plan, base, choice, sample, new_plan=sender.plans.builds != self._builds, bypass_cpu=sender.config.bypass_cpu,
-                transport=transport, stream=sender._stream,
+                transport=transport, stream=sender.packer.stream,
             )
         self._state = "offered"
 
@@ -383,61 +268,3 @@ class OutgoingSync:
             plan_reused=sender.plans.builds == self._builds,
             **segments.metrics(),
         )
-
-
-# Per whole piece its spec and whether it has bytes; the views they pack into; the other parts.
-_SegmentPack = tuple[list[tuple[TensorSpec, bool]], list[torch.Tensor], list[tuple[int, int, int]]]
-
-
-class _Packing:
-    """The source's iterator and the tensor being packed, for one sync."""
-
-    def __init__(self, plan: BucketPlan, it: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.plan = plan
-        self.it = it
-        self.tensor: torch.Tensor | None = None
-        self.direct = False
-
-    def next_tensor(self, spec: TensorSpec) -> torch.Tensor:
-        try:
-            name, tensor = next(self.it)
-        except StopIteration:
-            raise errors.SpecMismatchError(f"source ended before parameter {spec.name!r} that its metadata() declared") from None
-        _check_yielded(spec, name, tensor)
-        return tensor
-
-    def gather(self, whole: list[tuple[TensorSpec, bool]]) -> list[torch.Tensor]:
-        """The next tensors of the source, for these specs (checked as `next_tensor` checks
-        them; the loop is inlined: a segment may hold thousands); those with bytes, in order."""
-        srcs: list[torch.Tensor] = []
-        it, plain = self.it, torch.Tensor
-        for spec, has_bytes in whole:
-            try:
-                name, tensor = next(it)
-            except StopIteration:
-                raise errors.SpecMismatchError(f"source ended before parameter {spec.name!r} that its metadata() declared") from None
-            if name != spec.name or (type(tensor) is not plain and not isinstance(tensor, plain)) or tensor.shape != spec.shape:
-                _check_yielded(spec, name, tensor)
-            if has_bytes:
-                srcs.append(tensor)
-        return srcs
-
-    def start(self, spec: TensorSpec, tensor: torch.Tensor, direct: bool, in_ranges: bool, backend: Backend, stream: Any) -> None:
-        """Take `tensor` as the one being packed, in the form its ranges are cut from: a
-        tensor sent in several ranges is cast and laid out once, then cut in wire bytes."""
-        self.direct = direct
-        if in_ranges and not direct and (tensor.dtype != spec.dtype or not tensor.is_contiguous()):
-            wire = backend.empty(tuple(tensor.shape), spec.dtype)
-            backend.copy_(wire, tensor, stream=stream)
-            tensor = wire
-        self.tensor = tensor
-
-
-def _check_yielded(spec: TensorSpec, name: Any, tensor: Any) -> None:
-    """Refuse what a source yielded where `spec` was declared, naming what differs."""
-    if name != spec.name:
-        raise errors.SpecMismatchError(f"source yielded {name!r} where its metadata() declared {spec.name!r}; iteration must follow metadata order")
-    if not isinstance(tensor, torch.Tensor):
-        raise errors.SpecMismatchError(f"parameter {name!r}: the source yielded a {type(tensor).__name__}, not a tensor")
-    if tensor.shape != spec.shape:
-        raise errors.SpecMismatchError(f"parameter {name!r}: metadata() declared shape {spec.shape}, iteration yielded {tuple(tensor.shape)}")

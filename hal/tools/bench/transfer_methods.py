@@ -118,7 +118,7 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
         sender = Sender(transport, sync_config, backend=backend)
         pairs = list(zip(names, ctx.tensors))
         if ctx.config.trace:
-            _trace_calls(sender, ctx.trace, ("_pack",))  # private: profiling only, tolerated to vanish
+            _trace_calls(sender.packer, ctx.trace, ("pack",))  # each segment's pack (hal.sync.packing)
 
         # one model's segments per node: without --nodes every receiver is on one node
         expected_network = ctx.config.nodes * plan_segment_bytes(ctx.params, ctx.config.bucket_bytes) if hierarchical else 0

@@ -1,0 +1,211 @@
+"""The sender's packing of one segment: its whole tensors gathered from the source and
+copied into the bucket by one multi-tensor copy on the pack stream, a tensor too large for
+a segment cut into ranges (cast and laid out once), or a tensor that travels alone sent
+from its own memory. What packing a segment needs of the layout (the views of the target,
+per segment the specs and views of its whole tensors) is made once per plan and target.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import torch
+
+from hal import kernels
+from hal.backend import Backend
+from hal.sync import errors
+from hal.sync.config import SyncConfig
+from hal.sync.delta import WHOLE
+from hal.sync.metrics import PhaseTimer
+from hal.sync.plan import Bucket, BucketPlan, Segment, TensorSpec
+from hal.sync.transport import Transport
+
+
+class SegmentPacker:
+    """Packs segments for a `Sender` (one per sender, reused across syncs): it keeps the pack
+    stream, the pinned staging buffer (host-staged syncs) and the views, nothing per sync."""
+
+    def __init__(self, transport: Transport, config: SyncConfig, backend: Backend) -> None:
+        self.transport = transport
+        self.config = config
+        self.backend = backend
+        self.stream = backend.new_stream()
+        self._views = kernels.PieceViews()  # typed views of the pack targets, per plan
+        self._packs: dict[tuple, _SegmentPack] = {}  # per segment of several pieces, per plan and target (`_pack_whole`)
+        self._staging: torch.Tensor | None = None
+
+    def ensure_staging(self, nbytes: int) -> None:
+        """A pinned host buffer of at least `nbytes` to pack into (host-staged syncs)."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = None  # free the old one before allocating the larger
+            self._staging = self.backend.empty_pinned(nbytes)
+
+    def pack(
+        self, packing: "SourceCursor", bucket: Bucket, segment: Segment, keep: list[torch.Tensor], timer: PhaseTimer,
+        segments: Any = WHOLE, into: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, bool]:
+        """Pack one segment; returns the bytes to send (a range of the bucket buffer, of
+        `into` when given (the delta baseline), or a tensor's own bytes) and whether they
+        come straight from a tensor that sends every range that way."""
+        backend, stream = self.backend, self.stream
+        buffer = self.transport.buffer(bucket.index)
+        target = buffer if self.config.bypass_cpu else self._staging
+        if into is not None:
+            target = buffer = into
+        segments.clear_gaps(target, bucket, segment, stream)
+        parts = segment.parts
+        if len(parts) > 1:
+            # Several pieces, so none of them goes straight from its own memory (`_direct`):
+            # the whole ones are gathered, then packed by one multi-tensor copy into views of
+            # the target cached with the plan; chunks of larger tensors go the way below.
+            parts = self._pack_whole(packing, bucket, segment, target, keep, timer)
+        for index, lo, hi in parts:
+            piece = bucket.pieces[index]
+            spec = piece.spec
+            if piece.is_first and lo == 0:
+                with timer("gather"):
+                    tensor = packing.next_tensor(spec)
+                if self.backend.supports_async_streams:  # a gather (e.g. full_tensor) may still be running
+                    stream.wait_stream(backend.current_stream())
+                in_ranges = not (piece.is_whole and hi == piece.nbytes)
+                packing.start(spec, tensor, self._direct(packing.plan, spec, tensor, buffer), in_ranges, backend, stream)
+                keep.append(packing.tensor)
+            tensor = packing.tensor
+            if packing.direct:
+                keep.append(tensor)  # also when its first range went in an earlier bucket
+                return kernels.as_bytes(tensor)[piece.tensor_offset + lo : piece.tensor_offset + hi], True
+            if hi == lo:
+                continue
+            if piece.is_whole and lo == 0 and hi == piece.nbytes:
+                kernels.pack_into(backend, target, piece.offset, tensor, spec.dtype, stream=stream)
+            else:
+                # a range of the piece, in wire bytes (ALIGNMENT-aligned: whole elements)
+                kernels.pack_range_into(backend, target, piece.offset + lo, tensor, spec.dtype, piece.tensor_offset + lo, hi - lo, stream=stream)
+        if segment.stop == bucket.nbytes and bucket.nbytes > bucket.checksum_offset:  # checksums travel last
+            sums = kernels.typed_view(target, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
+            ranges = bucket.checksum_ranges()
+            baseline = segments.checksum_base(bucket)
+            if baseline is None or target.data_ptr() == baseline.data_ptr():
+                backend.launch(stream, kernels.checksums_into, sums, target, ranges)
+            else:
+                # over the bucket's new bytes, which the receiver checks what it rebuilt against:
+                # with delta sync the earlier segments' are in the baseline by now (the buffer
+                # holds the payloads sent), this segment's only in the target until it is encoded
+                fresh = target[segment.start : bucket.checksum_offset]
+                backend.launch(stream, kernels.checksums_into, sums, baseline, ranges, fresh, segment.start)
+        if not self.config.bypass_cpu:
+            backend.copy_(buffer[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
+        return buffer[segment.start : segment.stop], False
+
+    def _pack_whole(
+        self, packing: "SourceCursor", bucket: Bucket, segment: Segment, target: torch.Tensor, keep: list[torch.Tensor], timer: PhaseTimer
+    ) -> list[tuple[int, int, int]]:
+        """Gather the whole pieces of a segment and pack them with one multi-tensor copy:
+        one stream wait and one launch per segment, whatever its tensor count. Returns the
+        segment's other parts (chunks of larger tensors), for the caller to pack."""
+        packs = self._packs.get((packing.plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start))
+        if packs is None:
+            packs = self._segment_packs(packing.plan, bucket, segment, target)
+        whole, dsts, others = packs
+        began = time.perf_counter()
+        srcs = packing.gather(whole)
+        timer.add("gather", time.perf_counter() - began)
+        keep.extend(srcs)
+        if self.backend.supports_async_streams:  # a gather (e.g. full_tensor) may still be running
+            self.stream.wait_stream(self.backend.current_stream())
+        # every source was checked against its spec (`gather`), every view is made from it
+        self.backend.copy_many_(dsts, srcs, stream=self.stream, shapes_checked=True)
+        return others
+
+    def _segment_packs(self, plan: BucketPlan, bucket: Bucket, segment: Segment, target: torch.Tensor) -> "_SegmentPack":
+        """What packing a segment of several pieces needs, made once per plan and target
+        (`_packs`): per whole piece its spec and whether it has bytes, their views in
+        order, and the other parts."""
+        if len(self._packs) >= 4 * sum(len(b.segments) for b in plan.buckets) + 8:
+            self._packs = {}  # buffers were reallocated or the layout changed: the old keys are stale
+        views = self._views.of(plan, target, bucket)
+        whole, dsts, others = [], [], []
+        for index, lo, hi in segment.parts:
+            piece = bucket.pieces[index]
+            if piece.is_whole:
+                whole.append((piece.spec, hi > 0))
+                if hi:
+                    dsts.append(views[index])
+            else:
+                others.append((index, lo, hi))
+        packs = self._packs[(plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start)] = (whole, dsts, others)
+        return packs
+
+    def _direct(self, plan: BucketPlan, spec: TensorSpec, tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+        """Whether every range of this tensor goes straight from its memory, skipping the
+        pack: it travels alone in its segments, is already contiguous, in its wire dtype
+        and where the buffers are. Not when staging through the host (the point of
+        staging) nor when verifying (checksums are computed over the packed bucket)."""
+        return (
+            self.config.bypass_cpu
+            and not self.config.verify
+            and spec.name in plan.solo_tensors
+            and tensor.dtype == spec.dtype
+            and tensor.is_contiguous()
+            and tensor.device == buffer.device
+        )
+
+
+# Per whole piece its spec and whether it has bytes; the views they pack into; the other parts.
+_SegmentPack = tuple[list[tuple[TensorSpec, bool]], list[torch.Tensor], list[tuple[int, int, int]]]
+
+
+class SourceCursor:
+    """The source's iterator and the tensor being packed, for one sync: every tensor it hands
+    out was checked against the spec it stands for."""
+
+    def __init__(self, plan: BucketPlan, it: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.plan = plan
+        self.it = it
+        self.tensor: torch.Tensor | None = None
+        self.direct = False
+
+    def next_tensor(self, spec: TensorSpec) -> torch.Tensor:
+        try:
+            name, tensor = next(self.it)
+        except StopIteration:
+            raise errors.SpecMismatchError(f"source ended before parameter {spec.name!r} that its metadata() declared") from None
+        _check_yielded(spec, name, tensor)
+        return tensor
+
+    def gather(self, whole: list[tuple[TensorSpec, bool]]) -> list[torch.Tensor]:
+        """The next tensors of the source, for these specs (checked as `next_tensor` checks
+        them; the loop is inlined: a segment may hold thousands); those with bytes, in order."""
+        srcs: list[torch.Tensor] = []
+        it, plain = self.it, torch.Tensor
+        for spec, has_bytes in whole:
+            try:
+                name, tensor = next(it)
+            except StopIteration:
+                raise errors.SpecMismatchError(f"source ended before parameter {spec.name!r} that its metadata() declared") from None
+            if name != spec.name or (type(tensor) is not plain and not isinstance(tensor, plain)) or tensor.shape != spec.shape:
+                _check_yielded(spec, name, tensor)
+            if has_bytes:
+                srcs.append(tensor)
+        return srcs
+
+    def start(self, spec: TensorSpec, tensor: torch.Tensor, direct: bool, in_ranges: bool, backend: Backend, stream: Any) -> None:
+        """Take `tensor` as the one being packed, in the form its ranges are cut from: a
+        tensor sent in several ranges is cast and laid out once, then cut in wire bytes."""
+        self.direct = direct
+        if in_ranges and not direct and (tensor.dtype != spec.dtype or not tensor.is_contiguous()):
+            wire = backend.empty(tuple(tensor.shape), spec.dtype)
+            backend.copy_(wire, tensor, stream=stream)
+            tensor = wire
+        self.tensor = tensor
+
+
+def _check_yielded(spec: TensorSpec, name: Any, tensor: Any) -> None:
+    """Refuse what a source yielded where `spec` was declared, naming what differs."""
+    if name != spec.name:
+        raise errors.SpecMismatchError(f"source yielded {name!r} where its metadata() declared {spec.name!r}; iteration must follow metadata order")
+    if not isinstance(tensor, torch.Tensor):
+        raise errors.SpecMismatchError(f"parameter {name!r}: the source yielded a {type(tensor).__name__}, not a tensor")
+    if tensor.shape != spec.shape:
+        raise errors.SpecMismatchError(f"parameter {name!r}: metadata() declared shape {spec.shape}, iteration yielded {tuple(tensor.shape)}")
