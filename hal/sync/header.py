@@ -27,6 +27,7 @@ from hal.sync.header_json import (  # noqa: F401 - the wire's limits and names, 
     MAX_HEADER_BYTES, MAX_NAME_CHARS, MAX_SPECS, MAX_TENSOR_BYTES, MAX_VERSION, MIN_BUCKET_BYTES, WIRE_DTYPES,
     _check_hex, _check_int, _check_spec, _decode_specs, _describe, _dumps, _parse_float, _parse_int,
     _protocol_message, _quote, _reason, _refuse_constant, _specs_text, _unique_keys, _validated, dtype_from_name, dtype_name,
+    remember_checked, specs_checked,
 )
 from hal.sync.plan import BucketPlan, TensorSpec
 
@@ -78,7 +79,7 @@ class SyncHeader:
             raise HeaderError(f"header field 'specs': expected a tuple of TensorSpec, got {_describe(self.specs)}")
         if len(self.specs) > MAX_SPECS:
             raise HeaderError(f"header field 'specs': {len(self.specs)} tensors, at most {MAX_SPECS} are allowed")
-        if self.specs is not _validated.specs:  # every sync of a job sends the same tensors: check them once
+        if not specs_checked(self.specs):  # every sync of a job sends the same tensors: check them once
             seen: set[str] = set()
             for i, spec in enumerate(self.specs):
                 if not isinstance(spec, TensorSpec):
@@ -87,7 +88,7 @@ class SyncHeader:
                 if spec.name in seen:
                     raise HeaderError(f"header field 'specs[{i}]': name {_quote(spec.name)} appears twice")
                 seen.add(spec.name)
-            _validated.remember(None, self.specs)
+            remember_checked(self.specs)
         _check_int("bucket_bytes", self.bucket_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES)
         if self.segment_bytes is not None:
             _check_int("segment_bytes", self.segment_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES, "an int or null")

@@ -165,10 +165,31 @@ class _LastSpecs:
 
 
 _validated = _LastSpecs()
+
+# Spec tuples that passed every check, by identity (a plan's tuple is the same object every
+# sync of a layout), the tuple kept so its id stays its own: the last few, so that senders
+# of two layouts in one process (or a sender beside a receiver) do not check anew each sync.
+_checked: dict[int, tuple] = {}
+_CHECKED_KEPT = 8
+
+
+def specs_checked(specs: tuple[TensorSpec, ...]) -> bool:
+    return _checked.get(id(specs)) is specs
+
+
+def remember_checked(specs: tuple[TensorSpec, ...]) -> None:
+    if len(_checked) >= _CHECKED_KEPT and id(specs) not in _checked:
+        _checked.pop(next(iter(_checked)))  # the oldest
+    _checked[id(specs)] = specs
 # Where the specs start in a header this module encoded: `{"protocol":P,"version":V,"specs":`.
 # JSON strings cannot hold an unescaped quote, so this prefix is the structure it looks like.
 _SPECS_AT = re.compile(r'\{"protocol":[0-9]+,"version":[0-9]+,"specs":')
-_encoded: list = [None, ""]  # (the spec tuple last encoded, its JSON text)
+# The JSON text of the last few spec tuples encoded, by the tuple's identity (a plan's, so
+# the same object every sync of a layout): (tuple, text), kept with the tuple so its id
+# stays its own. More than one: a process may run senders of two layouts (a transport that
+# sends buckets whole beside one that cuts segments) and must not encode anew for each.
+_encoded: dict[int, tuple[tuple, str]] = {}
+_ENCODED_KEPT = 8
 
 
 def _dumps(value: Any) -> str:
@@ -176,9 +197,14 @@ def _dumps(value: Any) -> str:
 
 
 def _specs_text(specs: tuple[TensorSpec, ...]) -> str:
-    if _encoded[0] is not specs:
-        _encoded[:] = [specs, _dumps([[s.name, list(s.shape), _NAME_OF[s.dtype]] for s in specs])]
-    return _encoded[1]
+    kept = _encoded.get(id(specs))
+    if kept is not None and kept[0] is specs:
+        return kept[1]
+    text = _dumps([[s.name, list(s.shape), _NAME_OF[s.dtype]] for s in specs])
+    if len(_encoded) >= _ENCODED_KEPT:
+        _encoded.pop(next(iter(_encoded)))  # the oldest
+    _encoded[id(specs)] = (specs, text)
+    return text
 
 
 def _decode_specs(raw: Any) -> tuple[TensorSpec, ...]:
@@ -186,6 +212,7 @@ def _decode_specs(raw: Any) -> tuple[TensorSpec, ...]:
         return _validated.specs  # type: ignore[return-value]
     specs = _decode_new_specs(raw)
     _validated.remember(raw, specs)
+    remember_checked(specs)
     return specs
 
 

@@ -385,6 +385,7 @@ def test_errors_inside_decoding_become_header_errors(monkeypatch, error):
         raise error("boom")
 
     monkeypatch.setattr(header_module, "_decode_specs", fail)
+    monkeypatch.setattr(header_module._validated, "text", None)  # no specs text known: they are decoded
     refused(small_header().encode(), "unreadable", error.__name__)
 
 
@@ -621,3 +622,21 @@ def test_the_checked_specs_reused_across_syncs_cannot_be_smuggled_past():
         obj["specs"][0][1][0] = bad  # [8, 4] -> [true, 4] / [8.0, 4]
         with pytest.raises(HeaderError, match=r"specs\[0\]"):
             SyncHeader.decode(encode_object(obj))
+
+
+def test_senders_of_two_layouts_check_and_encode_each_spec_tuple_once(monkeypatch):
+    """Two senders in one process (a transport that cuts segments beside one that sends
+    buckets whole) alternate two spec tuples: each is checked and encoded once, not each sync."""
+    import hal.sync.header_json as wire
+
+    checked, encoded = [], []
+    real_check, real_dumps = header_module._check_spec, wire._dumps
+    monkeypatch.setattr(header_module, "_check_spec", lambda *a: (checked.append(a[1]), real_check(*a))[1])
+    monkeypatch.setattr(wire, "_dumps", lambda v: (encoded.append(type(v)), real_dumps(v))[1])
+    first = tuple(TensorSpec(f"w.{i}", (4,), torch.float32) for i in range(3))
+    second = tuple(TensorSpec(f"w.{i}", (4,), torch.float32) for i in range(3))  # equal, another tuple
+    for _ in range(3):
+        for specs in (first, second):
+            small_header(specs=specs).encode()
+    assert len(checked) == 2 * len(first)  # each tuple's specs once
+    assert encoded.count(list) == 2  # each tuple's specs text once

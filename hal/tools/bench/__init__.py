@@ -102,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "VERL_HAL_NODE=node<i>, the sender 'trainer'. hal_hier then moves one model per node over the network and "
         "floor_leaders broadcasts to one receiver per node. At most --receivers.",
     )
+    parser.add_argument(
+        "--sync-backend", choices=("cpu", "sim"), default="cpu",
+        help="backend of the hal methods' syncs (weights stay in host memory either way): cpu (default) or sim, "
+        "whose copies run on its streams' threads, so host us/tensor is the sync's own Python",
+    )
     parser.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads per benchmark process (default: 1; the two processes share the cores)")
     parser.add_argument(
         "--timeout", type=_positive_float, default=None, help="seconds before every benchmark process is killed (default: 300; 600 with --device-transfer, 1800 with --delta)"
@@ -297,6 +302,7 @@ def _transfer_config(args: argparse.Namespace, methods: tuple[str, ...], receive
         verify=args.verify,
         threads=args.threads,
         trace=args.trace,
+        sync_backend=args.sync_backend,
     )
 
 

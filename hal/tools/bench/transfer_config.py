@@ -64,6 +64,10 @@ class TransferConfig:
     trace: bool = False
     """Record when each transport call and each apply began and ended, per bucket, in the
     last repetition of the hal methods (instance-level wrappers; hal.sync is unchanged)."""
+    sync_backend: str = "cpu"
+    """The backend hal's syncs run on ("cpu" or "sim"; the weights are in host memory either
+    way). On sim the copies run on its streams' threads, so a sync's host time is its own
+    Python."""
     threads: int = 1
     """torch intra-op threads in each process. Two processes share this machine's cores;
     with more threads than free cores every parallel copy waits for a descheduled
@@ -72,6 +76,8 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
+        if self.sync_backend not in ("cpu", "sim"):
+            raise ValueError(f"sync_backend: {self.sync_backend!r} is not a host-memory backend; choose cpu or sim")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"methods: unknown {unknown}; valid: {', '.join(METHODS)}")

@@ -102,7 +102,7 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
     import hal.sync
     from hal.sync import hierarchy
 
-    backend = get_backend("cpu")  # host weights and gloo, whatever VERL_DEVICE says
+    backend = get_backend(ctx.config.sync_backend)  # host weights and gloo, whatever VERL_DEVICE says
 
     transport_cls = getattr(hal.sync, transport_name)  # BroadcastTransport, IpcTransport, HierarchicalTransport
     transport = transport_cls(group=None, src=SENDER)  # HierarchicalTransport reads VERL_HAL_NODE here

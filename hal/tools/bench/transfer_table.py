@@ -16,7 +16,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"preset {report['preset']}: {report['bytes'] / GIB:.3f} GiB in {report['tensors']} tensors; "
         f"bucket {report['config']['bucket_bytes'] / MIB:g} MiB; {report['timing']}; "
-        f"{report['torch_threads_per_process']} torch thread(s) per process",
+        f"{report['torch_threads_per_process']} torch thread(s) per process; hal syncs on {report['config'].get('sync_backend', 'cpu')}",
         f"{'method':<18} {'seconds':>8} {'best':>8} {'GiB/s':>7} {'x floor':>8} {'peak extra MiB':>15} "
         f"{'(send / recv)':>14} {'cpu s (send / recv)':>20} {'host us/tensor (send / recv)':>29}",
     ]
