@@ -70,6 +70,7 @@ ELSEWHERE = {
     ".venv/bin/hal demo --delta": "tests/integrations/test_demo.py::test_demo_delta_engine_matches_trainer_after_every_delta_and_anchor_sync",
     "make demo-ray": "tests/integrations/test_ray.py::test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor",
     "hal demo --ray": "tests/integrations/test_ray.py::test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor",
+    "make test-vllm-versions": "Makefile:test-vllm-versions",  # 10 minutes with its environments built (docs/ci.md)
 }
 
 # Options whose value the cheap form replaces (None: dropped with its value).

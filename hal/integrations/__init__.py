@@ -3,7 +3,8 @@
 What importing each module does (`import hal` and `import hal.integrations` import none
 of them, and no engine):
 
-- `hal.integrations.vllm`: the vLLM weight-transfer engine `backend="hal"` (worker side).
+- `hal.integrations.vllm`: the vLLM weight-transfer engine `backend="hal"` (worker side),
+  with `vllm_info` (its init and update info, transports, dtype names) and `_reload`.
   Imports vLLM's weight-transfer base classes at import time (it subclasses them).
   vLLM calls its `register()` in every process through the `vllm.general_plugins` entry
   point `hal_weight_transfer` that pyproject.toml declares; importing it registers nothing.
@@ -18,5 +19,6 @@ of them, and no engine):
 - `hal.integrations.verl_plugin`: verl's platform and checkpoint engine "hal"
   (verl_platform, verl_checkpoint with verl_settings and verl_weights). Imports verl.
 - `hal.integrations.vllm_internals`: every private vLLM name verl-hal uses, behind a
-  version check. Imports vLLM only inside its functions.
+  version check; `vllm_needs` lists them with how hal calls them and in which releases
+  (tests/hosts/ reads them against real vLLM sources). Imports vLLM only inside its functions.
 """

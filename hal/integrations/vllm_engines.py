@@ -242,7 +242,10 @@ class OfflineEngine:
         self.llm.reset_prefix_cache()
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
+        from hal.integrations import vllm_internals
+
+        if vllm_internals.engines_can_be_shut_down():  # vLLM 0.29-0.31 have no such call: the engine stays until exit
+            self.llm.shutdown_weight_transfer_engine()
 
 
 class ExtensionEngine:

