@@ -144,7 +144,8 @@ def test_sync_group_spec():
         hal_ray.SyncGroupSpec(address="127.0.0.1", port=0, world_size=2)
     with pytest.raises(ValueError, match="rank 2"):
         hal_ray.join_sync_group(spec.__class__(address="127.0.0.1", port=spec.port, world_size=2), 2, backend="gloo")
-    with pytest.raises(ValueError, match="gloo only"):
+    # another library than the backend in use speaks is refused, naming both (hal.sync.group)
+    with pytest.raises(ValueError, match="collective library 'mpi': the hal backend in use, 'cpu', speaks 'gloo'"):
         hal_ray.join_sync_group(spec, 0, backend="mpi", bind_address="127.0.0.1")
 
 
