@@ -75,10 +75,11 @@ class Kept:
 
     def begin(self, plan: BucketPlan, destinations: Destinations) -> None:
         """A sync laid out by `plan` into `destinations` starts: drop what no longer holds."""
-        multi_piece = {p.spec.name for b in plan.buckets for p in b.pieces if not p.is_whole}
-        for name in set(self.reassembly) - multi_piece:  # the layout changed: drop what it no longer needs
-            del self.reassembly[name]
         digest, objects = self._handover_basis
+        if digest != plan.digest and self.reassembly:  # the layout changed: drop what it no longer needs
+            multi_piece = {p.spec.name for b in plan.buckets for p in b.pieces if not p.is_whole}
+            for name in set(self.reassembly) - multi_piece:
+                del self.reassembly[name]
         same = digest == plan.digest and len(objects) == len(destinations.objects) and all(map(operator.is_, objects, destinations.objects))
         if not same:
             self._handovers = {}
@@ -305,7 +306,7 @@ class Delivery:
             return
         data = self.image(bucket.index)  # with delta: the resulting bytes, so drift is caught
         sent = kernels.typed_view(data, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
-        got = kernels.checksums(data, bucket.checksum_ranges())  # every piece at once
+        got = kernels.checksums(data, bucket.checksum_ranges)  # every piece at once
         bad = (sent != got).nonzero().flatten().tolist()
         if bad:
             names = ", ".join(repr(bucket.pieces[i].spec.name) for i in bad[:_MAX_REPORTED])

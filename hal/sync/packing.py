@@ -84,7 +84,7 @@ class SegmentPacker:
                 kernels.pack_range_into(backend, target, piece.offset + lo, tensor, spec.dtype, piece.tensor_offset + lo, hi - lo, stream=stream)
         if segment.stop == bucket.nbytes and bucket.nbytes > bucket.checksum_offset:  # checksums travel last
             sums = kernels.typed_view(target, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
-            ranges = bucket.checksum_ranges()
+            ranges = bucket.checksum_ranges
             baseline = segments.checksum_base(bucket)
             if baseline is None or target.data_ptr() == baseline.data_ptr():
                 backend.launch(stream, kernels.checksums_into, sums, target, ranges)

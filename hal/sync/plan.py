@@ -132,11 +132,13 @@ class Bucket:
     checksum_offset: int  # where the int64 checksums start (== data end when verify is off)
     nbytes: int  # bytes that travel: data plus checksums
     segments: tuple[Segment, ...]
+    checksum_ranges: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    """The byte range each checksum covers: exactly the piece, never padding, so the
+    checksum depends only on the tensor's bytes (derived once: a verified sync reads it
+    for every bucket of every sync)."""
 
-    def checksum_ranges(self) -> list[tuple[int, int]]:
-        """The byte range each checksum covers: exactly the piece, never padding, so the
-        checksum depends only on the tensor's bytes."""
-        return [(p.offset, p.nbytes) for p in self.pieces]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checksum_ranges", tuple((p.offset, p.nbytes) for p in self.pieces))
 
 
 @dataclass(frozen=True, slots=True)

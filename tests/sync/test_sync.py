@@ -150,7 +150,7 @@ def modes_worker(rank, world, backend):
             target = Collect()
             receiver.receive(target)
             plan = receiver.plans.get(specs(), BUCKET, verify, segment)
-            data = [[raw[o : o + n] for o, n in b.checksum_ranges()] for b, raw in zip(plan.buckets, transport.buckets)]
+            data = [[raw[o : o + n] for o, n in b.checksum_ranges] for b, raw in zip(plan.buckets, transport.buckets)]
             sums = [raw[b.checksum_offset : b.nbytes] for b, raw in zip(plan.buckets, transport.buckets)]
             received.append((data, sums, target.matches(weights(7))))
         same_data = all(r[0] == received[0][0] for r in received) and len(received[0][0]) > 1
