@@ -61,9 +61,9 @@ VOCAB, HIDDEN, EXPERTS, INTER, LAYERS = 32, 16, 4, 8, 2
 
 
 # ---- stand-ins of vllm-ascend's post-load processing ----------------------------------------
-class MoeTransposeMethod(QuantizeMethodBase):
-    """What `AscendUnquantizedFusedMoEMethod.process_weights_after_loading` does to the
-    tensors: new Parameters with the experts' last two dimensions swapped."""
+class PostLoadOnly(QuantizeMethodBase):
+    """A quant method that only post-processes loaded weights (what these tests look at),
+    recording which layers it processed."""
 
     def __init__(self) -> None:
         self.processed: list[str] = []
@@ -73,6 +73,11 @@ class MoeTransposeMethod(QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, *args, **kwargs) -> torch.Tensor:
         raise NotImplementedError
+
+
+class MoeTransposeMethod(PostLoadOnly):
+    """What `AscendUnquantizedFusedMoEMethod.process_weights_after_loading` does to the
+    tensors: new Parameters with the experts' last two dimensions swapped."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.processed.append(layer.prefix)
@@ -80,17 +85,8 @@ class MoeTransposeMethod(QuantizeMethodBase):
         layer.w2_weight = nn.Parameter(layer.w2_weight.data.transpose(1, 2).contiguous(), requires_grad=False)
 
 
-class NzCastMethod(QuantizeMethodBase):
+class NzCastMethod(PostLoadOnly):
     """What `AscendUnquantizedLinearMethod` does with NZ on: `weight.data` becomes a cast copy."""
-
-    def __init__(self) -> None:
-        self.processed: list[str] = []
-
-    def create_weights(self, layer: nn.Module, *args, **kwargs) -> None:
-        raise NotImplementedError
-
-    def apply(self, layer: nn.Module, *args, **kwargs) -> torch.Tensor:
-        raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.processed.append(layer.prefix)
