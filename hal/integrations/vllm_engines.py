@@ -30,6 +30,8 @@ from typing import Any, Protocol, runtime_checkable
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
 
+from hal.integrations import vllm_internals
+
 logger = logging.getLogger(__name__)
 
 # What to pass instead, named in the error for an object that is neither an engine nor a client.
@@ -242,8 +244,6 @@ class OfflineEngine:
         self.llm.reset_prefix_cache()
 
     def shutdown_weight_transfer_engine(self) -> None:
-        from hal.integrations import vllm_internals
-
         if vllm_internals.engines_can_be_shut_down():  # vLLM 0.29-0.31 have no such call: the engine stays until exit
             self.llm.shutdown_weight_transfer_engine()
 

@@ -44,16 +44,13 @@ def checksums(data: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Te
         out[i] = _checksum_from(data[o : o + n], 0)
     small = torch.nonzero(~large).flatten()
     if small.numel():
-        # in groups spanning at most _BATCH_SPAN_BYTES, so the one temporary stays that small
+        # in groups of the ranges starting in one _BATCH_SPAN_BYTES window, so the one
+        # temporary spans at most that plus one small range (found at once, not range by range)
         order = small[torch.argsort(offsets[small], stable=True)]
-        first, group_start = 0, int(offsets[order[0]])
-        ends = (offsets + sizes)[order]
-        for j in range(1, order.numel() + 1):
-            if j == order.numel() or int(ends[j]) - group_start > _BATCH_SPAN_BYTES:
-                rows = order[first:j]
-                out.index_copy_(0, rows.to(data.device), _small_checksums(data, offsets[rows], sizes[rows]))
-                if j < order.numel():
-                    first, group_start = j, int(offsets[order[j]])
+        window = (offsets[order] - offsets[order[0]]) // _BATCH_SPAN_BYTES
+        _, counts = torch.unique_consecutive(window, return_counts=True)
+        for rows in torch.split(order, counts.tolist()):
+            out.index_copy_(0, rows.to(data.device), _small_checksums(data, offsets[rows], sizes[rows]))
     return out
 
 
@@ -166,6 +163,7 @@ def checksums_into(
 
 _WORDS_PER_BLOCK = 512  # 4 KiB
 # Ranges up to this size are checksummed together (a prefix sum over them); larger ones one
-# at a time. The prefix sum is one int64 per word of a group, which spans at most the second.
+# at a time. The prefix sum is one int64 per word of a group, whose ranges start within one
+# window of the second size (so it spans at most the two together).
 _SMALL_RANGE_BYTES = 1 << 20
 _BATCH_SPAN_BYTES = 32 << 20

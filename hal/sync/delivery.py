@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -92,13 +92,14 @@ class Kept:
             into = self.reassembly[spec.name] = self.backend.empty(spec.nbytes)
         return into
 
-    def handover(self, key: tuple[int, int, int, int], pairs: Callable[[], Pairs], destinations: Destinations) -> Handover:
-        """The handover of the whole tensors `pairs()` lists in a buffer, made once per
-        layout, buffer and destinations (`key`: the buffer's address and size, bucket, segment)."""
-        found = self._handovers.get(key)
-        if found is None:
-            found = self._handovers[key] = make_handover(pairs(), destinations)
-        return found
+    def handover(self, key: tuple[int, int, int, int]) -> Handover | None:
+        """The handover kept for a segment of whole tensors in a buffer (`key`: the buffer's
+        address and size, bucket, segment), made once per layout, buffer and destinations."""
+        return self._handovers.get(key)
+
+    def keep_handover(self, key: tuple[int, int, int, int], handover: Handover) -> Handover:
+        self._handovers[key] = handover
+        return handover
 
 
 def make_handover(pairs: Pairs, destinations: Destinations) -> Handover:
@@ -222,12 +223,17 @@ class Delivery:
     def _arrived_plain(self, bucket: Bucket, j: int, segment: Segment, landed: bool) -> Pairs | Handover:
         """What segment j completes on the plain path: a cached handover when it is packed
         whole tensors in the transport's buffer (the case of thousands of small tensors)."""
-        pieces = bucket.pieces
-        if landed or not segment.parts or not all(pieces[i].is_whole for i, _, _ in segment.parts):
+        if landed or not segment.parts:
             return self.arrived(bucket, segment, landed)
         buffer = self.transport.buffer(bucket.index)
         key = (buffer.data_ptr(), buffer.numel(), bucket.index, j)
-        return self.kept.handover(key, lambda: self.arrived(bucket, segment, False, buffer), self.destinations)
+        found = self.kept.handover(key)
+        if found is not None:
+            return found  # (only a segment of whole tensors is ever kept)
+        pieces = bucket.pieces
+        if not all(pieces[i].is_whole for i, _, _ in segment.parts):
+            return self.arrived(bucket, segment, landed)
+        return self.kept.keep_handover(key, make_handover(self.arrived(bucket, segment, False, buffer), self.destinations))
 
     def arrived(self, bucket: Bucket, segment: Segment, landed: bool, buffer: torch.Tensor | None = None) -> Pairs:
         """The tensors this segment completes, each as (name, where its bytes are now:
