@@ -104,9 +104,10 @@ class SegmentPacker:
         """Gather the whole pieces of a segment and pack them with one multi-tensor copy:
         one stream wait and one launch per segment, whatever its tensor count. Returns the
         segment's other parts (chunks of larger tensors), for the caller to pack."""
-        packs = self._packs.get((packing.plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start))
+        key = (packing.plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start)
+        packs = self._packs.get(key)
         if packs is None:
-            packs = self._segment_packs(packing.plan, bucket, segment, target)
+            packs = self._packs[key] = self._segment_packs(packing.plan, bucket, segment, target)
         whole, dsts, others = packs
         began = time.perf_counter()
         srcs = packing.gather(whole)
@@ -120,10 +121,10 @@ class SegmentPacker:
 
     def _segment_packs(self, plan: BucketPlan, bucket: Bucket, segment: Segment, target: torch.Tensor) -> "_SegmentPack":
         """What packing a segment of several pieces needs, made once per plan and target
-        (`_packs`): per whole piece its spec and whether it has bytes, their views in
+        (kept in `_packs` by the caller): per whole piece its spec and whether it has bytes, their views in
         order, and the other parts."""
         if len(self._packs) >= 4 * sum(len(b.segments) for b in plan.buckets) + 8:
-            self._packs = {}  # buffers were reallocated or the layout changed: the old keys are stale
+            self._packs.clear()  # buffers were reallocated or the layout changed: the old keys are stale
         views = self._views.of(plan, target, bucket)
         whole, dsts, others = [], [], []
         for index, lo, hi in segment.parts:
@@ -134,8 +135,7 @@ class SegmentPacker:
                     dsts.append(views[index])
             else:
                 others.append((index, lo, hi))
-        packs = self._packs[(plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start)] = (whole, dsts, others)
-        return packs
+        return whole, dsts, others
 
     def _direct(self, plan: BucketPlan, spec: TensorSpec, tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
         """Whether every range of this tensor goes straight from its memory, skipping the
