@@ -33,6 +33,7 @@ from hal.sync.plan import BucketPlan, PlanCache, TensorSpec, build_plan
 from hal.sync.receiver import Receiver
 from hal.sync.rollout import CopyInto, copy_into
 from hal.sync.sender import Sender
+from hal.sync.sharded import ShardedReceiver, ShardedSender
 from hal.sync.sink import Sink, SinkPolicy, as_sink
 from hal.sync.source import ModuleSource, TensorSource, WeightSource, as_source
 from hal.sync.trainer import TrainerSync
@@ -57,6 +58,8 @@ __all__ = [
     "Receiver",
     "SegmentStatus",
     "Sender",
+    "ShardedReceiver",
+    "ShardedSender",
     "Sink",
     "SinkPolicy",
     "SourceError",

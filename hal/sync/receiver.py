@@ -175,54 +175,18 @@ class Receiver:
             return self._receive(as_sink(sink))
 
     def _receive(self, sink: Sink) -> SyncMetrics:
-        start, host_start = time.perf_counter(), time.thread_time()
-        timer = PhaseTimer()
-        transport, rank = self.transport, self.transport.rank
-        builds = self.plans.builds
+        incoming = IncomingSync(self, sink)
         while True:
-            challenge = transport.challenge()
-            payload = transport.exchange_header(None)
-            header, plan, destinations, report = self._check_header(payload, sink, challenge)
-            where = f"sync of version {header.version}" if header is not None else "sync"
+            report = incoming.check()
             try:
-                errors.raise_if_any(transport.agree(report, "header check"), rank, where)
+                incoming.agree_header(report)
                 break
             except errors.SyncError as exc:
-                if header is not None and header.delta_base is not None and exc.only_delta_base:
+                if incoming.header is not None and incoming.header.delta_base is not None and exc.only_delta_base:
                     continue  # the sender sends the same sync whole right away
                 raise
-        if header is None or plan is None or destinations is None:  # every rank agreed there was no error: cannot happen
-            raise errors.SyncError(f"rank {rank}: the header check passed on every rank but this one kept no plan")
-        transport.prepare(self.backend, plan)
-        kept_in = scatter_key(plan, sink, self.backend.device()) if header.delta else None
-        delivery = Delivery(self.kept, transport, plan, sink, destinations, timer)
-        delivery.applier = self.delta.begin(header, plan, kept_in, delivery)
-        try:
-            delivery.run()
-        except errors.PeerError:
-            self._failed(delivery, sink)
-            self.torn = tuple(sorted(delivery.landing))
-            raise
-        try:
-            errors.raise_if_any(transport.agree(delivery.report(), "sync status"), rank, where)
-        except errors.SyncError:
-            self._failed(delivery, sink)
-            raise
-        self.version = header.version
-        self.consistent = True
-        self.torn = ()
-        self.delta.completed(header, plan, kept_in)
-        return SyncMetrics(
-            version=header.version,
-            bytes=plan.total_bytes,
-            buckets=len(plan.buckets),
-            tensors=len(plan.specs),
-            transfer_s=timer.get("transfer"),
-            apply_s=timer.get("apply"),
-            total_s=time.perf_counter() - start,
-            host_s=time.thread_time() - host_start,
-            plan_reused=self.plans.builds == builds,
-        )
+        incoming.deliver()
+        return incoming.conclude(incoming.report())
 
     @property
     def baseline_bytes(self) -> int:
@@ -239,3 +203,85 @@ class Receiver:
             sink.abort()
         except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to raise
             delivery.notes.append(f"abort() failed: {type(exc).__name__}: {exc}")
+
+
+class IncomingSync:
+    """One sync on the receiving side, in its phases: `check` the header (this rank's
+    verdict), `agree_header` (every rank's), `deliver` the segments into the sink, and
+    `conclude` (every rank's outcome; the version). `Receiver.receive` runs them in
+    order; a receiver of several senders at once (hal.sync.sharded) interleaves the
+    phases of one `IncomingSync` per sender. Used once."""
+
+    def __init__(self, receiver: Receiver, sink: Sink) -> None:
+        self.receiver = receiver
+        self.sink = sink
+        self.start, self.host_start = time.perf_counter(), time.thread_time()
+        self.timer = PhaseTimer()
+        self.builds = receiver.plans.builds
+        self.header: SyncHeader | None = None
+        self.plan: BucketPlan | None = None
+        self.destinations: Destinations | None = None
+        self.delivery: Delivery | None = None
+        self.kept_in: Any = None
+        self.where = "sync"
+        self.lost: BaseException | None = None  # why `deliver` ended early, for a caller that runs it in a thread
+
+    def check(self) -> RankReport:
+        """Draw the challenge, take the sender's header and check it; this rank's verdict."""
+        receiver, transport = self.receiver, self.receiver.transport
+        challenge = transport.challenge()
+        payload = transport.exchange_header(None)
+        self.header, self.plan, self.destinations, report = receiver._check_header(payload, self.sink, challenge)
+        self.where = f"sync of version {self.header.version}" if self.header is not None else "sync"
+        return report
+
+    def agree_header(self, report: RankReport) -> None:
+        """Every rank's verdict on the header; raises the `SyncError` every rank raises."""
+        transport = self.receiver.transport
+        errors.raise_if_any(transport.agree(report, "header check"), transport.rank, self.where)
+        if self.header is None or self.plan is None or self.destinations is None:  # every rank agreed there was no error
+            raise errors.SyncError(f"rank {transport.rank}: the header check passed on every rank but this one kept no plan")
+
+    def deliver(self) -> None:
+        """Receive every segment into the sink; raises `PeerError` when the group broke (the
+        sink has been told: `Sink.abort`)."""
+        receiver, plan = self.receiver, self.plan
+        receiver.transport.prepare(receiver.backend, plan)
+        self.kept_in = scatter_key(plan, self.sink, receiver.backend.device()) if self.header.delta else None
+        delivery = self.delivery = Delivery(receiver.kept, receiver.transport, plan, self.sink, self.destinations, self.timer)
+        delivery.applier = receiver.delta.begin(self.header, plan, self.kept_in, delivery)
+        try:
+            delivery.run()
+        except errors.PeerError:
+            receiver._failed(delivery, self.sink)
+            receiver.torn = tuple(sorted(delivery.landing))
+            raise
+
+    def report(self) -> RankReport:
+        """This rank's word on how the delivery went."""
+        return self.delivery.report()
+
+    def conclude(self, report: RankReport) -> SyncMetrics:
+        """Every rank's outcome: the version advances only if every rank completed;
+        otherwise raises the `SyncError` every rank raises."""
+        receiver, transport, plan, header = self.receiver, self.receiver.transport, self.plan, self.header
+        try:
+            errors.raise_if_any(transport.agree(report, "sync status"), transport.rank, self.where)
+        except errors.SyncError:
+            receiver._failed(self.delivery, self.sink)
+            raise
+        receiver.version = header.version
+        receiver.consistent = True
+        receiver.torn = ()
+        receiver.delta.completed(header, plan, self.kept_in)
+        return SyncMetrics(
+            version=header.version,
+            bytes=plan.total_bytes,
+            buckets=len(plan.buckets),
+            tensors=len(plan.specs),
+            transfer_s=self.timer.get("transfer"),
+            apply_s=self.timer.get("apply"),
+            total_s=time.perf_counter() - self.start,
+            host_s=time.thread_time() - self.host_start,
+            plan_reused=receiver.plans.builds == self.builds,
+        )

@@ -182,6 +182,9 @@ class OutgoingSync:
         self.segments: Any = WHOLE
         self._builds = sender.plans.builds
         self._state = "new"
+        self.end_bound_s: float | None = None
+        """The bound of the final agreement when it may wait longer than one step (a sender
+        of several: the receivers first wait for the others' bytes; hal.sync.sharded)."""
 
     def offer(self) -> None:
         with self.sender.transport.bounded(self.sender.config.timeout_s):
@@ -250,7 +253,8 @@ class OutgoingSync:
         if failure is not None:
             failure = errors.SourceError(f"{type(failure).__name__}: {failure}") if not isinstance(failure, errors.SyncError) else failure
             report = errors.report_exception(failure, sender=True)
-        errors.raise_if_any(transport.agree(report, "sync status"), transport.rank, self.where)
+        with transport.bounded(self.end_bound_s or sender.config.timeout_s):
+            errors.raise_if_any(transport.agree(report, "sync status"), transport.rank, self.where)
         sender.version = self.version
         total_s = time.perf_counter() - self.start
         if sender.delta is not None:

@@ -58,6 +58,10 @@ class ModuleSource:
         # DTensor reports its global shape, so no gather happens here
         return [TensorSpec.of(name, p) for name, p in self._named()]
 
+    def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters as this rank holds them (DTensors not gathered), out of autograd."""
+        return [(name, param.detach()) for name, param in self._named()]
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self._named():
             yield name, materialize(param.detach())
@@ -74,6 +78,10 @@ class TensorSource:
 
     def metadata(self) -> list[TensorSpec]:
         return [TensorSpec.of(name, t) for name, t in self.pairs]
+
+    def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors as this rank holds them (DTensors not gathered), out of autograd."""
+        return [(name, _detached(t)) for name, t in self.pairs]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         plain = torch.Tensor

@@ -1,0 +1,181 @@
+"""A receiver of several senders puts whole tensors together from their shares.
+
+Each sender's sync is received by its own `Receiver` (in its own thread), whose sink is
+this assembler's part sink: every share that arrives is copied into its tensor's
+assembly buffer, and once all of a tensor's shares are here the receiving thread hands
+the whole tensor to the engine's sink (`drain`), in one thread, the caller's. So a tensor
+reaches the engine only whole, with the new rows of every sender, never some new and
+some old: a sender that fails part-way leaves its tensors as they were.
+
+Memory: a tensor's assembly buffer lives from its first share to its handover. The
+senders send in one order, so few tensors are open at once; a receiving thread that is
+ahead of another waits before opening a new tensor while the open ones hold more than
+`budget_bytes` (never the thread furthest behind, so the wait always ends).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+import torch
+
+from hal.backend import Backend
+from hal.sync import errors
+from hal.sync.plan import TensorSpec
+from hal.sync.sink import Pairs, Sink, SinkPolicy
+
+
+@dataclass(slots=True)
+class _Open:
+    tensor: torch.Tensor  # the whole tensor being put together
+    missing: int  # shares not here yet
+
+
+@dataclass(frozen=True, slots=True)
+class ShareInfo:
+    """Where one wire tensor's rows go."""
+
+    spec: TensorSpec  # the whole tensor
+    index: int  # its place in the sync's order
+    lo: int
+    hi: int
+    shares: int  # how many shares the tensor travels in
+
+
+class PartSink:
+    """The sink of one sender's `Receiver`: shares go to the assembler."""
+
+    policy = SinkPolicy(in_place=False, apply_unchanged=True)
+
+    def __init__(self, assembler: "Assembler", sender: int) -> None:
+        self.assembler = assembler
+        self.sender = sender
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        return None
+
+    def apply(self, pairs: Pairs) -> None:
+        self.assembler.take(self.sender, pairs)
+
+    def abort(self) -> None:
+        pass  # the assembler's owner aborts the engine's sink once
+
+
+class Assembler:
+    """One sync's assembly (see the module doc); made by `ShardedReceiver.receive`."""
+
+    def __init__(self, backend: Backend, senders: int, budget_bytes: int, timeout_s: float) -> None:
+        self.backend = backend
+        self.budget_bytes = budget_bytes
+        self.timeout_s = timeout_s
+        self.shares: dict[str, ShareInfo] = {}
+        self.destinations: dict[str, torch.Tensor] = {}
+        self.discard = False  # the sync already failed: take shares, keep nothing
+        self.error: BaseException | None = None  # the first failure of handing over
+        self.touched = False  # the engine's sink got a tensor or a destination was written
+        self.handed = 0
+        self._cond = threading.Condition()
+        self._open: dict[str, _Open] = {}
+        self._open_bytes = 0
+        self._ready: list[tuple[TensorSpec, torch.Tensor]] = []
+        self._last = [-1] * senders  # per sender, the index of the last tensor it delivered to
+        self._running = set(range(senders))
+
+    def part_sink(self, sender: int) -> PartSink:
+        return PartSink(self, sender)
+
+    # ---- the receiving threads --------------------------------------------------------
+    def take(self, sender: int, pairs: Pairs) -> None:
+        for wire_name, rows in pairs:
+            if self.discard:
+                return
+            info = self.shares.get(wire_name)
+            if info is None:  # checked against the header: cannot happen
+                raise errors.SyncError(f"sender {sender} delivered {wire_name!r}, which no header announced")
+            entry = self._entry(sender, info)
+            if entry is None:
+                continue
+            target = entry.tensor[info.lo : info.hi] if info.spec.shape else entry.tensor
+            target.copy_(rows)
+            with self._cond:
+                entry.missing -= 1
+                if entry.missing == 0:
+                    del self._open[info.spec.name]
+                    self._ready.append((info.spec, entry.tensor))
+                    self._cond.notify_all()
+
+    def _entry(self, sender: int, info: ShareInfo) -> _Open | None:
+        name, deadline = info.spec.name, time.monotonic() + self.timeout_s
+        with self._cond:
+            self._last[sender] = info.index
+            while name not in self._open:
+                behind = [s for s in self._running if s != sender and self._last[s] < info.index]
+                if self._open_bytes + info.spec.nbytes <= self.budget_bytes or not behind or not self._open:
+                    tensor = self.backend.empty(info.spec.nbytes).view(info.spec.dtype).reshape(info.spec.shape)
+                    self._open[name] = _Open(tensor, info.shares)
+                    self._open_bytes += info.spec.nbytes
+                    break
+                if self.discard:
+                    return None
+                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise errors.PeerError(
+                        f"assembling {name!r}: waited {self.timeout_s} s for sender(s) {sorted(behind)} to catch up "
+                        f"({self._open_bytes} bytes of tensors open)"
+                    )
+            return self._open[name]
+
+    def sender_done(self, sender: int) -> None:
+        with self._cond:
+            self._running.discard(sender)
+            self._cond.notify_all()
+
+    # ---- the caller's thread ------------------------------------------------------------
+    def drain(self, sink: Sink) -> None:
+        """Hand every tensor to `sink` as it completes, until every sender's thread ended."""
+        while True:
+            with self._cond:
+                while not self._ready and self._running:
+                    self._cond.wait(timeout=0.5)
+                batch, self._ready = self._ready, []
+                if not batch and not self._running:
+                    return
+            if not self.discard:
+                try:
+                    self._hand_over(sink, batch)
+                except Exception as exc:  # noqa: BLE001 - reported at the agreement; the others keep receiving
+                    self.error = exc
+                    self.discard = True
+            with self._cond:
+                self._open_bytes -= sum(spec.nbytes for spec, _ in batch)
+                self._cond.notify_all()
+
+    def _hand_over(self, sink: Sink, batch: list[tuple[TensorSpec, torch.Tensor]]) -> None:
+        pairs: Pairs = []
+        for spec, tensor in batch:
+            dest = self.destinations.get(spec.name)
+            if dest is not None:
+                self.touched = True
+                dest.copy_(tensor)
+                tensor = dest
+            pairs.append((spec.name, tensor))
+        self.touched = True
+        sink.apply(pairs)
+        self.handed += len(pairs)
+
+    def stop(self) -> None:
+        """The sync failed: take what still arrives and keep none of it."""
+        with self._cond:
+            self.discard = True
+            self._cond.notify_all()
+
+    def leftover(self) -> list[str]:
+        """Tensors some of whose shares never came (after every thread ended)."""
+        return sorted(self._open)
+
+    def release(self) -> None:
+        with self._cond:
+            self._open.clear()
+            self._ready.clear()
+            self._open_bytes = 0
+

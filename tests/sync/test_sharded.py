@@ -1,0 +1,173 @@
+"""Every trainer rank sends: two FSDP2 ranks, each sending only its shard, into two receivers.
+
+Four spawned processes on gloo: trainer ranks 0 and 1 hold `fully_shard` shards of one
+model; each has a sync group of its own with engine workers 2 and 3 (groups [0, 2, 3]
+and [1, 2, 3]). Three syncs with an Adam step between them; every receiver must hold the
+trainer's full weights bit for bit after each, and each trainer rank must have sent
+exactly the bytes of its own rows (the plan's share, half the model here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hal.sync import BroadcastTransport, ModuleSource, SyncConfig, SyncError, TensorSpec, copy_into
+from hal.sync.sharded import ShardedReceiver, ShardedSender
+from tests.multiproc import run_group
+from tests.sync.test_trainer import digest, make_model, train_step
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT_S = 10.0
+BUCKET = 32 * 1024
+
+
+def engine_specs(dtype: torch.dtype | None = None) -> list[TensorSpec]:
+    return [TensorSpec.of(n, p.detach() if dtype is None else p.detach().to(dtype)) for n, p in make_model().named_parameters()]
+
+
+def model_bytes(dtype: torch.dtype | None = None) -> int:
+    return sum(s.nbytes for s in engine_specs(dtype))
+
+
+def groups(rank: int) -> tuple[object, list[object]]:
+    """(trainer group of ranks 0-1, the sync group of each trainer rank with ranks 2 and 3)."""
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    trainer = dist.new_group([0, 1], timeout=timeout)
+    syncs = [dist.new_group([0, 2, 3], timeout=timeout), dist.new_group([1, 2, 3], timeout=timeout)]
+    return trainer, syncs
+
+
+def sharded_worker(rank, world, scenario):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hal.sync import DeltaConfig
+
+    trainer_group, sync_groups = groups(rank)
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=8192, timeout_s=TIMEOUT_S, verify=scenario == "verify")
+    wire = None
+    if scenario == "delta":
+        wire = torch.bfloat16
+        config = dataclasses.replace(config, wire_dtype=wire, delta=DeltaConfig(anchor_every=100, choose="bytes"))
+    syncs = 3 if scenario in ("ok", "delta", "verify") else 1
+    if rank in (0, 1):
+        model = make_model()
+        mesh = DeviceMesh.from_group(trainer_group, "cpu")
+        for layer in (model[0], model[1], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4 if scenario == "delta" else 1e-2)
+        sender = ShardedSender(BroadcastTransport(sync_groups[rank], src=0), config=config, trainer_group=trainer_group)
+        results = []
+        for version in (1, 2, 3)[:syncs]:
+            train_step(model, optimizer, rank, version)
+            source = ModuleSource(model)
+            if scenario == "mismatch" and rank == 1:
+                source = ModuleSource(model, rename=lambda n: None if n == "3.weight" else n)
+            if scenario == "sender_dies" and rank == 1:
+                from hal.sync import sharded
+
+                real = sharded._Shares.__iter__
+
+                def dying(self, real=real):
+                    for i, item in enumerate(real(self)):
+                        if i == 2:
+                            os._exit(9)  # a trainer rank lost mid-sync, after its first shares went
+                        yield item
+
+                sharded._Shares.__iter__ = dying
+            start = time.monotonic()
+            try:
+                metrics = sender.sync(source, version=version)
+                outcome = ("ok", metrics.bytes, metrics.model_bytes, metrics.senders, metrics.delta)
+            except SyncError as exc:
+                outcome = (type(exc).__name__, str(exc)[:400])
+            seconds = time.monotonic() - start
+            full = {n: p.full_tensor() for n, p in model.named_parameters()} if outcome[0] != "PeerError" else {}
+            if wire is not None:
+                full = {n: t.to(wire) for n, t in full.items()}
+            results.append((outcome, digest(full), seconds))
+        return results
+    transports = [BroadcastTransport(g, src=0) for g in sync_groups]
+    receiver = ShardedReceiver(transports, engine_specs(wire), timeout_s=TIMEOUT_S)
+    weights = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in engine_specs(wire)}
+    results = []
+    for _ in range(syncs):
+        start = time.monotonic()
+        try:
+            metrics = receiver.receive(copy_into(weights))
+            outcome = ("ok", receiver.version, metrics.bytes)
+        except SyncError as exc:
+            outcome = (type(exc).__name__, str(exc)[:400], receiver.consistent)
+        results.append((outcome, digest(weights), time.monotonic() - start))
+    return results
+
+
+def test_two_fsdp2_ranks_each_send_their_shard_bit_exact_into_two_receivers():
+    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=("ok",), timeout=240, collective_timeout=TIMEOUT_S)
+    total = model_bytes()
+    for step in range(3):
+        (ok0, sent0, whole0, senders0, _), full, _ = trainer0[step]
+        (ok1, sent1, whole1, senders1, _), full1, _ = trainer1[step]
+        assert ok0 == ok1 == "ok" and senders0 == senders1 == 2 and whole0 == whole1 == total
+        # every row of this model splits evenly: each rank sent exactly half, and no more
+        assert sent0 == sent1 == total // 2, (sent0, sent1, total)
+        assert full1 == full
+        for engine in (engine2, engine3):
+            assert engine[step][0] == ("ok", step + 1, total)
+            assert engine[step][1] == full, f"sync {step + 1}: the engine does not hold the trainer's weights"
+    assert trainer0[0][1] != trainer0[1][1] != trainer0[2][1]  # the optimizer moved the weights each step
+
+
+def test_two_sending_ranks_with_verify_checksum_what_they_send():
+    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=("verify",), timeout=240, collective_timeout=TIMEOUT_S)
+    for step in range(3):
+        assert trainer0[step][0][0] == trainer1[step][0][0] == "ok"
+        for engine in (engine2, engine3):
+            assert engine[step][0][0] == "ok" and engine[step][1] == trainer0[step][1]
+
+
+def test_two_sending_ranks_delta_each_against_their_own_baseline():
+    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=("delta",), timeout=240, collective_timeout=TIMEOUT_S)
+    for step in range(3):
+        for trainer in (trainer0, trainer1):
+            (ok, sent, whole, _, delta), _, _ = trainer[step]
+            assert ok == "ok" and delta == (step > 0) and sent == whole // 2
+        for engine in (engine2, engine3):
+            assert engine[step][0][0] == "ok"
+            assert engine[step][1] == trainer0[step][1], f"sync {step + 1}: the engine does not hold the trainer's bf16 weights"
+
+
+def test_mismatched_layouts_are_refused_by_name_on_every_rank():
+    results = run_group(sharded_worker, 4, args=("mismatch",), timeout=240, collective_timeout=TIMEOUT_S)
+    for rank_results in results:
+        (kind, message, *_), _, _ = rank_results[0]
+        assert kind == "SpecMismatchError", message
+        assert "'3.weight'" in message and "trainer rank(s) [1]" in message, message
+    zeros = set(digest({s.name: torch.zeros(s.shape) for s in engine_specs()}).values())
+    for engine in results[2:]:
+        assert set(engine[0][1].values()) == zeros  # nothing applied
+
+
+def test_a_sender_lost_mid_sync_fails_every_rank_within_the_timeout_with_old_bytes():
+    results = run_group(sharded_worker, 4, args=("sender_dies",), timeout=240, collective_timeout=TIMEOUT_S, allow_failure=True)
+    trainer0, trainer1, engine2, engine3 = results
+    assert "exit code 9" in trainer1 or "died" in trainer1, trainer1
+    (kind, message), _, seconds = trainer0[0]
+    assert kind in ("PeerError", "SyncError"), message
+    assert seconds < 4 * TIMEOUT_S, f"the other sender took {seconds:.1f} s"
+    zeros = digest({s.name: torch.zeros(s.shape) for s in engine_specs()})
+    for engine in (engine2, engine3):
+        (kind, message, consistent), held, seconds = engine[0]
+        assert kind == "PeerError", message
+        assert seconds < 3 * TIMEOUT_S
+        # every tensor has a share from the lost rank: none may have reached the engine
+        assert held == zeros and consistent
