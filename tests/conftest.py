@@ -186,6 +186,58 @@ def _shm_entries() -> set[str]:
     return set(os.listdir(_SHM)) if _SHM.is_dir() else set()
 
 
+# Which tests ran when, so that a file left in /dev/shm can be traced to the tests that
+# were running when it was last written (every process of one run appends to one file:
+# xdist workers are children of the controlling process).
+def _timeline(config: pytest.Config) -> Path:
+    owner = os.getppid() if hasattr(config, "workerinput") else os.getpid()
+    return Path(f"/tmp/hal-test-timeline-{owner}.log")
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    _mark("start", nodeid)
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    _mark("end", nodeid)
+
+
+_TIMELINE: Path | None = None
+
+
+def _mark(what: str, nodeid: str) -> None:
+    if _TIMELINE is not None:
+        with open(_TIMELINE, "a") as f:
+            f.write(f"{time.time():.3f} {what} {nodeid}\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _TIMELINE
+    _TIMELINE = _timeline(config)
+    if not hasattr(config, "workerinput"):
+        _TIMELINE.unlink(missing_ok=True)
+
+
+def _running_at(timeline: Path, when: float) -> list[str]:
+    """The tests that were running at `when` (or the last one to end before it)."""
+    try:
+        lines = timeline.read_text().splitlines()
+    except OSError:
+        return []
+    running: dict[str, float] = {}
+    last_ended = ""
+    for line in lines:
+        stamp, what, nodeid = line.split(" ", 2)
+        if float(stamp) > when:
+            break
+        if what == "start":
+            running[nodeid] = float(stamp)
+        else:
+            running.pop(nodeid, None)
+            last_ended = nodeid
+    return sorted(running) or ([f"(after) {last_ended}"] if last_ended else [])
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):
         session.config._hal_shm_before = _shm_entries()
@@ -202,9 +254,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         time.sleep(0.5)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        message = f"the test run left {len(left)} file(s) in /dev/shm: {', '.join(left[:10])}"
-        if reporter is not None:
-            reporter.write_line(message, red=True)
-        else:
-            print(message, file=sys.stderr)
+        lines = [f"the test run left {len(left)} file(s) in /dev/shm: {', '.join(left[:10])}"]
+        for name in left[:10]:
+            try:
+                written = (_SHM / name).stat().st_mtime
+            except OSError:
+                continue
+            tests = _running_at(_timeline(session.config), written)
+            lines.append(f"  {name}: last written {time.strftime('%H:%M:%S', time.gmtime(written))} UTC, while: {'; '.join(tests) or 'no test'}")
+        for line in lines:
+            if reporter is not None:
+                reporter.write_line(line, red=True)
+            else:
+                print(line, file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

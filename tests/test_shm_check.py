@@ -19,7 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
 def test_a_run_that_leaves_a_file_in_dev_shm_fails(tmp_path):
     leftover = Path("/dev/shm") / f"hal-shm-check-{uuid.uuid4().hex[:12]}"
-    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_sessionfinish, pytest_sessionstart  # noqa: F401\n")
+    (tmp_path / "conftest.py").write_text((
+        "from tests.conftest import (  # noqa: F401\n"
+        "    pytest_configure, pytest_runtest_logfinish, pytest_runtest_logstart, pytest_sessionfinish, pytest_sessionstart,\n"
+        ")\n"
+    ))
     (tmp_path / "test_leaks.py").write_text(textwrap.dedent(f"""
         def test_leaves_a_file():
             open({str(leftover)!r}, "w").close()
@@ -34,3 +38,5 @@ def test_a_run_that_leaves_a_file_in_dev_shm_fails(tmp_path):
         leftover.unlink(missing_ok=True)
     assert done.returncode == 1, done.stdout + done.stderr
     assert re.search(rf"left \d+ file\(s\) in /dev/shm: .*{leftover.name}", done.stdout), done.stdout
+    # and it names the test that was running when the file was written
+    assert re.search(rf"{leftover.name}: last written .* while: .*test_leaks.py::test_leaves_a_file", done.stdout), done.stdout
