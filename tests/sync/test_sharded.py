@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hal.sync import BroadcastTransport, ModuleSource, SyncConfig, SyncError, TensorSpec, copy_into
+from hal.sync import BroadcastTransport, HierarchicalTransport, ModuleSource, SyncConfig, SyncError, TensorSpec, copy_into
 from hal.sync.sharded import ShardedReceiver, ShardedSender
 from tests.multiproc import run_group
 from tests.sync.test_trainer import digest, make_model, train_step
@@ -57,7 +57,14 @@ def sharded_worker(rank, world, scenario):
     if scenario == "delta":
         wire = torch.bfloat16
         config = dataclasses.replace(config, wire_dtype=wire, delta=DeltaConfig(anchor_every=100, choose="bytes"))
-    syncs = 3 if scenario in ("ok", "delta", "verify") else 1
+    syncs = 3 if scenario in ("ok", "delta", "verify", "hierarchical") else 1
+
+    def transport(group, src=0):
+        if scenario != "hierarchical":
+            return BroadcastTransport(group, src=src)
+        # trainer ranks on nodes a and b, both engine workers on node c: rank 2 leads c
+        # and receives from both senders over the network, rank 3 reads rank 2's buffers
+        return HierarchicalTransport(group, src=src, node="abcc"[rank], timeout_s=TIMEOUT_S)
     if rank in (0, 1):
         model = make_model()
         mesh = DeviceMesh.from_group(trainer_group, "cpu")
@@ -65,7 +72,7 @@ def sharded_worker(rank, world, scenario):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4 if scenario == "delta" else 1e-2)
-        sender = ShardedSender(BroadcastTransport(sync_groups[rank], src=0), config=config, trainer_group=trainer_group)
+        sender = ShardedSender(transport(sync_groups[rank]), config=config, trainer_group=trainer_group)
         results = []
         for version in (1, 2, 3)[:syncs]:
             train_step(model, optimizer, rank, version)
@@ -96,7 +103,7 @@ def sharded_worker(rank, world, scenario):
                 full = {n: t.to(wire) for n, t in full.items()}
             results.append((outcome, digest(full), seconds))
         return results
-    transports = [BroadcastTransport(g, src=0) for g in sync_groups]
+    transports = [transport(g) for g in sync_groups]
     receiver = ShardedReceiver(transports, engine_specs(wire), timeout_s=TIMEOUT_S)
     weights = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in engine_specs(wire)}
     results = []
@@ -105,6 +112,8 @@ def sharded_worker(rank, world, scenario):
         try:
             metrics = receiver.receive(copy_into(weights))
             outcome = ("ok", receiver.version, metrics.bytes)
+            if scenario == "hierarchical":
+                outcome += ([t.leader for t in transports],)
         except SyncError as exc:
             outcome = (type(exc).__name__, str(exc)[:400], receiver.consistent)
         results.append((outcome, digest(weights), time.monotonic() - start))
@@ -125,6 +134,18 @@ def test_two_fsdp2_ranks_each_send_their_shard_bit_exact_into_two_receivers():
             assert engine[step][0] == ("ok", step + 1, total)
             assert engine[step][1] == full, f"sync {step + 1}: the engine does not hold the trainer's weights"
     assert trainer0[0][1] != trainer0[1][1] != trainer0[2][1]  # the optimizer moved the weights each step
+
+
+def test_a_node_leader_receives_from_both_senders_and_serves_its_follower():
+    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=("hierarchical",), timeout=240, collective_timeout=TIMEOUT_S)
+    total = model_bytes()
+    for step in range(3):
+        assert trainer0[step][0][:2] == ("ok", total // 2) and trainer1[step][0][:2] == ("ok", total // 2)
+        for engine in (engine2, engine3):
+            ok, version, received, leaders = engine[step][0]
+            assert (ok, version, received) == ("ok", step + 1, total)
+            assert leaders == [1, 1]  # group rank 1 (world rank 2) leads node c in both senders' groups
+            assert engine[step][1] == trainer0[step][1]
 
 
 def test_two_sending_ranks_with_verify_checksum_what_they_send():
