@@ -125,6 +125,11 @@ class Assembler:
                     )
             return self._open[name]
 
+    def expect(self, senders: set[int]) -> None:
+        """Only these senders' threads deliver (the others' groups left the sync at its header)."""
+        with self._cond:
+            self._running = set(senders)
+
     def sender_done(self, sender: int) -> None:
         with self._cond:
             self._running.discard(sender)

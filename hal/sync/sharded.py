@@ -218,6 +218,7 @@ class ShardedReceiver:
         failure = self._headers(incoming, sink, assembler, live)
         if failure is not None:
             assembler.stop()
+        assembler.expect(live)
         threads = [threading.Thread(target=self._deliver, args=(m, incoming[m], assembler, live), daemon=True) for m in sorted(live)]
         for thread in threads:
             thread.start()

@@ -57,7 +57,8 @@ def sharded_worker(rank, world, scenario):
     if scenario == "delta":
         wire = torch.bfloat16
         config = dataclasses.replace(config, wire_dtype=wire, delta=DeltaConfig(anchor_every=100, choose="bytes"))
-    syncs = 3 if scenario in ("ok", "delta", "verify", "hierarchical") else 1
+    syncs = 3 if scenario in ("ok", "delta", "verify", "hierarchical") else 2 if scenario == "subset" else 1
+    token = "trainer-secret" if scenario == "token" else None
 
     def transport(group, src=0):
         if scenario != "hierarchical":
@@ -72,13 +73,27 @@ def sharded_worker(rank, world, scenario):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4 if scenario == "delta" else 1e-2)
-        sender = ShardedSender(transport(sync_groups[rank]), config=config, trainer_group=trainer_group)
+        sender = ShardedSender(transport(sync_groups[rank]), config=config, trainer_group=trainer_group, token=token)
         results = []
         for version in (1, 2, 3)[:syncs]:
             train_step(model, optimizer, rank, version)
             source = ModuleSource(model)
+            if scenario == "subset" and version == 2:  # only the first Linear (as a LoRA sync sends only adapters)
+                source = ModuleSource(model, rename=lambda n: n if n.startswith("1.") else None)
             if scenario == "mismatch" and rank == 1:
                 source = ModuleSource(model, rename=lambda n: None if n == "3.weight" else n)
+            if scenario == "source_fails" and rank == 1:
+                from hal.sync import sharded
+
+                real = sharded._Shares.__iter__
+
+                def failing(self, real=real):
+                    for i, item in enumerate(real(self)):
+                        if i == 3:
+                            raise RuntimeError("the trainer's weights are gone")
+                        yield item
+
+                sharded._Shares.__iter__ = failing
             if scenario == "sender_dies" and rank == 1:
                 from hal.sync import sharded
 
@@ -104,13 +119,23 @@ def sharded_worker(rank, world, scenario):
             results.append((outcome, digest(full), seconds))
         return results
     transports = [transport(g) for g in sync_groups]
-    receiver = ShardedReceiver(transports, engine_specs(wire), timeout_s=TIMEOUT_S)
+    theirs = None if token is None else (token if rank == 2 else "another-secret")  # rank 3 was started with another
+    receiver = ShardedReceiver(transports, engine_specs(wire), timeout_s=TIMEOUT_S, token=theirs)
     weights = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in engine_specs(wire)}
     results = []
     for _ in range(syncs):
         start = time.monotonic()
+        sink = copy_into(weights)
+        if scenario == "receiver_dies" and rank == 3:
+            real_apply = sink.apply
+
+            def die(pairs, real_apply=real_apply):
+                real_apply(pairs)
+                os._exit(7)  # an engine worker lost mid-sync
+
+            sink.apply = die
         try:
-            metrics = receiver.receive(copy_into(weights))
+            metrics = receiver.receive(sink)
             outcome = ("ok", receiver.version, metrics.bytes)
             if scenario == "hierarchical":
                 outcome += ([t.leader for t in transports],)
@@ -167,6 +192,27 @@ def test_two_sending_ranks_delta_each_against_their_own_baseline():
             assert engine[step][1] == trainer0[step][1], f"sync {step + 1}: the engine does not hold the trainer's bf16 weights"
 
 
+def test_a_sync_of_some_tensors_leaves_the_others_as_they_were():
+    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=("subset",), timeout=240, collective_timeout=TIMEOUT_S)
+    first, second = trainer0[0][1], trainer0[1][1]
+    sent = {n for n in first if n.startswith("1.")}
+    assert trainer0[1][0][:2] == ("ok", sum(s.nbytes for s in engine_specs() if s.name in sent) // 2)
+    for engine in (engine2, engine3):
+        assert engine[1][0][0] == "ok"
+        held = engine[1][1]
+        assert {n: held[n] for n in sent} == {n: second[n] for n in sent}  # the synced tensors: new
+        assert {n: held[n] for n in first if n not in sent} == {n: first[n] for n in first if n not in sent}  # the rest: as before
+
+
+def test_a_receiver_with_another_token_refuses_every_sender_and_nothing_is_applied():
+    results = run_group(sharded_worker, 4, args=("token",), timeout=240, collective_timeout=TIMEOUT_S)
+    for rank_results in results:
+        (kind, message, *_), _, _ = rank_results[0]
+        assert kind == "AuthError", message
+    zeros = digest({s.name: torch.zeros(s.shape) for s in engine_specs()})
+    assert results[2][0][1] == results[3][0][1] == zeros
+
+
 def test_mismatched_layouts_are_refused_by_name_on_every_rank():
     results = run_group(sharded_worker, 4, args=("mismatch",), timeout=240, collective_timeout=TIMEOUT_S)
     for rank_results in results:
@@ -176,6 +222,30 @@ def test_mismatched_layouts_are_refused_by_name_on_every_rank():
     zeros = set(digest({s.name: torch.zeros(s.shape) for s in engine_specs()}).values())
     for engine in results[2:]:
         assert set(engine[0][1].values()) == zeros  # nothing applied
+
+
+def test_a_senders_source_failing_part_way_fails_every_rank_with_old_or_new_tensors():
+    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=("source_fails",), timeout=240, collective_timeout=TIMEOUT_S)
+    new = trainer0[0][1]
+    assert trainer1[0][0][0] == "SourceError" and "the trainer's weights are gone" in trainer1[0][0][1]
+    assert trainer0[0][0][0] == "SourceError", trainer0[0][0]
+    old = digest({s.name: torch.zeros(s.shape) for s in engine_specs()})
+    for engine in (engine2, engine3):
+        (kind, message, consistent), held, _ = engine[0]
+        assert kind == "SourceError", message
+        assert all(held[n] in (old[n], new[n]) for n in held), "a tensor holds neither its old nor its new bytes"
+        assert held != new  # the failure came before the end
+        assert consistent == (held == old)  # touched weights make the receiver say so
+
+
+def test_a_receiver_lost_mid_sync_fails_every_rank_within_the_timeout():
+    results = run_group(sharded_worker, 4, args=("receiver_dies",), timeout=240, collective_timeout=TIMEOUT_S, allow_failure=True)
+    trainer0, trainer1, engine2, engine3 = results
+    assert "exit code 7" in engine3 or "died" in engine3, engine3
+    for name, rank_results in (("sender 0", trainer0), ("sender 1", trainer1), ("other receiver", engine2)):
+        (kind, message, *_), _, seconds = rank_results[0]
+        assert kind == "PeerError", f"{name}: {kind}: {message}"
+        assert seconds < 4 * TIMEOUT_S, f"{name} took {seconds:.1f} s"
 
 
 def test_a_sender_lost_mid_sync_fails_every_rank_within_the_timeout_with_old_bytes():
