@@ -107,7 +107,7 @@ def _dtensor_kind(name: str, tensor: Any, rank: int, world_size: int, types: tup
     if isinstance(placement, replicate):
         return WHOLE
     if type(placement) is not shard or placement.dim != 0:
-        raise ValueError(f"parameter {name!r}: placement {placement} is not supported: a sharded sync takes Shard(0) or Replicate()")
+        raise ValueError(f"parameter {name!r}: placement {placement!r} is not supported: a sharded sync takes Shard(0) or Replicate()")
     if mesh.size() != world_size or mesh.get_local_rank() != rank:
         raise ValueError(
             f"parameter {name!r}: sharded over a mesh of {mesh.size()} ranks where this is rank {mesh.get_local_rank()}, "
