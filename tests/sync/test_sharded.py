@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hal.sync import BroadcastTransport, HierarchicalTransport, ModuleSource, SyncConfig, SyncError, TensorSpec, copy_into
+from hal.sync import BroadcastTransport, HierarchicalTransport, IpcTransport, ModuleSource, SyncConfig, SyncError, TensorSpec, copy_into
 from hal.sync.sharded import ShardedReceiver, ShardedSender
 from tests.multiproc import run_group
 from tests.sync.test_trainer import digest, make_model, train_step
@@ -57,10 +57,12 @@ def sharded_worker(rank, world, scenario):
     if scenario == "delta":
         wire = torch.bfloat16
         config = dataclasses.replace(config, wire_dtype=wire, delta=DeltaConfig(anchor_every=100, choose="bytes"))
-    syncs = 3 if scenario in ("ok", "delta", "verify", "hierarchical") else 2 if scenario == "subset" else 1
+    syncs = 3 if scenario in ("ok", "delta", "verify", "hierarchical", "ipc") else 2 if scenario == "subset" else 1
     token = "trainer-secret" if scenario == "token" else None
 
     def transport(group, src=0):
+        if scenario == "ipc":  # one node: every sender's buckets in shared memory its receivers map
+            return IpcTransport(group, src=src)
         if scenario != "hierarchical":
             return BroadcastTransport(group, src=src)
         # trainer ranks on nodes a and b, both engine workers on node c: rank 2 leads c
@@ -173,8 +175,9 @@ def test_a_node_leader_receives_from_both_senders_and_serves_its_follower():
             assert engine[step][1] == trainer0[step][1]
 
 
-def test_two_sending_ranks_with_verify_checksum_what_they_send():
-    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=("verify",), timeout=240, collective_timeout=TIMEOUT_S)
+@pytest.mark.parametrize("scenario", ["verify", "ipc"])
+def test_two_sending_ranks_with_verify_or_over_shared_memory(scenario):
+    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=(scenario,), timeout=240, collective_timeout=TIMEOUT_S)
     for step in range(3):
         assert trainer0[step][0][0] == trainer1[step][0][0] == "ok"
         for engine in (engine2, engine3):
