@@ -265,7 +265,7 @@ class ShardedReceiver:
             except errors.PeerError as exc:
                 live.discard(m)
                 reports.append(errors.report_exception(exc, sender=False))
-        shared = next((r for r in reports if r.error and r.kind != "delta_base"), None)
+        shared = next((r for r in reports if r.error and r.kind != "base"), None)
         if shared is None:
             try:
                 self._index(incoming, sink, assembler)

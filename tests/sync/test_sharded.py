@@ -54,10 +54,10 @@ def sharded_worker(rank, world, scenario):
     trainer_group, sync_groups = groups(rank)
     config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=8192, timeout_s=TIMEOUT_S, verify=scenario == "verify")
     wire = None
-    if scenario == "delta":
+    if scenario in ("delta", "base_lost"):
         wire = torch.bfloat16
         config = dataclasses.replace(config, wire_dtype=wire, delta=DeltaConfig(anchor_every=100, choose="bytes"))
-    syncs = 3 if scenario in ("ok", "delta", "verify", "hierarchical", "ipc") else 2 if scenario == "subset" else 1
+    syncs = 3 if scenario in ("ok", "delta", "verify", "hierarchical", "ipc", "base_lost") else 2 if scenario == "subset" else 1
     token = "trainer-secret" if scenario == "token" else None
 
     def transport(group, src=0):
@@ -74,7 +74,7 @@ def sharded_worker(rank, world, scenario):
         for layer in (model[0], model[1], model[3]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4 if scenario == "delta" else 1e-2)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4 if wire is not None else 1e-2)
         sender = ShardedSender(transport(sync_groups[rank]), config=config, trainer_group=trainer_group, token=token)
         results = []
         for version in (1, 2, 3)[:syncs]:
@@ -125,8 +125,10 @@ def sharded_worker(rank, world, scenario):
     receiver = ShardedReceiver(transports, engine_specs(wire), timeout_s=TIMEOUT_S, token=theirs)
     weights = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in engine_specs(wire)}
     results = []
-    for _ in range(syncs):
+    for step in range(syncs):
         start = time.monotonic()
+        if scenario == "base_lost" and rank == 3 and step == 1:  # an engine worker restarted: no delta base
+            receiver = ShardedReceiver(transports, engine_specs(wire), timeout_s=TIMEOUT_S, token=theirs)
         sink = copy_into(weights)
         if scenario == "receiver_dies" and rank == 3:
             real_apply = sink.apply
@@ -214,6 +216,15 @@ def test_a_receiver_with_another_token_refuses_every_sender_and_nothing_is_appli
         assert kind == "AuthError", message
     zeros = digest({s.name: torch.zeros(s.shape) for s in engine_specs()})
     assert results[2][0][1] == results[3][0][1] == zeros
+
+
+def test_a_receiver_without_the_delta_base_gets_that_sync_whole_from_every_sender():
+    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=("base_lost",), timeout=240, collective_timeout=TIMEOUT_S)
+    for step, expect_delta in ((0, False), (1, False), (2, True)):  # sync 2 went whole: rank 3 had lost the base
+        for trainer in (trainer0, trainer1):
+            assert trainer[step][0][0] == "ok" and trainer[step][0][4] is expect_delta, trainer[step][0]
+        for engine in (engine2, engine3):
+            assert engine[step][0][0] == "ok" and engine[step][1] == trainer0[step][1]
 
 
 def test_mismatched_layouts_are_refused_by_name_on_every_rank():
