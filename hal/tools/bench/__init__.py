@@ -29,6 +29,17 @@ the JSON holds {"preset", "mode": "delta", "results": [one summary per learning 
 `--methods`, `--repeats`, `--warmup`, `--receivers`, `--nodes`, `--trace` and `--plot`
 do not apply to it.
 
+    hal bench --senders 2 --receivers 2 --preset qwen2.5-0.5b   # M-to-N (hal.tools.bench.senders)
+
+`--senders M` runs hal.tools.bench.senders instead: M trainer ranks holding the preset as
+FSDP2 `Shard(0)` DTensors, each sending only its own rows (hal.sync.sharded) to the
+`--receivers` K, against one sender (the same code path with M = 1) into the same K; it
+fails unless every trainer rank sent exactly its plan share and the receivers hold the
+model bit for bit. The JSON holds {"preset", "mode": "senders", "ratio_senders_to_one",
+"results": [one row per method, with its byte check]}. It takes `--preset`,
+`--receivers`, `--repeats`, `--warmup`, `--bucket-mb`, `--sync-backend`, `--threads`,
+`--timeout`, `--no-verify` and `--json`.
+
     VERL_DEVICE=cuda hal bench --delta-kernels --segment-mb 32   # hal.tools.bench.delta_kernels
 
 `--delta-kernels` times `hal.kernels.delta_encode` / `delta_check` / `delta_apply` on one
@@ -130,6 +141,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="emulate a link of this many GB/s (1e9 bytes/s) for every method: a send's bytes count as arrived only at "
         "that rate, overlapping the work around it (default: the transport as it is)",
     )
+    senders = parser.add_argument_group("--senders (hal.tools.bench.senders)")
+    senders.add_argument(
+        "--senders", type=_positive_int, default=None, metavar="M",
+        help="M-to-N: M trainer ranks holding the preset as FSDP2 Shard(0) DTensors, each sending only its own rows "
+        "(hal.sync.sharded) to --receivers, against 1 sender into the same receivers; checks every rank's bytes",
+    )
     device = parser.add_argument_group("--device-transfer (hal.tools.bench.device_transfer)")
     device.add_argument(
         "--device-transfer", action="store_true",
@@ -160,11 +177,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # Seconds before every benchmark process is killed when --timeout is not given, per
 # benchmark; resolved once in `main`, so every benchmark reads a number from `args.timeout`.
-DEFAULT_TIMEOUT_S = {"delta-kernels": 300.0, "device-transfer": 600.0, "delta": 1800.0, "vllm": 300.0, "transfer": 300.0}
+DEFAULT_TIMEOUT_S = {"senders": 600.0, "delta-kernels": 300.0, "device-transfer": 600.0, "delta": 1800.0, "vllm": 300.0, "transfer": 300.0}
 
 
 def _benchmark(args: argparse.Namespace) -> str:
     """Which benchmark `args` ask for (a key of DEFAULT_TIMEOUT_S)."""
+    if getattr(args, "senders", None) is not None:
+        return "senders"
     for flag, name in (("delta_kernels", "delta-kernels"), ("device_transfer", "device-transfer"), ("delta", "delta")):
         if getattr(args, flag, False):
             return name
@@ -174,7 +193,12 @@ def _benchmark(args: argparse.Namespace) -> str:
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "timeout", None) is None:
         args.timeout = DEFAULT_TIMEOUT_S[_benchmark(args)]
-    if getattr(args, "delta_kernels", False):
+    if getattr(args, "senders", None) is not None:
+        from hal.tools.bench.senders import format_table as format_senders_table
+
+        report = _run_senders(args)
+        print(format_senders_table(report))
+    elif getattr(args, "delta_kernels", False):
         from hal.tools.bench.delta_kernels import KernelBenchConfig, format_table as format_kernel_table, run_delta_kernels
 
         if getattr(args, "delta", False):
@@ -221,6 +245,32 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as exc:  # e.g. shared-memory methods on several simulated nodes
         raise SystemExit(f"hal bench: {exc}") from None
     return run_transfer(config)
+
+
+def _run_senders(args: argparse.Namespace) -> dict[str, Any]:
+    from hal.tools.bench.senders import SendersConfig, run_senders
+
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--engine vllm", getattr(args, "engine", "transfer") != "transfer"), ("--delta", getattr(args, "delta", False)),
+            ("--delta-kernels", getattr(args, "delta_kernels", False)), ("--device-transfer", getattr(args, "device_transfer", False)),
+            ("--methods", getattr(args, "methods", None) is not None), ("--nodes", getattr(args, "nodes", 1) != 1),
+            ("--trace", getattr(args, "trace", False)), ("--plot", bool(getattr(args, "plot", None))),
+        )
+        if given
+    ]
+    if unsupported:
+        raise SystemExit(f"hal bench: --senders does not take {', '.join(unsupported)}")
+    try:
+        config = SendersConfig(
+            preset=args.preset, senders=args.senders, receivers=args.receivers, repeats=args.repeats, warmup=args.warmup,
+            bucket_bytes=int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else None,
+            timeout_s=args.timeout, verify=args.verify, threads=args.threads, sync_backend=args.sync_backend,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"hal bench: {exc}") from None
+    return run_senders(config)
 
 
 def _run_device_transfer(args: argparse.Namespace) -> dict[str, Any]:
