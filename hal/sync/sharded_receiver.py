@@ -1,0 +1,302 @@
+"""The receiving side of an M-to-N sync: an engine worker receives from every trainer
+rank at once and hands its sink whole tensors (the protocol: hal.sync.sharded; the
+assembly: hal.sync.assembly)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import operator
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+
+import hal
+from hal.backend import Backend
+from hal.sync import errors
+from hal.sync.assembly import Assembler, ShareInfo
+from hal.sync.errors import RankReport
+from hal.sync.layout import covering, parse_shard_name
+from hal.sync.metrics import SyncMetrics
+from hal.sync.plan import TensorSpec
+from hal.sync.receiver import IncomingSync, Receiver
+from hal.sync.sink import Sink, as_sink
+from hal.sync.transport import Transport
+
+_MAX_REPORTED = 5
+
+
+class ShardedReceiver:
+    """An engine worker receiving from every trainer rank at once (see the module doc).
+
+    `transports`: one per trainer rank, in trainer-rank order (each that rank's group with
+    the engine workers). `specs`, `timeout_s`, `token`, `validate` as for `Receiver`,
+    about whole tensors. `budget_bytes` bounds the tensors being put together at once
+    (`hal.sync.assembly`).
+    """
+
+    def __init__(
+        self,
+        transports: Sequence[Transport],
+        specs: Iterable[TensorSpec] | None,
+        *,
+        timeout_s: float = 60.0,
+        token: str | None = None,
+        validate: Any = None,
+        backend: Backend | None = None,
+        budget_bytes: int = 256 << 20,
+    ) -> None:
+        if not transports:
+            raise ValueError("ShardedReceiver needs one transport per trainer rank, got none")
+        self.backend = backend or hal.current()
+        self.parts = [Receiver(t, None, timeout_s=timeout_s, token=token, backend=self.backend) for t in transports]
+        self.timeout_s = float(timeout_s)
+        self.validate = validate
+        self.budget_bytes = int(budget_bytes)
+        self.specs: dict[str, TensorSpec] | None = None if specs is None else {s.name: s for s in specs}
+        self.version: int | None = None
+        self.consistent = True
+        # (headers' spec tuples, shares, whole specs in order, destination objects, destinations) of the last sync
+        self._layout: tuple | None = None
+
+    @property
+    def senders(self) -> int:
+        return len(self.parts)
+
+    def receive(self, sink: Any) -> SyncMetrics:
+        sink = as_sink(sink)
+        start, host_start = time.perf_counter(), time.thread_time()
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.transport.bounded(self.timeout_s))
+            return self._receive(sink, start, host_start)
+
+    def _receive(self, sink: Sink, start: float, host_start: float) -> SyncMetrics:
+        assembler = Assembler(self.backend, self.senders, self.budget_bytes, self.timeout_s)
+        incoming = [IncomingSync(part, assembler.part_sink(m)) for m, part in enumerate(self.parts)]
+        live = set(range(self.senders))  # the groups still in the sync (header agreed, none broken)
+        failure = self._headers(incoming, sink, assembler, live)
+        if failure is not None:
+            assembler.stop()
+        assembler.expect(live)
+        threads = [threading.Thread(target=self._deliver, args=(m, incoming[m], assembler, live), daemon=True) for m in sorted(live)]
+        for thread in threads:
+            thread.start()
+        assembler.drain(sink)
+        for thread in threads:
+            thread.join()
+        report = self._outcome(failure, incoming, assembler, live)
+        version = next((i.header.version for i in incoming if i.header is not None), None)
+        where = f"sync of version {version}" if version is not None else "sync"
+        report = self._agree(incoming, live, report, "sync status")
+        report = self._agree(incoming, live, report, "every sender's status")
+        assembler.release()
+        if report.error is not None:
+            for part in self.parts:
+                part.delta.lost()
+            if assembler.touched:
+                self.consistent = False
+            with contextlib.suppress(Exception):
+                sink.abort()
+            errors.raise_if_any([report], 0, where)
+        for part, inc in zip(self.parts, incoming):
+            part.version, part.consistent = inc.header.version, True
+            part.delta.completed(inc.header, inc.plan, inc.kept_in)
+        self.version, self.consistent = version, True
+        return SyncMetrics(
+            version=version,
+            bytes=sum(i.plan.total_bytes for i in incoming),
+            buckets=sum(len(i.plan.buckets) for i in incoming),
+            tensors=len({info.spec.name for info in assembler.shares.values()}),
+            transfer_s=max((i.timer.get("transfer") or 0.0) for i in incoming),
+            total_s=time.perf_counter() - start,
+            host_s=time.thread_time() - host_start,
+            senders=self.senders,
+            model_bytes=sum(i.plan.total_bytes for i in incoming),
+        )
+
+    # ---- the phases ---------------------------------------------------------------------
+    def _headers(self, incoming: list[IncomingSync], sink: Sink, assembler: Assembler, live: set[int]) -> errors.SyncError | None:
+        """Take and check every sender's header, then agree in every group on all of them."""
+        reports: list[RankReport] = []
+        for m, inc in enumerate(incoming):
+            try:
+                reports.append(inc.check())
+            except errors.PeerError as exc:
+                live.discard(m)
+                reports.append(errors.report_exception(exc, sender=False))
+        shared = next((r for r in reports if r.error and r.kind != "base"), None)
+        if shared is None:
+            try:
+                self._index(incoming, sink, assembler)
+            except errors.SyncError as exc:
+                shared = errors.report_exception(exc, sender=False)
+        failure: errors.SyncError | None = None
+        for m in sorted(live):
+            inc, report = incoming[m], reports[m] if reports[m].error else (shared or reports[m])
+            while True:
+                try:
+                    inc.agree_header(report)
+                    break
+                except errors.SyncError as exc:
+                    if inc.header is not None and inc.header.delta_base is not None and exc.only_delta_base:
+                        report = inc.check()  # that sender sends the same sync whole at once
+                        if report.error is None and shared is not None:
+                            report = shared
+                        continue
+                    live.discard(m)  # its sender stops at its offer: nothing more happens in that group
+                    failure = failure or exc
+                    break
+        if failure is None and len(live) < self.senders:
+            failure = errors.PeerError(f"sender(s) {sorted(set(range(self.senders)) - live)} did not send a header")
+        return failure
+
+    def _index(self, incoming: list[IncomingSync], sink: Sink, assembler: Assembler) -> None:
+        """Where each share goes; refuses shares that do not fit the engine's tensors or
+        do not cover every row exactly once, and destinations of another shape. Made once
+        per layout: the headers' decoded spec tuples are the same objects while nothing
+        changed, and the destinations are compared by identity."""
+        headers = tuple(inc.header.specs for inc in incoming)
+        cached = self._layout
+        if cached is None or len(cached[0]) != len(headers) or not all(map(operator.is_, cached[0], headers)):
+            self._layout = None
+            shares, specs = self._shares_of(headers)
+            cached = self._layout = (headers, shares, specs, [], {})
+        _, shares, specs, objects, destinations = cached
+        asked = [sink.destination(spec.name) for spec in specs]
+        if len(asked) != len(objects) or not all(map(operator.is_, asked, objects)):
+            problems = []
+            destinations = {}
+            for spec, dest in zip(specs, asked):
+                if dest is None:
+                    continue
+                if not isinstance(dest, torch.Tensor) or tuple(dest.shape) != spec.shape:
+                    got = tuple(dest.shape) if isinstance(dest, torch.Tensor) else type(dest).__name__
+                    problems.append(f"parameter {spec.name!r}: the engine's destination has shape {got}, the sync carries {spec.shape}")
+                    continue
+                destinations[spec.name] = dest
+            _refuse(problems)
+            self._layout = (headers, shares, specs, asked, destinations)
+        if self.validate is not None:
+            self.validate(list(specs))
+        assembler.shares, assembler.destinations = shares, destinations
+
+    def _shares_of(self, headers: tuple[tuple[TensorSpec, ...], ...]) -> tuple[dict[str, ShareInfo], list[TensorSpec]]:
+        """Each wire tensor's place in its whole tensor, and the whole tensors in sending order."""
+        problems: list[str] = []
+        found: list[tuple[str, TensorSpec, int, int]] = []
+        for m, specs in enumerate(headers):
+            for wire in specs:
+                try:
+                    name, lo = parse_shard_name(wire.name)
+                except ValueError as exc:
+                    problems.append(f"sender {m}: {exc}")
+                    continue
+                whole = self.specs.get(name) if self.specs is not None else None
+                if self.specs is not None and whole is None:
+                    problems.append(f"parameter {name!r}: not a parameter this receiver accepts")
+                    continue
+                rows = wire.shape[0] if wire.shape else 1
+                if whole is None:  # no specs of our own: every sender's shares say the shape
+                    whole = TensorSpec(name, (0, *wire.shape[1:]) if wire.shape else (), wire.dtype)
+                if whole.dtype != wire.dtype or whole.shape[1:] != wire.shape[1:] or len(whole.shape) != len(wire.shape):
+                    problems.append(f"parameter {name!r}: sender {m} sends rows of {wire.shape} {wire.dtype}, the tensor is {whole.shape} {whole.dtype}")
+                    continue
+                found.append((wire.name, whole, lo, lo + rows))
+        if self.specs is None:  # the whole shapes from the shares: the furthest row sent
+            ends: dict[str, int] = {}
+            for _, whole, _, hi in found:
+                ends[whole.name] = max(ends.get(whole.name, 0), hi)
+            found = [(w, TensorSpec(s.name, (ends[s.name], *s.shape[1:]) if s.shape else (), s.dtype), lo, hi) for w, s, lo, hi in found]
+        problems += covering((whole, lo, hi) for _, whole, lo, hi in found)
+        _refuse(problems)
+        specs = {whole.name: whole for _, whole, _, _ in found}
+        count: dict[str, int] = {}
+        for _, whole, _, _ in found:
+            count[whole.name] = count.get(whole.name, 0) + 1
+        order = {name: i for i, name in enumerate(sending_order([[parse_shard_name(w.name)[0] for w in h] for h in headers]))}
+        shares = {wire_name: ShareInfo(specs[whole.name], order[whole.name], lo, hi, count[whole.name]) for wire_name, whole, lo, hi in found}
+        return shares, sorted(specs.values(), key=lambda s: order[s.name])
+
+    def _deliver(self, m: int, inc: IncomingSync, assembler: Assembler, live: set[int]) -> None:
+        try:
+            inc.deliver()
+        except errors.PeerError as exc:
+            live.discard(m)
+            inc.lost = exc
+        except Exception as exc:  # noqa: BLE001 - reported at the agreement
+            inc.lost = exc
+        finally:
+            assembler.sender_done(m)
+
+    def _outcome(self, failure: errors.SyncError | None, incoming: list[IncomingSync], assembler: Assembler, live: set[int]) -> RankReport:
+        """This receiver's word on the whole sync: the first thing that went wrong, if any."""
+        touched = assembler.touched
+        if failure is not None:
+            return errors.report_exception(failure, sender=False, inconsistent=touched)
+        for m, inc in enumerate(incoming):
+            if inc.lost is not None:
+                return errors.report_exception(inc.lost, sender=False, inconsistent=touched)
+            if inc.delivery is not None and inc.delivery.error is not None:
+                return RankReport(error=inc.delivery.error.error, kind=inc.delivery.error.kind, inconsistent=touched)
+        if assembler.error is not None:
+            return errors.report_exception(assembler.error, sender=False, inconsistent=touched)
+        if any(inc.delivery is not None and inc.delivery.sender_failed for inc in incoming):
+            return RankReport(inconsistent=touched)  # the sender says why at the agreement
+        if assembler.leftover():
+            names = assembler.leftover()
+            return RankReport(error=f"tensors {names[:_MAX_REPORTED]} never got all their shares", kind="peer", inconsistent=touched)
+        return RankReport(inconsistent=touched)
+
+    def _agree(self, incoming: list[IncomingSync], live: set[int], report: RankReport, what: str) -> RankReport:
+        """Agree in every live group; returns this receiver's report with the first error any
+        group's ranks told (so the next agreement tells it to every sender)."""
+        for m in sorted(live):
+            transport = incoming[m].receiver.transport
+            try:
+                with transport.bounded(2 * self.timeout_s):
+                    reports = transport.agree(report, what)
+            except errors.PeerError as exc:
+                live.discard(m)
+                reports = [errors.report_exception(exc, sender=False)]
+            told = next((r for r in reports if r.error), None)
+            if report.error is None and told is not None:
+                report = RankReport(error=f"sender {m}'s group: {told.error}", kind=told.kind, inconsistent=report.inconsistent)
+        return report
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        more = f" (+{len(problems) - _MAX_REPORTED} more)" if len(problems) > _MAX_REPORTED else ""
+        raise errors.SpecMismatchError("; ".join(problems[:_MAX_REPORTED]) + more)
+
+
+def sending_order(sequences: list[list[str]]) -> list[str]:
+    """One order of every name that keeps each sender's order (each sends its shares in the
+    plan's order, so one exists): the assembler's notion of "behind" must agree with every
+    sender's. Names in a cycle (senders that disagree) follow in first-seen order."""
+    after: dict[str, list[str]] = {}
+    waiting: dict[str, int] = {}
+    seen: dict[str, None] = {}
+    for sequence in sequences:
+        for i, name in enumerate(sequence):
+            seen.setdefault(name, None)
+            waiting.setdefault(name, 0)
+            if i:
+                after.setdefault(sequence[i - 1], []).append(name)
+                waiting[name] += 1
+    ready = collections.deque(name for name in seen if waiting[name] == 0)
+    order: list[str] = []
+    while ready:
+        name = ready.popleft()
+        order.append(name)
+        for nxt in after.get(name, ()):
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                ready.append(nxt)
+    if len(order) < len(seen):
+        placed = set(order)
+        order += [name for name in seen if name not in placed]
+    return order
