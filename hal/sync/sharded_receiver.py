@@ -109,7 +109,7 @@ class ShardedReceiver:
             version=version,
             bytes=sum(i.plan.total_bytes for i in incoming),
             buckets=sum(len(i.plan.buckets) for i in incoming),
-            tensors=len({info.spec.name for info in assembler.shares.values()}),
+            tensors=len(self._layout[2]) if self._layout is not None else 0,
             transfer_s=max((i.timer.get("transfer") or 0.0) for i in incoming),
             total_s=time.perf_counter() - start,
             host_s=time.thread_time() - host_start,
