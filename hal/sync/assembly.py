@@ -28,8 +28,40 @@ from hal.sync.sink import Pairs, Sink, SinkPolicy
 
 @dataclass(slots=True)
 class _Open:
-    tensor: torch.Tensor  # the whole tensor being put together
+    tensor: torch.Tensor  # the whole tensor being put together (a typed view of `raw`)
+    raw: torch.Tensor  # its bytes, returned to the pool once handed over
     missing: int  # shares not here yet
+
+
+class BufferPool:
+    """Assembly buffers kept across syncs by size, at most `limit_bytes` of them: a fresh
+    buffer per tensor per sync is page-faulted in every time (as the core's reassembly
+    buffers were: docs/benchmarks.md), and the same sizes come back every sync."""
+
+    def __init__(self, backend: Backend, limit_bytes: int) -> None:
+        self.backend = backend
+        self.limit_bytes = limit_bytes
+        self.held_bytes = 0
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self.held_bytes -= nbytes
+                return free.pop()
+        return self.backend.empty(nbytes)
+
+    def give(self, raw: torch.Tensor) -> None:
+        nbytes = raw.numel()
+        with self._lock:
+            if self.held_bytes + nbytes <= self.limit_bytes:
+                self._free.setdefault(nbytes, []).append(raw)
+                self.held_bytes += nbytes
+
+
+_Ready = tuple[TensorSpec, torch.Tensor, torch.Tensor]  # a whole tensor to hand over: spec, tensor, its raw bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +97,8 @@ class PartSink:
 class Assembler:
     """One sync's assembly (see the module doc); made by `ShardedReceiver.receive`."""
 
-    def __init__(self, backend: Backend, senders: int, budget_bytes: int, timeout_s: float) -> None:
-        self.backend = backend
+    def __init__(self, pool: BufferPool, senders: int, budget_bytes: int, timeout_s: float) -> None:
+        self.pool = pool
         self.budget_bytes = budget_bytes
         self.timeout_s = timeout_s
         self.shares: dict[str, ShareInfo] = {}
@@ -78,7 +110,7 @@ class Assembler:
         self._cond = threading.Condition()
         self._open: dict[str, _Open] = {}
         self._open_bytes = 0
-        self._ready: list[tuple[TensorSpec, torch.Tensor]] = []
+        self._ready: list[_Ready] = []
         self._last = [-1] * senders  # per sender, the index of the last tensor it delivered to
         self._running = set(range(senders))
 
@@ -102,7 +134,7 @@ class Assembler:
                 entry.missing -= 1
                 if entry.missing == 0:
                     del self._open[info.spec.name]
-                    self._ready.append((info.spec, entry.tensor))
+                    self._ready.append((info.spec, entry.tensor, entry.raw))
                     self._cond.notify_all()
 
     def _entry(self, sender: int, info: ShareInfo) -> _Open | None:
@@ -112,8 +144,8 @@ class Assembler:
             while name not in self._open:
                 behind = [s for s in self._running if s != sender and self._last[s] < info.index]
                 if self._open_bytes + info.spec.nbytes <= self.budget_bytes or not behind or not self._open:
-                    tensor = self.backend.empty(info.spec.nbytes).view(info.spec.dtype).reshape(info.spec.shape)
-                    self._open[name] = _Open(tensor, info.shares)
+                    raw = self.pool.take(info.spec.nbytes)
+                    self._open[name] = _Open(raw.view(info.spec.dtype).reshape(info.spec.shape), raw, info.shares)
                     self._open_bytes += info.spec.nbytes
                     break
                 if self.discard:
@@ -151,13 +183,15 @@ class Assembler:
                 except Exception as exc:  # noqa: BLE001 - reported at the agreement; the others keep receiving
                     self.error = exc
                     self.discard = True
+            for _, _, raw in batch:
+                self.pool.give(raw)
             with self._cond:
-                self._open_bytes -= sum(spec.nbytes for spec, _ in batch)
+                self._open_bytes -= sum(spec.nbytes for spec, _, _ in batch)
                 self._cond.notify_all()
 
-    def _hand_over(self, sink: Sink, batch: list[tuple[TensorSpec, torch.Tensor]]) -> None:
+    def _hand_over(self, sink: Sink, batch: list[_Ready]) -> None:
         pairs: Pairs = []
-        for spec, tensor in batch:
+        for spec, tensor, _ in batch:
             dest = self.destinations.get(spec.name)
             if dest is not None:
                 self.touched = True
@@ -180,6 +214,8 @@ class Assembler:
 
     def release(self) -> None:
         with self._cond:
+            for entry in self._open.values():
+                self.pool.give(entry.raw)
             self._open.clear()
             self._ready.clear()
             self._open_bytes = 0

@@ -105,10 +105,12 @@ def wire_dtype_for(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.
     return wire_dtype
 
 
-def default_bucket_bytes(backend: Backend, largest_tensor_bytes: int = 0) -> int:
+def default_bucket_bytes(backend: Backend, largest_tensor_bytes: int = 0, senders: int = 1) -> int:
     """1/64 of free device memory, between 32 MiB and 256 MiB, rounded to whole MiB;
     raised to hold the largest tensor whole when two such buckets take at most 1/8 of
-    free memory.
+    free memory. With several senders into the same receivers (every trainer rank sends,
+    hal.sync.sharded) each takes 1/`senders` of that (at least 1 MiB): a receiver holds two
+    buckets per sender, and all of them add up to what one sender's would.
 
     Two buckets per side must fit beside the model and the engine's KV cache; past a few
     hundred MiB a larger bucket only delays the first transfer. A tensor larger than the
@@ -117,6 +119,7 @@ def default_bucket_bytes(backend: Backend, largest_tensor_bytes: int = 0) -> int
     """
     free = backend.memory_info().free
     size = max(32 * MIB, min(256 * MIB, free // 64 // MIB * MIB))
+    size = max(MIB, size // max(1, senders) // MIB * MIB)
     whole = -(-(largest_tensor_bytes + 64 * 1024) // MIB) * MIB  # room for alignment and checksums
     if whole > size and 2 * whole <= free // 8:
         size = whole

@@ -60,6 +60,9 @@ class Sender:
         self.packer = SegmentPacker(transport, self.config, self.backend)
         """Packs each segment (hal.sync.packing): the pack stream, views and staging buffer."""
         self._sized_for = 0
+        self.senders = 1
+        """How many senders send into the same receivers at once (hal.sync.sharded sets it):
+        buckets sized from free memory take that share of it."""
         self._last_wire: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])  # (metadata, its wire specs) of the last sync
         self.delta = DeltaSender(self.config.delta, self.backend) if self.config.delta is not None else None
         """Delta sync's state across syncs (hal.sync.delta), or None without delta."""
@@ -115,7 +118,7 @@ class Sender:
             return
         largest = max((s.nbytes for s in specs), default=0)
         if self.bucket_bytes is None or largest > self._sized_for:
-            self.bucket_bytes = default_bucket_bytes(self.backend, largest)
+            self.bucket_bytes = default_bucket_bytes(self.backend, largest, self.senders)
             self._sized_for = largest
 
     def _send_buckets(

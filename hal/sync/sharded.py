@@ -117,6 +117,7 @@ class ShardedSender:
         self.channel = GroupChannel(group, control_device=_control_device(group, self.backend))
         self.channel.name = "trainer group"
         self.layout = LayoutExchange(self.channel)
+        self.sender.senders = self.channel.world_size  # buckets from free memory: a share of them each
         self.version: int | None = None
 
     @property

@@ -16,7 +16,7 @@ import torch
 import hal
 from hal.backend import Backend
 from hal.sync import errors
-from hal.sync.assembly import Assembler, ShareInfo
+from hal.sync.assembly import Assembler, BufferPool, ShareInfo
 from hal.sync.errors import RankReport
 from hal.sync.layout import covering, parse_shard_name
 from hal.sync.metrics import SyncMetrics
@@ -60,6 +60,8 @@ class ShardedReceiver:
         self.consistent = True
         # (headers' spec tuples, shares, whole specs in order, destination objects, destinations) of the last sync
         self._layout: tuple | None = None
+        self.pool = BufferPool(self.backend, self.budget_bytes)
+        """Assembly buffers kept across syncs (at most `budget_bytes`)."""
 
     @property
     def senders(self) -> int:
@@ -74,7 +76,7 @@ class ShardedReceiver:
             return self._receive(sink, start, host_start)
 
     def _receive(self, sink: Sink, start: float, host_start: float) -> SyncMetrics:
-        assembler = Assembler(self.backend, self.senders, self.budget_bytes, self.timeout_s)
+        assembler = Assembler(self.pool, self.senders, self.budget_bytes, self.timeout_s)
         incoming = [IncomingSync(part, assembler.part_sink(m)) for m, part in enumerate(self.parts)]
         live = set(range(self.senders))  # the groups still in the sync (header agreed, none broken)
         failure = self._headers(incoming, sink, assembler, live)

@@ -10,7 +10,7 @@ import torch
 
 import hal
 from hal.sync import errors
-from hal.sync.assembly import Assembler, ShareInfo
+from hal.sync.assembly import Assembler, BufferPool, ShareInfo
 from hal.sync.plan import TensorSpec
 from hal.sync.sharded_receiver import sending_order
 
@@ -76,7 +76,7 @@ def full(i, rows=4, cols=8):
 @pytest.mark.parametrize("budget", [1, 64, 1 << 20])
 def test_tensors_are_handed_whole_under_any_budget_however_far_one_sender_is_ahead(budget):
     specs, shares = layout(200)
-    assembler = Assembler(hal.get_backend("cpu"), 2, budget, timeout_s=20)
+    assembler = Assembler(BufferPool(hal.get_backend("cpu"), 1 << 20), 2, budget, timeout_s=20)
     assembler.shares = shares
     first = [(f"t{i}@0", full(i)[:2]) for i in range(200)]
     second = [(f"t{i}@2", full(i)[2:]) for i in range(200)]
@@ -89,7 +89,7 @@ def test_tensors_are_handed_whole_under_any_budget_however_far_one_sender_is_ahe
 
 def test_a_sender_that_stops_leaves_its_tensors_unhanded():
     _, shares = layout(10)
-    assembler = Assembler(hal.get_backend("cpu"), 2, 1 << 20, timeout_s=20)
+    assembler = Assembler(BufferPool(hal.get_backend("cpu"), 1 << 20), 2, 1 << 20, timeout_s=20)
     assembler.shares = shares
     sink = Recorder()
     run(assembler, sink, [[(f"t{i}@0", full(i)[:2]) for i in range(10)], [(f"t{i}@2", full(i)[2:]) for i in range(4)]])
@@ -99,7 +99,7 @@ def test_a_sender_that_stops_leaves_its_tensors_unhanded():
 
 def test_a_sink_that_fails_stops_the_handing_over_and_the_senders_still_finish():
     _, shares = layout(20)
-    assembler = Assembler(hal.get_backend("cpu"), 2, 1, timeout_s=20)
+    assembler = Assembler(BufferPool(hal.get_backend("cpu"), 1 << 20), 2, 1, timeout_s=20)
     assembler.shares = shares
     sink = Recorder(fail_at=3)
     failures = run(assembler, sink, [[(f"t{i}@0", full(i)[:2]) for i in range(20)], [(f"t{i}@2", full(i)[2:]) for i in range(20)]])
@@ -109,7 +109,7 @@ def test_a_sink_that_fails_stops_the_handing_over_and_the_senders_still_finish()
 
 def test_a_thread_ahead_waits_at_most_the_timeout_for_one_that_never_comes():
     _, shares = layout(3)
-    assembler = Assembler(hal.get_backend("cpu"), 2, 1, timeout_s=0.5)
+    assembler = Assembler(BufferPool(hal.get_backend("cpu"), 1 << 20), 2, 1, timeout_s=0.5)
     assembler.shares = shares
     assembler.expect({0, 1})
     assembler.part_sink(0).apply([("t0@0", full(0)[:2])])  # t0 open; sender 1 never delivers
@@ -123,3 +123,14 @@ def test_the_sending_order_keeps_every_senders_order():
     assert sending_order([["p0", "p1"], ["q0", "q1"]]) == ["p0", "q0", "p1", "q1"]
     order = sending_order([["a", "b"], ["b", "a"]])  # senders that disagree: still every name once
     assert sorted(order) == ["a", "b"]
+
+
+def test_assembly_buffers_come_back_from_the_pool_within_its_limit():
+    pool = BufferPool(hal.get_backend("cpu"), limit_bytes=256)
+    first = pool.take(128)
+    pool.give(first)
+    assert pool.take(128).data_ptr() == first.data_ptr()  # the same memory again
+    pool.give(first)
+    pool.give(hal.get_backend("cpu").empty(128))
+    pool.give(hal.get_backend("cpu").empty(128))  # over the limit: dropped
+    assert pool.held_bytes == 256

@@ -198,3 +198,9 @@ def test_default_bucket_follows_free_memory_and_holds_the_largest_tensor_when_it
     assert build_plan([TensorSpec("embed", (68_000_000,), torch.float32)], whole).buckets[0].pieces[0].is_whole
     # ... and chunked rather than exhausting a small device
     assert default_bucket_bytes(_FreeMemory(2 * gib), 272 * 10**6) == 32 * mib
+    # several senders into the same receivers: each a share, so a receiver's buffers add up to one sender's
+    assert default_bucket_bytes(_FreeMemory(64 * gib), senders=4) == 64 * mib
+    assert default_bucket_bytes(_FreeMemory(1 * gib), senders=3) == 10 * mib  # whole MiB
+    assert default_bucket_bytes(_FreeMemory(1 * gib), senders=64) == 1 * mib  # never below 1 MiB
+    # the largest share still travels whole when it can
+    assert default_bucket_bytes(_FreeMemory(23 * gib), 136 * 10**6, senders=2) > 136 * 10**6
