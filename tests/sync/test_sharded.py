@@ -45,7 +45,14 @@ def groups(rank: int) -> tuple[object, list[object]]:
     return trainer, syncs
 
 
-def sharded_worker(rank, world, scenario):
+def sharded_worker(rank, world, scenario, backend="cpu"):
+    import hal
+
+    with hal.use(backend):
+        return _sharded_worker(rank, world, scenario)
+
+
+def _sharded_worker(rank, world, scenario):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -149,8 +156,9 @@ def sharded_worker(rank, world, scenario):
     return results
 
 
-def test_two_fsdp2_ranks_each_send_their_shard_bit_exact_into_two_receivers():
-    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=("ok",), timeout=240, collective_timeout=TIMEOUT_S)
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+def test_two_fsdp2_ranks_each_send_their_shard_bit_exact_into_two_receivers(backend):
+    trainer0, trainer1, engine2, engine3 = run_group(sharded_worker, 4, args=("ok", backend), timeout=240, collective_timeout=TIMEOUT_S)
     total = model_bytes()
     for step in range(3):
         (ok0, sent0, whole0, senders0, _), full, _ = trainer0[step]
