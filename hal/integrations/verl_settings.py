@@ -2,7 +2,8 @@
 
 `engine_kwargs["hal"]` takes the `SyncConfig` fields (`bucket_bytes`, `segment_bytes`,
 `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`, `delta`) plus the engine's own
-(`ENGINE_SETTINGS`); anything else is refused naming the valid ones. Imports no verl.
+(`ENGINE_SETTINGS`: `transport`, `senders`); anything else is refused naming the valid
+ones. Imports no verl.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ from hal.sync import DeltaConfig, SyncConfig
 VERL_DEFAULT_BUCKET_MEGABYTES = 2048
 # This engine's own settings in engine_kwargs["hal"], beside SyncConfig's fields.
 TRANSPORT_CHOICES = ("auto", "broadcast", "ipc", "hierarchical")
+# Which trainer ranks send: "master" (trainer rank 0 sends what verl's generator gathers;
+# the others gather with it) or "all" (every trainer rank sends its own FSDP2 shard over a
+# sync group of its own with every rollout worker; nothing is gathered).
+SENDERS_CHOICES = ("master", "all")
 ENGINE_SETTINGS = {
     "transport": "how bytes travel: " + " | ".join(TRANSPORT_CHOICES) + " (default auto)",
+    "senders": "which trainer ranks send: " + " | ".join(SENDERS_CHOICES) + " (default master)",
     "is_master": "set by verl on trainer rank 0 (the rank that sends)",
 }
 # SyncConfig fields this engine does not take, and why (docs/verl.md, "Not supported yet").
 UNSUPPORTED_SETTINGS: dict[str, str] = {}
-# The sync rank of trainer ranks outside the sync group (they gather, they do not send).
 
 
 def sync_config_from(bucket_size: int, settings: dict[str, Any]) -> SyncConfig:
@@ -80,3 +85,10 @@ def delta_config(value: Any) -> DeltaConfig | None:
     if unknown:
         raise ValueError(f"checkpoint engine 'hal': unknown delta setting(s) {', '.join(map(repr, unknown))}; valid: {', '.join(fields)}")
     return DeltaConfig(**{k: value[k] for k in value.keys()})
+
+
+def choice(setting: str, value: Any, choices: tuple[str, ...]) -> str:
+    """One of the engine's own word settings (`transport`, `senders`); ValueError naming it otherwise."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"checkpoint engine 'hal': {setting} must be one of {', '.join(choices)}, got {value!r}")
+    return value
