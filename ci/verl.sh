@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 VENV_VERL="${VENV_VERL:-.venv-verl}"
 make --no-print-directory setup-verl VENV_VERL="$VENV_VERL"
 echo "ci/verl.sh: tests marked 'verl' in $VENV_VERL"
-# verl's plugin entry point, verl's own checkpoint-engine flow with backend "hal" on Ray,
-# and hal.compat.verl's names against the installed verl.
+# verl's plugin entry point, verl's own checkpoint-engine flow with backend "hal" on Ray
+# (trainer rank 0 sending, test_flow.py; every trainer rank sending its shard,
+# test_flow_senders.py), and hal.compat.verl's names against the installed verl.
 "$VENV_VERL/bin/python" -m pytest -q -p no:cacheprovider --durations=8 -m "verl and not cuda and not npu" tests/verl tests/compat/test_verl.py

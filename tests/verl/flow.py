@@ -23,11 +23,12 @@ Everything runs on the process that calls it; Ray must be running (loopback only
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -94,6 +95,7 @@ class Flow:
     """A second manager: the same trainer group and the rollout group that can die (`failing`); None without it."""
     failing: Any
     resource_pool: Any
+    model_path: Path | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
     def actors(self) -> list[Any]:
@@ -174,6 +176,58 @@ async def start(
         failing_manager=failing_manager,
         failing=failing_group,
         resource_pool=resource_pool,
+        model_path=model_path,
     )
     flow.timings["start_s"] = time.monotonic() - started
     return flow
+
+
+@contextlib.contextmanager
+def running(model_dir: Path, *, hal_settings: dict[str, Any], num_cpus: int = 6, **start_kwargs: Any) -> Iterator[Flow]:
+    """Ray on loopback with the workers' environment, the model in `model_dir`, and the
+    started flow (`start`); at the end every actor and placement group is checked gone,
+    then Ray stops."""
+    import pytest
+
+    from hal.integrations import ray as hal_ray
+    from hal.integrations.ray import ActorScope
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in worker_env().items():
+            patch.setenv(key, value)  # the workers inherit the driver's environment
+        hal_ray.init_loopback(num_cpus=num_cpus)
+        import ray
+
+        try:
+            started = asyncio.run(start(build_model(model_dir), hal_settings=hal_settings, **start_kwargs))
+            try:
+                yield started
+            finally:
+                scope = ActorScope(timeout_s=60)
+                for actor in started.actors():
+                    scope.add(actor)
+                for pg in started.placement_groups():
+                    scope.add_placement_group(pg)
+                scope.close()  # raises naming any actor, process or placement group left behind
+        finally:
+            ray.shutdown()
+
+
+def states(group: Any) -> list[dict[str, Any]]:
+    """Every worker's `HalCheckpointEngine.state()` in `group`, in rank order."""
+    import ray
+
+    return ray.get(group.execute_checkpoint_engine(["state"] * group.world_size))
+
+
+def failed_everywhere(*groups: Any, limit_s: float, kind: str = "") -> tuple[list[dict[str, Any]], float]:
+    """The workers' states once every one reports a failed update (whose error starts with
+    `kind`: a failure before this one stays in `last_error` until an update succeeds), or
+    after `limit_s`; and the seconds that took. verl's manager raises with the first failed
+    call, while the others may still be finishing theirs."""
+    began = time.monotonic()
+    while True:
+        found = [s for group in groups for s in states(group)]
+        if all(s["last_error"] and s["last_error"].startswith(kind) for s in found) or time.monotonic() - began > limit_s:
+            return found, time.monotonic() - began
+        time.sleep(0.2)

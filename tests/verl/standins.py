@@ -78,13 +78,23 @@ class CpuFSDP2Engine:
         fully_shard(model, mesh=mesh)
         self.module = model
 
+    gathers = 0
+    """`full_tensor()` gathers this engine's weight generator ran (the tests count them)."""
+
     def get_per_tensor_param(self, **kwargs: Any) -> tuple[Any, None]:
-        from torch.distributed.tensor import DTensor
         from verl.utils.model import convert_weight_keys
 
         # verl: transformer_impl.py:1016-1035, with the tensors left where FSDP holds them
         params = convert_weight_keys(self.module.state_dict(), self.module)
-        return ((name, p.full_tensor() if isinstance(p, DTensor) else p) for name, p in params.items()), None
+        return ((name, self._gathered(p)) for name, p in params.items()), None
+
+    def _gathered(self, param: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(param, DTensor):
+            return param
+        self.gathers += 1
+        return param.full_tensor()
 
     def get_data_parallel_rank(self) -> int:
         import torch.distributed as dist
@@ -118,7 +128,7 @@ class TrainingWorkerOnHal(_verl_tests.TrainingWorkerTest):
         initialize_global_process_group_ray(timeout_second=TRAINER_GROUP_TIMEOUT_S, backend=hal.current().dist_backend_string())
         _register_cpu_engine()
         super().__init__(config, checkpoint_engine_config)
-        self._first_elements: dict[str, Any] = {}
+        self._edges: dict[tuple[str, bool], Any] = {}  # the elements set_*_elements changed, as they were
 
     @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
     def set_first_elements(self, value: float | None) -> int:
@@ -126,6 +136,15 @@ class TrainingWorkerOnHal(_verl_tests.TrainingWorkerTest):
         of every weight becomes `value` (None: back to what it was). FSDP2 shards along dim
         0 in rank order, so rank 0's shard starts with element 0 of the whole tensor; the
         other ranks change nothing. Returns the tensors this rank changed (a tied weight counts once)."""
+        return self._set_edge(value, last=False)
+
+    @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
+    def set_last_elements(self, value: float | None) -> int:
+        """`set_first_elements` at the other end: the last element of every weight, which
+        the last trainer rank's shard ends with (every weight here has a row per rank)."""
+        return self._set_edge(value, last=True)
+
+    def _set_edge(self, value: float | None, *, last: bool) -> int:
         import torch
         from torch.distributed.tensor import DTensor
 
@@ -133,16 +152,44 @@ class TrainingWorkerOnHal(_verl_tests.TrainingWorkerTest):
         with torch.no_grad():
             for name, param in self.engine.module.named_parameters():  # a tied weight appears once
                 local = param.to_local() if isinstance(param, DTensor) else param
-                if (isinstance(param, DTensor) and param.device_mesh.get_local_rank() != 0) or local.numel() == 0:
+                if isinstance(param, DTensor):
+                    mesh = param.device_mesh
+                    if mesh.get_local_rank() != (mesh.size() - 1 if last else 0):
+                        continue
+                if local.numel() == 0:
                     continue
-                first = local.view(-1)[:1]
+                edge = local.view(-1)[-1:] if last else local.view(-1)[:1]
+                key = (name, last)
                 if value is None:
-                    first.copy_(self._first_elements.pop(name))
+                    edge.copy_(self._edges.pop(key))
                 else:
-                    self._first_elements.setdefault(name, first.clone())
-                    first.fill_(value)
+                    self._edges.setdefault(key, edge.clone())
+                    edge.fill_(value)
                 changed += 1
         return changed
+
+    @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
+    def gathers(self) -> int:
+        """How many `full_tensor()` gathers this rank's weight generator has run."""
+        return self.engine.gathers
+
+    @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
+    def hide_weight(self, rank: int, name: str | None) -> None:
+        """On trainer rank `rank`, leave `name` out of the module's state dict (None: put it
+        back): that rank then declares other tensors than the others (a mismatched layout)."""
+        import torch.distributed as dist
+
+        handle = getattr(self, "_hidden", None)
+        if handle is not None:
+            handle.remove()
+            self._hidden = None
+        if name is None or dist.get_rank() != rank:
+            return
+
+        def hide(module: Any, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+            state_dict.pop(prefix + name, None)
+
+        self._hidden = self.engine.module.register_state_dict_post_hook(hide)
 
 
 def register_by_value() -> None:
@@ -174,19 +221,21 @@ class ServerAdapterOnHal(_verl_tests.MockServerAdapter):
             taken += 1
             yield pair
 
-    def mismatches(self, first: float | None = None) -> list[str]:
+    def mismatches(self, first: float | None = None, last: float | None = None) -> list[str]:
         """What differs between the received tensors and the checkpoint, bit for bit, with
-        element 0 of every tensor set to `first` when given (the trainers'
-        `set_first_elements`). The checkpoint is bfloat16 and the trainer may hold float32
-        (verl's FSDP default): bf16 widens to fp32 exactly, so the comparison is exact in
-        the received dtype."""
+        element 0 of every tensor set to `first` and its last element to `last` when given
+        (the trainers' `set_first_elements` / `set_last_elements`). The checkpoint is
+        bfloat16 and the trainer may hold float32 (verl's FSDP default): bf16 widens to fp32
+        exactly, so the comparison is exact in the received dtype."""
         import torch
         from transformers import AutoModelForCausalLM
 
         expected = AutoModelForCausalLM.from_pretrained(self.model_config.local_path, dtype=torch.bfloat16).state_dict()
-        if first is not None:
-            for tensor in expected.values():
+        for tensor in expected.values():
+            if first is not None:
                 tensor.view(-1)[0] = first
+            if last is not None:
+                tensor.view(-1)[-1] = last
         bad = [f"{name}: not received" for name in expected if name not in self.received_weights]
         for name, tensor in self.received_weights.items():
             want = expected.get(name)
@@ -217,10 +266,11 @@ def rollout_worker_class() -> type:
             return bad
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        def check_changed_weights(self, first: float) -> list[str]:
+        def check_changed_weights(self, first: float | None, last: float | None = None) -> list[str]:
             """`check_weights` for trainers that changed element 0 of every weight to `first`
-            (verl's own check compares with the checkpoint, so it is left out)."""
-            bad = self.server_adapter.mismatches(first)
+            (and its last element to `last`; verl's own check compares with the checkpoint,
+            so it is left out)."""
+            bad = self.server_adapter.mismatches(first, last)
             self.server_adapter.received_weights.clear()
             return bad
 

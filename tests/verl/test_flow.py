@@ -11,7 +11,6 @@ tests run in file order (one flow, one Ray).
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -38,47 +37,8 @@ HAL_SETTINGS = {
 def verl_flow(tmp_path_factory):
     """Ray on loopback with the workers' environment, the model, and the started flow;
     at the end every actor and placement group is checked gone, then Ray stops."""
-    from hal.integrations import ray as hal_ray
-    from hal.integrations.ray import ActorScope
-
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in flow.worker_env().items():
-            patch.setenv(key, value)  # the workers inherit the driver's environment
-        hal_ray.init_loopback(num_cpus=6)
-        import ray
-
-        try:
-            model_path = flow.build_model(tmp_path_factory.mktemp("verl-model"))
-            started = asyncio.run(flow.start(model_path, hal_settings=HAL_SETTINGS))
-            try:
-                yield started
-            finally:
-                scope = ActorScope(timeout_s=60)
-                for actor in started.actors():
-                    scope.add(actor)
-                for pg in started.placement_groups():
-                    scope.add_placement_group(pg)
-                scope.close()  # raises naming any actor, process or placement group left behind
-        finally:
-            ray.shutdown()
-
-
-def _states(group) -> list[dict]:
-    import ray
-
-    return ray.get(group.execute_checkpoint_engine(["state"] * group.world_size))
-
-
-def _failed_everywhere(*groups, limit_s: float) -> tuple[list[dict], float]:
-    """The workers' states once every one reports a failed update, or after `limit_s`;
-    and the seconds that took. verl's manager raises with the first failed call, while the
-    others may still be finishing theirs."""
-    began = time.monotonic()
-    while True:
-        states = [s for group in groups for s in _states(group)]
-        if all(s["last_error"] for s in states) or time.monotonic() - began > limit_s:
-            return states, time.monotonic() - began
-        time.sleep(0.2)
+    with flow.running(tmp_path_factory.mktemp("verl-model"), hal_settings=HAL_SETTINGS) as started:
+        yield started
 
 
 def test_verl_flow_three_updates_with_backend_hal(verl_flow):
@@ -92,7 +52,7 @@ def test_verl_flow_three_updates_with_backend_hal(verl_flow):
         verl_flow.manager.update_weights(global_steps=step)
         timings.append(time.monotonic() - began)
         verl_flow.rollouts.check_weights()  # verl's check; raises in the worker on any difference
-        trainer_states, rollout_states = _states(verl_flow.trainers), _states(verl_flow.rollouts)
+        trainer_states, rollout_states = flow.states(verl_flow.trainers), flow.states(verl_flow.rollouts)
         assert [s["version"] for s in trainer_states + rollout_states] == [step] * 4
         assert [s["sync_rank"] for s in trainer_states] == [0, -1]
         assert [s["sync_rank"] for s in rollout_states] == [1, 2]
@@ -102,7 +62,7 @@ def test_verl_flow_three_updates_with_backend_hal(verl_flow):
         assert sent["delta_choice"] == ("anchor" if step == 1 else "delta")
         if step > 1:  # nothing changed: only the segments' counts travel
             assert sent["changed_fraction"] == 0 and sent["wire_bytes"] < sent["dense_wire_bytes"] // 10
-    assert len({s["group"] for s in _states(verl_flow.rollouts)}) == 1, "the sync group was rebuilt between updates"
+    assert len({s["group"] for s in flow.states(verl_flow.rollouts)}) == 1, "the sync group was rebuilt between updates"
     print(f"\nverl flow: start {verl_flow.timings['start_s']:.1f} s, updates {', '.join(f'{t:.2f}' for t in timings)} s")
 
 
@@ -112,7 +72,7 @@ def test_updates_are_bit_exact(verl_flow):
     for step in (10, 11):
         verl_flow.failing_manager.update_weights(global_steps=step)
         assert verl_flow.failing.check_weights() == [[], []]
-    states = _states(verl_flow.trainers) + _states(verl_flow.failing)
+    states = flow.states(verl_flow.trainers) + flow.states(verl_flow.failing)
     assert [s["version"] for s in states] == [11] * 4
 
 
@@ -121,7 +81,7 @@ def test_stale_global_steps_is_refused_on_every_rank(verl_flow):
 
     with pytest.raises(Exception, match="refusing older version 5"):
         verl_flow.failing_manager.update_weights(global_steps=5)  # the rollout workers hold 11
-    states, _ = _failed_everywhere(verl_flow.trainers, verl_flow.failing, limit_s=2 * TIMEOUT_S)
+    states, _ = flow.failed_everywhere(verl_flow.trainers, verl_flow.failing, limit_s=2 * TIMEOUT_S)
     assert all(s["last_error"] and s["last_error"].startswith(StaleVersionError.__name__) for s in states), states
     assert [s["version"] for s in states] == [11] * 4  # nothing moved
     verl_flow.failing_manager.update_weights(global_steps=12)  # the group is intact: a newer version goes through
@@ -133,25 +93,25 @@ def test_delta_updates_carry_the_trainers_changes_bit_exact(verl_flow):
     smallest form, in their FSDP2 shards): each next update is a delta that carries only
     those words, and every rollout worker then holds exactly the trainers' new weights;
     also when they change back to the checkpoint's."""
-    held = _states(verl_flow.trainers)[0]["version"]
+    held = flow.states(verl_flow.trainers)[0]["version"]
     for step, first in ((held + 1, 0.375), (held + 2, -1.5), (held + 3, None)):
         changed = verl_flow.trainers.set_first_elements(first)
         assert changed[0] > 10 and changed[1] == 0, changed  # rank 0's shards start every tensor
         verl_flow.failing_manager.update_weights(global_steps=step)
-        sent = _states(verl_flow.trainers)[0]["metrics"]
+        sent = flow.states(verl_flow.trainers)[0]["metrics"]
         assert sent["delta_choice"] == "delta", sent
         assert 0 < sent["changed_fraction"] < 0.01 and sent["wire_bytes"] < sent["dense_wire_bytes"] // 10, sent
         if first is None:
             assert verl_flow.failing.check_weights() == [[], []]  # bit for bit, then verl's own check
         else:
             assert verl_flow.failing.check_changed_weights(first) == [[], []]
-    assert [s["version"] for s in _states(verl_flow.trainers) + _states(verl_flow.failing)] == [held + 3] * 4
+    assert [s["version"] for s in flow.states(verl_flow.trainers) + flow.states(verl_flow.failing)] == [held + 3] * 4
 
 
 def test_a_rollout_worker_killed_mid_update_fails_every_trainer_rank_in_time(verl_flow):
     import ray
 
-    held = _states(verl_flow.trainers)[0]["version"]
+    held = flow.states(verl_flow.trainers)[0]["version"]
     verl_flow.failing.die_during_next_update(rank=1, after=3)
     began = time.monotonic()
     with pytest.raises(Exception) as failure:
@@ -160,7 +120,7 @@ def test_a_rollout_worker_killed_mid_update_fails_every_trainer_rank_in_time(ver
     # the trainer ranks' own send_weights must end too, with PeerError, within the timeout.
     assert "PeerError" in str(failure.value) or "died" in str(failure.value), failure.value
     limit = 2 * TIMEOUT_S + 15  # the sender's wait, then the trainer ranks' agreement
-    trainer_states, _ = _failed_everywhere(verl_flow.trainers, limit_s=limit)
+    trainer_states, _ = flow.failed_everywhere(verl_flow.trainers, limit_s=limit)
     elapsed = time.monotonic() - began
     assert all(s["last_error"] and s["last_error"].startswith("PeerError") for s in trainer_states), trainer_states
     assert elapsed < limit, f"the trainer ranks took {elapsed:.1f} s to fail"
@@ -172,5 +132,5 @@ def test_a_rollout_worker_killed_mid_update_fails_every_trainer_rank_in_time(ver
     # the trainers build a new group with verl's rollout group, which still holds version 3
     verl_flow.manager.update_weights(global_steps=held + 2)
     verl_flow.rollouts.check_weights()
-    assert [s["version"] for s in _states(verl_flow.trainers) + _states(verl_flow.rollouts)] == [held + 2] * 4
+    assert [s["version"] for s in flow.states(verl_flow.trainers) + flow.states(verl_flow.rollouts)] == [held + 2] * 4
     # the fixture's teardown (ActorScope) then checks that no actor, process or placement group is left

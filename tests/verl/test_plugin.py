@@ -278,10 +278,14 @@ def test_two_bucket_sizes_that_disagree_are_refused():
         HalCheckpointEngine(bucket_size=1 << 20, transport="nccl-ish")
 
 
-def _metadata(node: str, *, master: bool = False, group=None, rank=None, host_ipc=True, transport="auto"):
+def _metadata(node: str, *, master: bool = False, group=None, rank=None, host_ipc=True, transport="auto", senders=None, port=30000):
     m = {"master": master, "node": node, "group": group, "rank": rank}
-    if master:
-        m.update(address="10.0.0.1", port=30000, local_port=30001, transport=transport, host_ipc=host_ipc)
+    if senders is not None:
+        m["senders"] = senders
+    if master or senders == "all":
+        m.update(address=f"10.0.0.{port % 100}", port=port, local_port=port + 1, transport=transport, host_ipc=host_ipc)
+    if senders == "all":
+        m["refused"] = None
     return m
 
 
@@ -300,7 +304,7 @@ def test_topology_sync_ranks_transport_and_group_reuse():
     # two nodes: the rendezvous on the master's address; one rollout worker per node: broadcast
     two = [_metadata("a", master=True), _metadata("a"), _metadata("b"), _metadata("c")]
     actor, _ = build(2, 2, two)
-    assert (actor["spec"][0].address, actor["transport"][0]) == ("10.0.0.1", "broadcast")
+    assert (actor["spec"][0].address, actor["transport"][0]) == ("10.0.0.0", "broadcast")
     three = [_metadata("a", master=True), _metadata("a"), _metadata("b"), _metadata("b")]
     assert build(2, 2, three)[0]["transport"][0] == "hierarchical"
     # every member still in the same group under the same rank: kept
@@ -313,3 +317,105 @@ def test_topology_sync_ranks_transport_and_group_reuse():
     assert build(2, 2, kept)[1]["reuse"] == [False, False]
     with pytest.raises(ValueError, match="trainer rank 0, and only it"):
         build(2, 2, [_metadata("a"), _metadata("a", master=True), _metadata("a"), _metadata("a")])
+
+
+def test_senders_is_a_setting_refused_by_name_when_invalid():
+    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+
+    assert HalCheckpointEngine(bucket_size=1 << 20).senders == "master"  # today's default
+    assert HalCheckpointEngine(bucket_size=1 << 20, senders="all").senders == "all"
+    for bad in ("every", "ALL", True, None):
+        with pytest.raises(ValueError, match=r"senders must be one of master, all, got "):
+            HalCheckpointEngine(bucket_size=1 << 20, senders=bad)
+    with pytest.raises(ValueError, match="valid: the SyncConfig fields .*, and is_master, senders, transport"):
+        HalCheckpointEngine(bucket_size=1 << 20, sender="all")  # a near miss is an unknown setting
+
+
+def _all(trainers: int, rollouts: int, nodes: str = "a" * 8, groups=None, ranks=None) -> list[dict]:
+    """prepare()'s metadata of every worker with senders "all"; trainer rank r listens on port 31000 + 10 r."""
+    metadata = []
+    for index in range(trainers + rollouts):
+        group = groups[index] if groups else None
+        rank = ranks[index] if ranks else None
+        metadata.append(_metadata(nodes[index], master=index == 0, group=group, rank=rank, senders="all", port=31000 + 10 * index))
+    return metadata
+
+
+def test_topology_every_trainer_rank_its_own_group_with_every_rollout_worker():
+    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+
+    build = HalCheckpointEngine.build_topology
+    actor, rollout = build(2, 3, _all(2, 3))
+    assert actor["rank"] == [0, 0] and rollout["rank"] == [1, 2, 3]  # each trainer rank the sender of its group
+    assert "spec" not in actor and "spec" not in rollout
+    (own0,), (own1,) = actor["specs"]
+    assert [(s.address, s.port, s.world_size) for s in (own0, own1)] == [("127.0.0.1", 31001, 4), ("127.0.0.1", 31011, 4)]
+    assert rollout["specs"] == [[own0, own1]] * 3  # every rollout worker joins both, in trainer-rank order
+    assert actor["transports"] == [["ipc"], ["ipc"]] and rollout["transports"] == [["ipc", "ipc"]] * 3
+    assert actor["reuse"] == [False, False] and rollout["reuse"] == [False] * 3
+    # trainer rank 1 on another node: its group meets at its address, over the network
+    actor, rollout = build(2, 2, _all(2, 2, nodes="abaa"))
+    assert actor["specs"][0][0].address == "127.0.0.1" and actor["transports"][0] == ["ipc"]
+    assert (actor["specs"][1][0].address, actor["specs"][1][0].port) == ("10.0.0.10", 31010)
+    assert actor["transports"][1] == ["hierarchical"] and rollout["transports"][0] == ["ipc", "hierarchical"]
+    # every member reports the groups under the same ranks: kept
+    k0, k1 = ("127.0.0.1", 40000, 3), ("127.0.0.1", 40010, 3)
+    kept = _all(2, 2, groups=[(k0,), (k1,), (k0, k1), (k0, k1)], ranks=[0, 0, 1, 2])
+    actor, rollout = build(2, 2, kept)
+    assert actor["reuse"] == [True, True] and rollout["reuse"] == [True, True]
+    assert [s[0].port for s in actor["specs"]] == [40000, 40010] and rollout["specs"][0][1].port == 40010
+    for changed in (
+        _all(2, 2, groups=[(k0,), None, (k0, k1), (k0, k1)], ranks=[0, None, 1, 2]),  # trainer rank 1 dropped its group
+        _all(2, 2, groups=[(k0,), (k1,), (k0, k1), (k1, k0)], ranks=[0, 0, 1, 2]),  # not in trainer-rank order
+        _all(2, 2, groups=[(k0,), (k1,), (k0, k1), (k0, k1)], ranks=[0, 0, 2, 1]),  # rollout ranks swapped
+    ):
+        assert build(2, 2, changed)[1]["reuse"] == [False, False]
+
+
+def test_topology_refuses_workers_that_disagree_on_senders_or_a_refused_engine():
+    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+
+    build = HalCheckpointEngine.build_topology
+    mixed = _all(2, 2)
+    mixed[3] = _metadata("a", senders="master")
+    with pytest.raises(ValueError, match="senders differs between workers: trainer rank 0 says 'all', rollout worker 1 says 'master'"):
+        build(2, 2, mixed)
+    unset = [_metadata("a", master=True), _metadata("a"), _metadata("a", senders="all"), _metadata("a")]
+    with pytest.raises(ValueError, match="rollout worker 0 says 'all'"):
+        build(2, 2, unset)  # a worker without the key says "master" (an engine of before the setting)
+    refused = _all(2, 2)
+    refused[1]["refused"] = "a LoRA (peft) model"
+    with pytest.raises(ValueError, match="senders 'all' is refused on trainer rank 1: a LoRA"):
+        build(2, 2, refused)
+
+
+def test_prepare_reports_senders_and_refuses_an_engine_whose_shards_differ_from_the_generator():
+    """`prepare()` finds the training engine of the worker that holds it (verl passes it no
+    reference) and says why its shards could not stand for verl's generator."""
+    import torch.nn as nn
+
+    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+
+    class Engine:  # what verl's FSDP engine offers: module, engine_config.strategy, get_per_tensor_param
+        def __init__(self, module, strategy="fsdp"):
+            self.module = module
+            self.engine_config = type("Config", (), {"strategy": strategy})()
+
+        def get_per_tensor_param(self):
+            raise AssertionError("never gathered")
+
+    class Worker:  # verl's TrainingWorker: `engine` and `checkpoint_engine`
+        def __init__(self, engine):
+            self.engine = engine
+            self.checkpoint_engine = HalCheckpointEngine(bucket_size=1 << 20, senders="all")
+
+        def execute_checkpoint_engine(self, method):
+            return getattr(self.checkpoint_engine, method)()
+
+    reports = Worker(Engine(nn.Linear(4, 4))).execute_checkpoint_engine("prepare")
+    assert reports["senders"] == "all" and "port" in reports  # every worker offers a rendezvous
+    assert "not FSDP-wrapped" in reports["refused"]
+    assert "is not verl's FSDP engine" in Worker(Engine(nn.Linear(4, 4), strategy="megatron")).execute_checkpoint_engine("prepare")["refused"]
+    alone = HalCheckpointEngine(bucket_size=1 << 20, senders="all").prepare()  # no worker holds it: nothing to check
+    assert alone["refused"] is None
+    assert "refused" not in HalCheckpointEngine(bucket_size=1 << 20).prepare()
