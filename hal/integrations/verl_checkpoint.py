@@ -362,7 +362,9 @@ class HalCheckpointEngine(CheckpointEngine):
             weights.close()  # verl's generator, unread: its full_tensor() gathers never run
         refused = self._check(engine)
         if refused is not None:
-            raise ValueError(f"checkpoint engine 'hal': senders 'all' is refused on this trainer rank: {refused}")
+            message = f"senders 'all' is refused on this trainer rank: {refused}"
+            self.last_error = f"ValueError: {message}"
+            raise ValueError(f"checkpoint engine 'hal': {message}")
         sender = self._sharded
 
         def sync() -> Any:

@@ -417,5 +417,10 @@ def test_prepare_reports_senders_and_refuses_an_engine_whose_shards_differ_from_
     assert "not FSDP-wrapped" in reports["refused"]
     assert "is not verl's FSDP engine" in Worker(Engine(nn.Linear(4, 4), strategy="megatron")).execute_checkpoint_engine("prepare")["refused"]
     alone = HalCheckpointEngine(bucket_size=1 << 20, senders="all").prepare()  # no worker holds it: nothing to check
+    from hal.integrations.verl_internals import is_training_engine
+
+    engine = Engine(nn.Linear(4, 4))
+    assert is_training_engine(engine)  # what verl passes to send_weights of shard-operating backends
+    assert not is_training_engine(iter([("w", None)])) and not is_training_engine(x for x in ())  # its generators
     assert alone["refused"] is None
     assert "refused" not in HalCheckpointEngine(bucket_size=1 << 20).prepare()
