@@ -138,6 +138,11 @@ class RankReport:
         return cls(error=error[:_MAX_MESSAGE], kind=kind if kind in _KINDS else "error", sender=sender, inconsistent=inconsistent, resend=resend)
 
 
+def error_class(kind: str) -> type[SyncError]:
+    """The `SyncError` subclass a report's kind names."""
+    return _KINDS.get(kind, SyncError)
+
+
 def kind_of(exc: BaseException) -> str:
     for kind, cls in _KINDS.items():
         if isinstance(exc, cls):

@@ -231,12 +231,20 @@ class LayoutExchange:
         self.plan: ShardPlan | None = None
         self.builds = 0
 
-    def agree(self, declared: list[Declared]) -> ShardPlan:
+    def agree(self, declared: list[Declared] | None) -> ShardPlan:
+        """The plan every rank builds; `declared` None: this rank could not declare its
+        tensors (it raises its own error), and every other rank then refuses the sync
+        naming it, at once rather than at the timeout."""
         channel = self.channel
         digests = torch.zeros(channel.world_size, dtype=torch.int64, device=channel.control_device)
-        digests[channel.rank] = declared_digest(declared)
+        digests[channel.rank] = _UNDECLARED if declared is None else declared_digest(declared)
         channel.allreduce(digests, "layout digests")
         theirs = tuple(int(d) for d in digests.cpu().tolist())
+        failed = [r for r, d in enumerate(theirs) if d == _UNDECLARED and r != channel.rank]
+        if failed:
+            raise errors.SpecMismatchError(f"trainer rank(s) {failed} could not declare the tensors they hold (their own error says why)")
+        if declared is None:
+            raise errors.SpecMismatchError("this trainer rank could not declare the tensors it holds")
         if self.plan is not None and self.plan.digests == theirs:
             return self.plan
         payloads = _all_gather_bytes(channel, encode_declared(declared), "layout declarations")
@@ -245,6 +253,9 @@ class LayoutExchange:
         plan = build_shard_plan(declarations, theirs)
         self.plan, self.builds = plan, self.builds + 1
         return plan
+
+
+_UNDECLARED = -1  # a digest no declaration has (digests are non-negative)
 
 
 def _all_gather_bytes(channel: GroupChannel, payload: bytes, what: str) -> list[bytes]:

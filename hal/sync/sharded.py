@@ -133,15 +133,21 @@ class ShardedSender:
         """Send this rank's shares of `source` as `version`; the same call on every trainer
         rank. Returns this rank's metrics (`bytes`: what it sent; `model_bytes`: the whole
         model). Raises the `SyncError` every rank raises when the sync fails anywhere."""
-        tensors = local_tensors(source)
         transport, timeout = self.sender.transport, self.config.timeout_s
+        tensors: list[tuple[str, torch.Tensor]] = []
+        plan, refused = None, None
+        try:
+            tensors = local_tensors(source)
+            declared = declare(tensors, self.rank, self.channel.world_size)
+        except (ValueError, TypeError) as exc:  # still take part in the exchange: the others hear of it at once
+            declared, refused = None, errors.SpecMismatchError(str(exc))
         with self.channel.bounded(timeout):
             try:
-                plan, refused = self.layout.agree(declare(tensors, self.rank, self.channel.world_size)), None
-            except (errors.SyncError, ValueError, TypeError) as exc:  # the same on every trainer rank
-                plan, refused = None, exc if isinstance(exc, errors.SyncError) else errors.SpecMismatchError(str(exc))
+                plan = self.layout.agree(declared)
+            except errors.SyncError as exc:  # the same on every trainer rank (a broken group: PeerError)
+                refused = refused or exc
         # a refused layout still goes through an (empty) sync, so the receivers hear why
-        shares = _Shares(plan, self.rank, dict(tensors)) if plan is not None else TensorSource([])
+        shares = _Shares(plan, self.rank, dict(tensors)) if refused is None else TensorSource([])
         outgoing = self.sender.offer(shares, version=version)
         outgoing.end_bound_s = 2 * timeout  # the receivers first wait for every other sender
         metrics, own = None, None

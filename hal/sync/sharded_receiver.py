@@ -47,6 +47,7 @@ class ShardedReceiver:
         validate: Any = None,
         backend: Backend | None = None,
         budget_bytes: int = 256 << 20,
+        version: int | None = None,
     ) -> None:
         if not transports:
             raise ValueError("ShardedReceiver needs one transport per trainer rank, got none")
@@ -56,7 +57,7 @@ class ShardedReceiver:
         self.validate = validate
         self.budget_bytes = int(budget_bytes)
         self.specs: dict[str, TensorSpec] | None = None if specs is None else {s.name: s for s in specs}
-        self.version: int | None = None
+        self.version = version
         self.consistent = True
         # (headers' spec tuples, shares, whole specs in order, destination objects, destinations) of the last sync
         self._layout: tuple | None = None
@@ -66,6 +67,18 @@ class ShardedReceiver:
     @property
     def senders(self) -> int:
         return len(self.parts)
+
+    @property
+    def version(self) -> int | None:
+        """The weight version this side holds (as `Receiver.version`): set after a sync every
+        rank completed; an older one is refused by every sender's header check."""
+        return self._version
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        self._version = version
+        for part in self.parts:
+            part.version = version
 
     def receive(self, sink: Any) -> SyncMetrics:
         sink = as_sink(sink)
@@ -104,7 +117,6 @@ class ShardedReceiver:
                 sink.abort()
             errors.raise_if_any([report], 0, where)
         for part, inc in zip(self.parts, incoming):
-            part.version, part.consistent = inc.header.version, True
             part.delta.completed(inc.header, inc.plan, inc.kept_in)
         self.version, self.consistent = version, True
         return SyncMetrics(
@@ -149,7 +161,7 @@ class ShardedReceiver:
                             report = shared
                         continue
                     live.discard(m)  # its sender stops at its offer: nothing more happens in that group
-                    failure = failure or exc
+                    failure = failure or _unwrapped(exc)
                     break
         if failure is None and len(live) < self.senders:
             failure = errors.PeerError(f"sender(s) {sorted(set(range(self.senders)) - live)} did not send a header")
@@ -302,3 +314,12 @@ def sending_order(sequences: list[list[str]]) -> list[str]:
         placed = set(order)
         order += [name for name in seen if name not in placed]
     return order
+
+
+def _unwrapped(exc: errors.SyncError) -> errors.SyncError:
+    """The error a rank reported, as its own kind, without the "sync of version v failed:"
+    an agreement put before it (the senders put their own before it again)."""
+    reports = [r for _, r in sorted(exc.reports.items(), key=lambda item: item[0] != exc.my_rank) if r.error]
+    if not reports:
+        return exc
+    return errors.error_class(reports[0].kind)(reports[0].error, reports=exc.reports, my_rank=exc.my_rank)

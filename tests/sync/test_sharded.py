@@ -89,6 +89,8 @@ def _sharded_worker(rank, world, scenario):
             source = ModuleSource(model)
             if scenario == "subset" and version == 2:  # only the first Linear (as a LoRA sync sends only adapters)
                 source = ModuleSource(model, rename=lambda n: n if n.startswith("1.") else None)
+            if scenario == "undeclarable" and rank == 1:
+                source = [("0.weight", "not a tensor")]
             if scenario == "mismatch" and rank == 1:
                 source = ModuleSource(model, rename=lambda n: None if n == "3.weight" else n)
             if scenario == "source_fails" and rank == 1:
@@ -129,7 +131,7 @@ def _sharded_worker(rank, world, scenario):
         return results
     transports = [transport(g) for g in sync_groups]
     theirs = None if token is None else (token if rank == 2 else "another-secret")  # rank 3 was started with another
-    receiver = ShardedReceiver(transports, engine_specs(wire), timeout_s=TIMEOUT_S, token=theirs)
+    receiver = ShardedReceiver(transports, engine_specs(wire), timeout_s=TIMEOUT_S, token=theirs, version=5 if scenario == "stale" else None)
     weights = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in engine_specs(wire)}
     results = []
     for step in range(syncs):
@@ -233,6 +235,26 @@ def test_a_receiver_without_the_delta_base_gets_that_sync_whole_from_every_sende
             assert trainer[step][0][0] == "ok" and trainer[step][0][4] is expect_delta, trainer[step][0]
         for engine in (engine2, engine3):
             assert engine[step][0][0] == "ok" and engine[step][1] == trainer0[step][1]
+
+
+def test_an_older_version_is_refused_by_every_rank_with_one_plain_message():
+    results = run_group(sharded_worker, 4, args=("stale",), timeout=240, collective_timeout=TIMEOUT_S)
+    for rank_results in results:
+        (kind, message, *_), _, _ = rank_results[0]
+        assert kind == "StaleVersionError", message
+        assert "receiver holds weight version 5; refusing older version 1" in message
+        assert message.count("failed:") == 1, message  # the cause, not an agreement's text about it again
+    assert results[2][0][0][2] is True  # nothing applied: still consistent
+
+
+def test_a_rank_that_cannot_declare_its_tensors_fails_every_rank_at_once():
+    results = run_group(sharded_worker, 4, args=("undeclarable",), timeout=240, collective_timeout=TIMEOUT_S)
+    for rank_results in results:
+        (kind, message, *_), _, seconds = rank_results[0]
+        assert kind == "SpecMismatchError", message
+        assert seconds < TIMEOUT_S / 2, f"{seconds:.1f} s: waited for a timeout"
+    assert "'0.weight' is a str, not a tensor" in results[1][0][0][1]
+    assert "trainer rank(s) [1] could not declare" in results[0][0][0][1]
 
 
 def test_mismatched_layouts_are_refused_by_name_on_every_rank():
