@@ -265,10 +265,8 @@ class HalCheckpointEngine(CheckpointEngine):
         elif self.senders == "all":
             # verl's rollout side has no model to check the trainers' tensors against: the
             # receiver takes what the headers declare (each still decoded and checked itself)
-            self._receiver = ShardedReceiver(self._links, None, timeout_s=timeout, token=token, backend=backend)
-            self._receiver.version = self.version  # a stale version stays refused across new groups
-            for part in self._receiver.parts:
-                part.version = self.version
+            # a stale version stays refused across new groups
+            self._receiver = ShardedReceiver(self._links, None, timeout_s=timeout, token=token, backend=backend, version=self.version)
         else:
             self._receiver = Receiver(self._links[0], None, timeout_s=timeout, token=token, backend=backend, version=self.version)
 
