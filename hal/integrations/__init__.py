@@ -17,7 +17,8 @@ of them, and no engine):
 - `hal.integrations.ray`: Ray placement and tear-down (ray_placement, ray_scope). Imports
   no Ray until called.
 - `hal.integrations.verl_plugin`: verl's platform and checkpoint engine "hal"
-  (verl_platform, verl_checkpoint with verl_settings and verl_weights). Imports verl.
+  (verl_platform, verl_checkpoint with verl_settings, verl_weights and verl_topology: the
+  sync groups of one update, one per sending trainer rank with `senders: all`). Imports verl.
 - `hal.integrations.vllm_internals`: every private vLLM name verl-hal uses, behind a
   version check; `vllm_needs` lists them with how hal calls them and in which releases
   (tests/hosts/ reads them against real vLLM sources). Imports vLLM only inside its functions.
