@@ -20,9 +20,9 @@ import torch
 
 from hal.procs import run_gloo_rank
 from hal.tools.bench.buffers import fill_pattern, first_mismatch, flat_layout, flat_views, matches_pattern, pattern_block, PATTERN_PERIOD
-from hal.tools.bench.common import PeakMemory, close, metrics_dict
+from hal.tools.bench.common import PeakMemory, close
 from hal.tools.bench.presets import Param, get_preset
-from hal.tools.bench.senders import SendersConfig, chunk_rows, row_nbytes
+from hal.tools.bench.senders_config import SendersConfig, chunk_rows, row_nbytes
 
 
 def rank_main(rank: int, out: Any, port: int, config: SendersConfig) -> None:
