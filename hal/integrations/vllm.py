@@ -57,7 +57,7 @@ from hal import env
 from hal.integrations import vllm_internals
 from hal.integrations._reload import CarryArena, kernel_layout, layout_changes
 from hal.integrations.vllm_info import TRANSPORTS, HalInitInfo, HalUpdateInfo, dtype_from_name, dtype_name  # noqa: F401 - re-exported
-from hal.sync import Receiver, SinkPolicy, SpecMismatchError, SyncMetrics, TensorSpec
+from hal.sync import Receiver, ShardedReceiver, SinkPolicy, SpecMismatchError, SyncMetrics, TensorSpec
 from hal.sync.auth import check_init_proof
 from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
 
@@ -89,8 +89,9 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         vllm_internals.require_supported_vllm()
         vllm_internals.quiet_computed_buffer_warnings()
         self._token = env.sync_token()
-        self._group: Any = None
-        self._receiver: Receiver | None = None
+        self._group: Any = None  # the group of trainer rank 0 (the only one unless every trainer rank sends)
+        self._groups: list[Any] = []  # one per sending trainer rank, in trainer-rank order
+        self._receiver: Receiver | ShardedReceiver | None = None
         self._layer_of: dict[str, frozenset[str]] = {}
         self._seen: set[str] = set()
         self._carry: CarryArena | None = None
@@ -131,16 +132,32 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             dtype=dtype_from_name(init_info.wire_dtype) or self.model_config.dtype,
         )
         rank = self.group_rank(init_info)
+        endpoints = init_info.endpoints()
         logger.info(
-            "hal weight transfer: joining %s:%d as rank %d of %d (%s), %d tensors expected",
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, backend.dist_backend, len(specs),
+            "hal weight transfer: joining %s as rank %d of %d (%s), %d tensors expected",
+            ", ".join(f"{address}:{port}" for address, port in endpoints), rank, init_info.world_size,
+            backend.dist_backend, len(specs),
         )
-        spec = SyncGroupSpec(address=init_info.master_address, port=init_info.master_port, world_size=init_info.world_size)
-        self._group = join_sync_group(spec, rank, backend=backend, timeout_s=init_info.timeout_s)
+        # One group per sending trainer rank, joined in trainer-rank order by every worker of
+        # every engine (so that no two wait for each other); the same rank in each.
+        groups: list[Any] = []
+        try:
+            for address, port in endpoints:
+                spec = SyncGroupSpec(address=address, port=port, world_size=init_info.world_size)
+                groups.append(join_sync_group(spec, rank, backend=backend, timeout_s=init_info.timeout_s))
+        except BaseException:
+            _destroy_groups(groups)
+            raise
+        self._groups, self._group = groups, groups[0]
         control = backend.control_device()
-        transport = TRANSPORTS[init_info.transport](self._group, src=0, control_device=control)
+        transports = [TRANSPORTS[init_info.transport](group, src=0, control_device=control) for group in groups]
         self._layer_of = layer_groups([s.name for s in specs])
-        self._receiver = Receiver(transport, specs, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate)
+        if init_info.senders is None:
+            self._receiver = Receiver(transports[0], specs, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate)
+        else:  # every trainer rank sends its rows; whole tensors reach this engine (hal.sync.sharded)
+            self._receiver = ShardedReceiver(
+                transports, specs, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate
+            )
         self._carry = CarryArena(cap_bytes=max(64 << 20, sum(s.nbytes for s in specs) // 4))
 
     def validate(self, specs: list[TensorSpec]) -> None:
@@ -246,19 +263,31 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         return {
             "version": None if receiver is None else receiver.version,
             "consistent": self.consistent,
-            "torn": [] if receiver is None else list(receiver.torn),
+            # a ShardedReceiver never lands in place: nothing of it can be torn
+            "torn": list(getattr(receiver, "torn", ())),
         }
 
+    @property
+    def senders(self) -> int:
+        """How many trainer ranks send to this worker (0 before init)."""
+        return len(self._groups)
+
     def shutdown(self) -> None:
-        group, receiver = self._group, self._receiver
-        self._group, self._receiver = None, None
+        groups, receiver = self._groups, self._receiver
+        self._group, self._groups, self._receiver = None, [], None
         if receiver is not None:
-            receiver.transport.close()
-        if group is not None:
-            try:
-                destroy_sync_group(group)
-            except Exception as exc:  # noqa: BLE001 - teardown must not fail the worker
-                logger.warning("hal weight transfer: releasing the group failed: %s", exc)
+            for part in getattr(receiver, "parts", (receiver,)):
+                part.transport.close()
+        _destroy_groups(groups)
+
+
+def _destroy_groups(groups: list[Any]) -> None:
+    """Release every group; one that fails to go is logged, the others still go."""
+    for group in groups:
+        try:
+            destroy_sync_group(group)
+        except Exception as exc:  # noqa: BLE001 - teardown must not fail the worker
+            logger.warning("hal weight transfer: releasing a group failed: %s", exc)
 
 
 class HalWorkerExtension:

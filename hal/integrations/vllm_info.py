@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -58,11 +59,18 @@ class HalInitInfo(WeightTransferInitInfo):
     """"broadcast": each bucket is broadcast over the group (any topology). "ipc": buckets
     live in memory the trainer shares with the workers (same node only, and the backend
     must support IPC); the group only carries control messages."""
+    senders: list[dict[str, Any]] | None = None
+    """Every trainer rank sends (`WeightSync(..., senders="all")`): each rank's rendezvous,
+    `{"address": ..., "port": ...}`, in trainer-rank order, the first being
+    `master_address:master_port`. Each worker then joins one group per trainer rank (the
+    same rank, `rank_offset + r`, and `world_size` in each) and receives every sync from
+    all of them at once (`hal.sync.ShardedReceiver`). None: trainer rank 0 alone sends,
+    over the group at `master_address:master_port`. Only with `transport="broadcast"`."""
     auth: str | None = None
     """The trainer's proof that it knows the engine's token (`hal.sync.header.init_proof`
-    over every other field, `proven()`); None from a trainer without one."""
+    over every other field, `proven()`, `senders` included); None from a trainer without one."""
 
-    def proven(self) -> dict[str, str | int | float | None]:
+    def proven(self) -> dict[str, Any]:
         """The fields `auth` proves (`hal.sync.header.init_proof`): all but the proof itself."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "auth"}
 
@@ -72,6 +80,46 @@ class HalInitInfo(WeightTransferInitInfo):
         if not 1 <= self.rank_offset < self.world_size:
             raise ValueError(f"HalInitInfo.rank_offset {self.rank_offset} outside 1..{self.world_size - 1} (world_size)")
         dtype_from_name(self.wire_dtype)
+        if self.senders is not None:
+            self.senders = check_senders(self.senders, self.master_address, self.master_port, self.transport)
+
+    def endpoints(self) -> list[tuple[str, int]]:
+        """(address, port) of every sending trainer rank's group, in trainer-rank order."""
+        if self.senders is None:
+            return [(self.master_address, self.master_port)]
+        return [(s["address"], s["port"]) for s in self.senders]
+
+
+def check_senders(senders: Any, master_address: str, master_port: int, transport: str) -> list[dict[str, Any]]:
+    """`HalInitInfo.senders` as a list of `{"address": str, "port": int}`; ValueError naming
+    the field (and the entry) otherwise."""
+    if not isinstance(senders, (list, tuple)) or not senders:
+        raise ValueError(f"HalInitInfo.senders must be a non-empty list of {{'address', 'port'}}, got {senders!r}"[:300])
+    if transport != "broadcast":
+        raise ValueError(
+            f"HalInitInfo.senders: several sending trainer ranks need transport 'broadcast', got {transport!r}"
+        )
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[str, int]] = set()
+    for i, entry in enumerate(senders):
+        where = f"HalInitInfo.senders[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"address", "port"}:
+            raise ValueError(f"{where} must be {{'address': str, 'port': int}}, got {entry!r}"[:300])
+        address, port = entry["address"], entry["port"]
+        if not isinstance(address, str) or not address.strip():
+            raise ValueError(f"{where}.address must be a non-empty host, got {address!r}"[:300])
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"{where}.port must be a TCP port (1..65535), got {port!r}"[:300])
+        if (address, port) in seen:
+            raise ValueError(f"{where}: {address}:{port} is listed twice; each trainer rank has a rendezvous of its own")
+        seen.add((address, port))
+        out.append({"address": address, "port": port})
+    if (out[0]["address"], out[0]["port"]) != (master_address, master_port):
+        raise ValueError(
+            f"HalInitInfo.senders[0] is {out[0]['address']}:{out[0]['port']}, but master_address:master_port is "
+            f"{master_address}:{master_port}: trainer rank 0's rendezvous is both"
+        )
+    return out
 
 
 @dataclass(kw_only=True)

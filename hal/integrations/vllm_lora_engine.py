@@ -47,6 +47,8 @@ class HalLoraInitInfo(HalInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.senders is not None:
+            raise ValueError("HalLoraInitInfo.senders: a LoRA sync has one sending trainer rank (leave senders None)")
         if not os.path.isabs(self.adapter_dir):
             raise ValueError(f"HalLoraInitInfo.adapter_dir must be an absolute path, got {self.adapter_dir!r}")
         if not isinstance(self.lora_config, dict):
