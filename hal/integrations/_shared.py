@@ -27,6 +27,16 @@ def in_daemon_thread(name: str, fn: Callable[[], Any]) -> "concurrent.futures.Fu
     return future
 
 
+def result_within(future: "concurrent.futures.Future[Any]", what: str, timeout: float) -> Any:
+    """`future.result(timeout)`; a PeerError naming `what` when it does not come in time."""
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        from hal.sync.errors import PeerError
+
+        raise PeerError(f"{what} did not return within {timeout:.0f} s") from None
+
+
 def release_of(version: str) -> tuple[int, int] | None:
     """(major, minor) of a version string such as "0.32.1+cpu", or None when it has none."""
     parts = version.split("+")[0].split(".")

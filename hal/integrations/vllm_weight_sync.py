@@ -14,6 +14,12 @@ or, where vLLM has none, hal's adapters (hal.integrations.vllm_engines). The eng
 runs in a background thread while this thread runs the hal `Sender`; both are bounded by a
 timeout and any failure on either side fails the sync with an error that names the engine.
 
+A sharded trainer (FSDP2) either gathers and sends from one rank (`trainer_group=g`: this
+process sends, the other ranks follow with `TrainerSync`), or sends from every rank
+(`trainer_group=g, senders="all"`, on every rank): each rank sends only its own rows over
+a group of its own with every engine worker, and the workers put whole tensors together
+(`hal.sync.sharded`; docs/vllm.md, "Every trainer rank sends").
+
 The weight version is the trainer's step: the engine reports it afterwards
 (`get_weight_version`), and a version older than the engine's is refused. A sync that
 fails part-way leaves each engine tensor with its old or its new bytes; an engine left
@@ -35,14 +41,16 @@ from typing import Any, Iterator, Sequence
 import hal
 from hal import env
 from hal.integrations import vllm_internals
-from hal.integrations._shared import in_daemon_thread
+from hal.integrations._shared import in_daemon_thread, result_within
 from hal.integrations.vllm import TRANSPORTS, HalInitInfo, dtype_name
 from hal.integrations.vllm_engines import Engine, as_engine
+from hal.integrations.vllm_sharded_sync import EveryRankSends
 from hal.procs import free_port
-from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics
+from hal.sync import AuthError, Sender, ShardedSender, SyncConfig, SyncError, SyncMetrics
 from hal.sync.auth import init_proof
 from hal.sync.errors import PeerError
 from hal.sync.group import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.sync.protocol import GroupChannel
 from hal.sync.source import as_source
 from hal.sync.trainer import TrainerSync
 
@@ -52,6 +60,9 @@ logger = logging.getLogger(__name__)
 # as its weight version, followed by the last version it held completely.
 INCONSISTENT_PREFIX = "inconsistent:"
 
+# Who sends: "one" (this process, rank 0 of the sync group; a sharded trainer's other ranks
+# follow it with TrainerSync) or "all" (every rank of `trainer_group`, its own rows).
+SENDERS = ("one", "all")
 
 @dataclass(slots=True)
 class SyncResult:
@@ -92,14 +103,10 @@ def _keep_stdout() -> Iterator[None]:
             os.close(saved)
 
 
-def _result(future: "concurrent.futures.Future[Any]", what: str, timeout: float) -> Any:
-    try:
-        return future.result(timeout)
-    except concurrent.futures.TimeoutError:
-        raise PeerError(f"{what} did not return within {timeout:.0f} s") from None
+_result = result_within
 
 
-class WeightSync:
+class WeightSync(EveryRankSends):
     """Drives hal syncs from this (trainer) process into `engines`.
 
     Each of `engines` is a vLLM weight-sync client (`HTTPVLLMWeightSyncClient(base_url)`,
@@ -113,6 +120,16 @@ class WeightSync:
     with one. After a sync that failed on the trainer's side (its source raised, a pack
     failed) and left some engine holding part of it, the sync is sent again up to
     `resend_after_failure` times (0: raise the first failure as it is).
+
+    A sharded trainer: `trainer_group=g` alone makes this process its sending rank (the
+    others call `TrainerSync(transport=None, ...)`); `trainer_group=g, senders="all"`, made
+    and called the same way on every rank of `g`, makes every rank send its own rows
+    (`hal.sync.ShardedSender`) over a group of its own with every engine worker: each rank
+    serves that group's rendezvous on its own `master_address` (and `master_port`, else a
+    free one), trainer rank 0 alone drives the engines, and `init`, `sync` and `close`
+    return or raise the same on every rank. The other ranks pass the same `engines` (never
+    called: checked against rank 0's names and sizes) or none, `[]` (they learn them from
+    rank 0 at `init`). Over the "broadcast" transport only.
     """
 
     def __init__(
@@ -127,10 +144,18 @@ class WeightSync:
         token: str | None = None,
         resend_after_failure: int = 1,
         trainer_group: Any = None,
+        senders: str = "one",
     ) -> None:
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {transport!r}")
-        if not engines:
+        if senders not in SENDERS:
+            raise ValueError(f"senders must be one of {list(SENDERS)}, got {senders!r}")
+        if senders == "all":
+            if trainer_group is None:
+                raise ValueError("senders='all' needs trainer_group=...: the ranks that hold the model, each of which sends its own rows")
+            if transport not in ("auto", "broadcast"):
+                raise ValueError(f"senders='all' sends over the 'broadcast' transport (a group per trainer rank), got transport={transport!r}")
+        if not engines and senders != "all":  # with senders="all" the ranks but 0 may learn them from rank 0
             raise ValueError("WeightSync needs at least one engine")
         engines = [as_engine(e) for e in engines]
         names = [e.name for e in engines]
@@ -153,12 +178,18 @@ class WeightSync:
         self.trainer_group = trainer_group
         """The sharded trainer's own group, when the trainer is several ranks: this process is
         its sending rank, and every other rank calls `TrainerSync(transport=None, ...).sync`
-        with the same source and version in lockstep (docs/topologies.md)."""
+        with the same source and version in lockstep (docs/topologies.md); with
+        senders="all", every rank of it sends."""
+        self.senders = senders
+        """"one": this process sends; "all": every rank of `trainer_group` sends its own rows."""
         self._trainer: TrainerSync | None = None
+        self._sharded: ShardedSender | None = None
+        self._channel: GroupChannel | None = None  # senders="all": the trainer group, for init's and each sync's agreements
         self._attempt = 0
         self._group: Any = None
         self._sender: Sender | None = None
         self._ranks: dict[str, range] = {}
+        self._sizes: list[tuple[str, int]] | None = None  # senders="all": every engine's (name, workers), as rank 0 has them
         self._connected: set[str] = set()  # engines whose init returned: only those are shut down by close()
         self.version: int | None = None
         self.inconsistent: set[str] = set()
@@ -166,7 +197,9 @@ class WeightSync:
 
     @property
     def world_size(self) -> int:
-        return 1 + sum(e.num_workers for e in self.engines)
+        """Ranks in the sync group (of each trainer rank's, with senders="all"): 1 + every engine's workers."""
+        sizes = self._sizes if self._sizes is not None else [(e.name, e.num_workers) for e in self.engines]
+        return 1 + sum(n for _, n in sizes)
 
     @property
     def sender(self) -> Sender:
@@ -175,10 +208,19 @@ class WeightSync:
             raise RuntimeError("WeightSync.sender before init()")
         return self._sender
 
+    @property
+    def trainer_rank(self) -> int:
+        """This process's rank in `trainer_group` with senders="all" (after `init`); 0 otherwise."""
+        return self._channel.rank if self._channel is not None else 0
+
     def init(self) -> None:
-        """Join every engine's workers into one group with this process (once)."""
+        """Join every engine's workers into one group with this process (once). With
+        senders="all", on every trainer rank: each joins a group of its own with them."""
         with _keep_stdout():
-            self._init()
+            if self.senders == "all":
+                self._init_all()
+            else:
+                self._init()
 
     def _init(self) -> None:
         if self._group is not None:
@@ -193,25 +235,7 @@ class WeightSync:
         # workers use to join, would listen on every interface: hal.sync.group), from now on
         spec = SyncGroupSpec(address=self.master_address, port=port, world_size=self.world_size)
         server = RendezvousServer(spec, timeout_s=self.timeout_s)
-        calls = []
-        offset = 1
-        for engine in self.engines:
-            info = HalInitInfo(
-                master_address=self.master_address,
-                master_port=port,
-                rank_offset=offset,
-                world_size=self.world_size,
-                wire_dtype=dtype_name(self.config.wire_dtype),
-                timeout_s=self.config.timeout_s,
-                transport=self.transport,
-            )
-            if self.token is not None:  # bound to every field, this engine's rank offset included
-                info.auth = init_proof(self.token, **info.proven())
-            self._ranks[engine.name] = range(offset, offset + engine.num_workers)
-            offset += engine.num_workers
-            payload = asdict(info)
-            what = f"{engine.name}: init_weight_transfer_engine"
-            calls.append((what, in_daemon_thread(f"hal-{what}", lambda e=engine, p=payload: e.init_weight_transfer_engine(p))))
+        calls = self._init_engines(port)
         group_call = in_daemon_thread(
             "hal-trainer: join the weight-sync group",
             lambda: join_sync_group(spec, 0, backend=backend.dist_backend, timeout_s=self.timeout_s, server=server),
@@ -230,6 +254,42 @@ class WeightSync:
             self._sender = self._trainer.sender
         else:
             self._sender = Sender(transport, self.config, token=self.token)
+
+    def _init_engines(self, port: int, senders: list[dict[str, Any]] | None = None) -> list:
+        """Ask every engine, each in a thread of its own, to join (`init_weight_transfer_engine`);
+        the (what, future) of each call."""
+        calls = []
+        offset = 1
+        for engine in self.engines:
+            info = HalInitInfo(
+                master_address=self.master_address,
+                master_port=port,
+                rank_offset=offset,
+                world_size=self.world_size,
+                wire_dtype=dtype_name(self.config.wire_dtype),
+                timeout_s=self.config.timeout_s,
+                transport=self.transport,
+                senders=senders,
+            )
+            if self.token is not None:  # bound to every field, this engine's rank offset and the senders included
+                info.auth = init_proof(self.token, **info.proven())
+            self._ranks[engine.name] = range(offset, offset + engine.num_workers)
+            offset += engine.num_workers
+            payload = asdict(info)
+            what = f"{engine.name}: init_weight_transfer_engine"
+            calls.append((what, in_daemon_thread(f"hal-{what}", lambda e=engine, p=payload: e.init_weight_transfer_engine(p))))
+        return calls
+
+    def _finish(self, version: int) -> dict[str, str]:
+        """After a complete sync: each engine records the version, drops KV computed with the
+        old weights and reads the version back."""
+        versions = {}
+        for engine in self.engines:
+            engine.finish_weight_update(str(version))
+            # KV computed with the old weights must not be reused (prefix caching)
+            engine.reset_prefix_cache()
+            versions[engine.name] = engine.get_weight_version()
+        return versions
 
     def _join(self, group_call: "concurrent.futures.Future[Any]", calls: list, port: int) -> None:
         """Wait for the group and every engine's init. An engine that refuses (bad init info,
@@ -280,6 +340,11 @@ class WeightSync:
             raise TypeError(f"version must be an int (the trainer step), got {version!r}")
         source = as_source(source)
         start = time.perf_counter()
+        if self._sharded is not None:  # every trainer rank sends (hal.integrations.vllm_sharded_sync)
+            metrics, versions, attempt = self._sync_all(source, version)
+            self.version = version
+            self.inconsistent.clear()
+            return SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
         attempt = self._attempt = 0
         while True:
             try:
@@ -294,12 +359,7 @@ class WeightSync:
                     )
                     continue
                 raise
-        versions = {}
-        for engine in self.engines:
-            engine.finish_weight_update(str(version))
-            # KV computed with the old weights must not be reused (prefix caching)
-            engine.reset_prefix_cache()
-            versions[engine.name] = engine.get_weight_version()
+        versions = self._finish(version)
         self.version = version
         self.inconsistent.clear()
         return SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
@@ -337,13 +397,16 @@ class WeightSync:
             _result(call, what, self.timeout_s)
         return metrics
 
-    def _mark_inconsistent(self, exc: SyncError) -> None:
+    def _mark_inconsistent(self, exc: BaseException, *, call_engines: bool = True) -> None:
         """Record, and make each engine report, that it holds part of a failed sync."""
-        ranks = set(exc.inconsistent_ranks)
+        ranks = set(exc.inconsistent_ranks) if isinstance(exc, SyncError) else set()
+        marked = {name for name, held in self._ranks.items() if ranks.intersection(held)}
+        self.inconsistent |= marked
+        if not call_engines:
+            return
         for engine in self.engines:
-            if not ranks.intersection(self._ranks.get(engine.name, ())):
+            if engine.name not in marked:
                 continue
-            self.inconsistent.add(engine.name)
             label = f"{INCONSISTENT_PREFIX}{'none' if self.version is None else self.version}"
             try:
                 engine.update_weight_version(label)
@@ -351,9 +414,11 @@ class WeightSync:
                 logger.warning("engine %s: could not set its weight version to %r: %s", engine.name, label, version_exc)
 
     def close(self) -> None:
-        """Release the group on both sides; the engines keep serving."""
+        """Release the group on both sides; the engines keep serving. With senders="all", on
+        every trainer rank (rank 0 shuts the engines' side down, each rank its own group)."""
         group, sender = self._group, self._sender
         self._group, self._sender = None, None
+        self._sharded, self._trainer, self._channel = None, None, None
         for engine in self.engines:
             if engine.name not in self._connected:
                 continue  # never connected to us (a refused init): it may serve another trainer
@@ -377,3 +442,4 @@ class WeightSync:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
