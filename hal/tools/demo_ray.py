@@ -3,20 +3,22 @@
 Everything is a Ray actor on a loopback-only Ray instance (`hal.integrations.ray`), placed
 together by one placement group:
 
-    trainer actor 0 ─┐ FSDP2 (fully_shard) over the trainers' own gloo group
-    trainer actor 1 ─┘   both gather in lockstep (TrainerSync); actor 0 sends
-          │  sync group: trainer actor 0 + both workers of the engine (hal.sync.group)
+    trainer actor 0 ─┐ FSDP2 (fully_shard) over the trainers' own gloo group;
+    trainer actor 1 ─┘   each sends only its own shard (WeightSync(..., senders="all"))
+          │  two sync groups: each trainer actor + both workers of the engine (hal.sync.group)
           ▼
     engine actor: vllm.LLM, tensor_parallel_size=2 (two worker processes, one core each),
-                  weight transfer backend "hal": each worker receives every sync and
-                  loads its own shard; trainer actor 0 drives it through vLLM's own
-                  RayVLLMWeightSyncClient
+                  weight transfer backend "hal": each worker receives every sync from
+                  both trainer actors at once, gets whole tensors and loads its own TP
+                  shard; trainer actor 0 drives it through vLLM's own RayVLLMWeightSyncClient
 
 Each step: the engine samples completions, the driver scores them (the fraction of a
 target token), each trainer rank takes a REINFORCE step on its half of the batch, then
-one sync pushes the new weights into both workers. Every step the engine's greedy output
-must equal the trainer's (a full copy gathered from the shards), and the engine must
-report the step as its weight version. Writes a plot and exits non-zero on a mismatch.
+one sync pushes the new weights into both workers, each trainer rank sending half of
+them (its rows; the demo prints what each sent). Every step the engine's greedy output
+must equal the trainer's (a full copy gathered from the shards), the engine must report
+the step as its weight version, and the ranks' bytes must add up to the model's. Writes a
+plot and exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class EngineActor(LLM):
 
 
 class TrainerActor:
-    """One rank of an FSDP2 trainer (run as a Ray actor); rank 0 also sends the weights."""
+    """One rank of an FSDP2 trainer (run as a Ray actor); every rank sends its own rows,
+    rank 0 also drives the engine."""
 
     def __init__(self, rank: int, world_size: int, port: int, model_dir: str, *, lr: float, seed: int) -> None:
         import torch
@@ -112,30 +115,26 @@ class TrainerActor:
         self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         self.model_dir = model_dir
         self.full = None  # rank 0: an unsharded copy for greedy checks
-        self.sync = None  # rank 0: WeightSync; the others: TrainerSync following it
+        self.sync = None  # every rank: a WeightSync of senders="all"
         self.source = None
 
     def connect(self, engine: Any, num_workers: int) -> None:
-        """Join the weight sync: rank 0 with the engine's workers, every rank in lockstep."""
+        """Join the weight sync: every rank a group of its own with the engine's workers
+        (called on every rank at once; rank 0 asks the engine to join them all)."""
         import torch.distributed as dist
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
+        from hal.integrations.vllm_client import ClientEngine, WeightSync
         from hal.sync import ModuleSource, SyncConfig
-        from hal.sync.trainer import TrainerSync
 
-        config = SyncConfig(timeout_s=TIMEOUT_S)
         self.source = ModuleSource(self.model)
-        if self.rank == 0:
-            from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
-
-            from hal.integrations.vllm_client import ClientEngine, WeightSync
-
-            self.sync = WeightSync(
-                [ClientEngine(RayVLLMWeightSyncClient(engine), name="engine", num_workers=num_workers)],
-                config=config, timeout_s=TIMEOUT_S, transport="broadcast", trainer_group=dist.group.WORLD,
-            )
-            self.sync.init()
-        else:
-            self.sync = TrainerSync(transport=None, config=config, trainer_group=dist.group.WORLD)
+        # the same engine on every rank: rank 0 drives it, the others count its workers
+        self.sync = WeightSync(
+            [ClientEngine(RayVLLMWeightSyncClient(engine), name="engine", num_workers=num_workers)],
+            config=SyncConfig(timeout_s=TIMEOUT_S), timeout_s=TIMEOUT_S, transport="broadcast",
+            trainer_group=dist.group.WORLD, senders="all",
+        )
+        self.sync.init()
 
     def train(self, prompts: list, completions: list, rewards: list) -> float:
         half = len(prompts) // self.world_size  # data parallel: each rank its share of the batch
@@ -143,12 +142,13 @@ class TrainerActor:
         return reinforce_step(self.model, self.optimizer, prompts[lo:hi], completions[lo:hi], rewards[lo:hi])
 
     def push(self, version: int) -> dict[str, Any]:
-        """One sync of every weight as `version`; on rank 0 its timing and the engine's version."""
-        if self.rank == 0:
-            result = self.sync.sync(self.source, version=version)
-            return {"seconds": result.seconds, "gib_per_s": result.gib_per_s, "engine_version": result.engine_versions["engine"]}
-        self.sync.sync(self.source, version=version)
-        return {}
+        """One sync of every weight as `version` (every rank its rows): its timing, what
+        this rank sent, and the engine's version (the same on every rank)."""
+        result = self.sync.sync(self.source, version=version)
+        return {
+            "seconds": result.seconds, "engine_version": result.engine_versions["engine"],
+            "bytes": result.metrics.bytes, "model_bytes": result.metrics.model_bytes,
+        }
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]] | None:
         """Every rank gathers the full weights (a collective); rank 0 generates greedily with them."""
@@ -169,7 +169,7 @@ class TrainerActor:
     def close(self) -> None:
         import torch.distributed as dist
 
-        if self.rank == 0 and self.sync is not None:
+        if self.sync is not None:
             self.sync.close()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -219,10 +219,10 @@ def main(args: argparse.Namespace) -> int:
         workers = ray.get(engine.worker_count.remote(), timeout=600)
         say(f"[demo --ray] engine actor (TP={workers}) and 2 FSDP2 trainer actors up after {time.perf_counter() - t0:.1f} s")
         ray.get([t.connect.remote(engine, workers) for t in trainers], timeout=TIMEOUT_S * 2)
-        say(f"[demo --ray] sync group: trainer rank 0 + {workers} engine workers; trainer group: 2 FSDP2 ranks")
+        say(f"[demo --ray] sync groups: each of the 2 FSDP2 trainer ranks + {workers} engine workers; every rank sends its rows")
         gen = torch.Generator().manual_seed(args.seed)
         eval_prompts = random_prompts(gen, 4, spec.vocab_size)
-        say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'engine v':>8} {'outputs':>8}")
+        say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'MiB sent per rank':>18} {'engine v':>8} {'outputs':>8}")
         try:
             for step in range(1, args.steps + 1):
                 prompts = random_prompts(gen, args.prompts, spec.vocab_size)
@@ -233,7 +233,12 @@ def main(args: argparse.Namespace) -> int:
                 rewards = [[c.count(args.target_token) / len(c) for c in comps] for comps in completions]
                 reward = sum(map(sum, rewards)) / sum(map(len, rewards))
                 losses = ray.get([t.train.remote(prompts, completions, rewards) for t in trainers], timeout=TIMEOUT_S)
-                pushed = ray.get([t.push.remote(step) for t in trainers], timeout=TIMEOUT_S * 3)[0]
+                pushes = ray.get([t.push.remote(step) for t in trainers], timeout=TIMEOUT_S * 3)
+                pushed, sent = pushes[0], [p["bytes"] for p in pushes]
+                if step == 1:
+                    say("[demo --ray] bytes sent per sync: " + ", ".join(
+                        f"trainer rank {r} {b / 2**20:.2f} MiB" for r, b in enumerate(sent)
+                    ) + f" of the model's {pushed['model_bytes'] / 2**20:.2f} MiB")
                 trainer_out = ray.get([t.greedy.remote(eval_prompts, args.max_tokens) for t in trainers], timeout=TIMEOUT_S)[0]
                 engine_out = ray.get(engine.greedy.remote(eval_prompts, args.max_tokens), timeout=TIMEOUT_S)
                 states = ray.get(engine.worker_states.remote(), timeout=TIMEOUT_S)
@@ -241,14 +246,18 @@ def main(args: argparse.Namespace) -> int:
                 record = {
                     "step": step, "reward": reward, "loss": sum(losses) / len(losses), "sync_seconds": pushed["seconds"],
                     "engine_version": pushed["engine_version"], "outputs_match": match,
+                    "bytes_per_rank": sent, "model_bytes": pushed["model_bytes"],
                 }
                 steps.append(record)
-                say(f"{step:>5} {reward:>7.3f} {record['loss']:>8.3f} {pushed['seconds']:>8.4f} "
+                per_rank = " + ".join(f"{b / 2**20:.2f}" for b in sent)
+                say(f"{step:>5} {reward:>7.3f} {record['loss']:>8.3f} {pushed['seconds']:>8.4f} {per_rank:>18} "
                     f"{pushed['engine_version']:>8} {'match' if match else 'DIFFER':>8}")
                 if not match:
                     failures.append(f"step {step}: the engine's greedy output differs from the trainer's")
                 if pushed["engine_version"] != str(step) or any(s["version"] != step or not s["consistent"] for s in states):
                     failures.append(f"step {step}: engine version {pushed['engine_version']!r}, workers {states}")
+                if sum(sent) != pushed["model_bytes"] or not all(0 < b < pushed["model_bytes"] for b in sent):
+                    failures.append(f"step {step}: the trainer ranks sent {sent} bytes of a {pushed['model_bytes']}-byte model")
         finally:
             ray.get([t.close.remote() for t in trainers], timeout=TIMEOUT_S)
             ray.get(engine.stop.remote(), timeout=TIMEOUT_S)

