@@ -291,10 +291,13 @@ def _warn_tied_once(alias: str, owner: str, quant_method: Any) -> None:
 
 
 # ---- engines and workers ----------------------------------------------------------------------
-def shutdown_llm(llm: Any) -> None:
-    """Stop an offline `LLM`'s engine core now (`llm.llm_engine.engine_core.shutdown()`):
-    without it, its processes outlive a test and exit prints logging errors."""
-    llm.llm_engine.engine_core.shutdown()
+def shutdown_llm(llm: Any, timeout_s: float = 30.0) -> None:
+    """Stop an offline `LLM`'s engine core now (`llm.llm_engine.engine_core.shutdown(timeout=)`):
+    without it, its processes outlive a test and exit prints logging errors. `timeout_s`
+    is how long its processes get to exit before vLLM kills them: vLLM's own default (a
+    few seconds) ran out for tensor-parallel workers on a loaded 2-core machine, and a
+    killed worker leaves its shared memory (vllm_dist_*, psm_*) in /dev/shm."""
+    llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
 
 
 def worker_model(worker: Any) -> torch.nn.Module:

@@ -91,7 +91,7 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm.entrypoints.llm:LLM.llm_engine", why="shutdown_llm, OfflineEngine"),
     Need(target="vllm.v1.engine.llm_engine:LLMEngine.engine_core", why="shutdown_llm"),
     Need(target="vllm.v1.engine.llm_engine:LLMEngine.vllm_config", why="OfflineEngine"),
-    Need(target="vllm.v1.engine.core_client:EngineCoreClient.shutdown", call=Call(0), why="shutdown_llm"),
+    Need(target="vllm.v1.engine.core_client:EngineCoreClient.shutdown", call=Call(0, "timeout"), why="shutdown_llm"),
     Need(target="vllm.v1.worker.gpu_worker:Worker.model_runner", why="worker_model, reload_weights, HalWorkerExtension"),
     Need(target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_model", call=Call(0), why="worker_model"),
     Need(target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights", call=Call(0, "weights_iterator"), why="reload_weights"),
