@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
 import threading
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from hal.sync.metrics import SyncMetrics
 
 
 def in_daemon_thread(name: str, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
@@ -53,3 +58,42 @@ def import_ray() -> Any:
     except ImportError as exc:
         raise ImportError(f"hal.integrations.ray needs Ray: pip install 'verl-hal[ray]' ({exc})") from None
     return ray
+
+
+@dataclass(slots=True)
+class SyncResult:
+    """One sync into every engine."""
+
+    version: int
+    seconds: float
+    """From the call until every engine reports the new version (finish + cache reset included)."""
+    metrics: SyncMetrics
+    """The sender's metrics (bytes, buckets, transfer and pack time)."""
+    engine_versions: dict[str, str] = field(default_factory=dict)
+    resent: bool = False
+    """The first attempt failed on the trainer's side and this is the resend's result."""
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.metrics.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
+
+
+@contextlib.contextmanager
+def keep_stdout() -> Iterator[None]:
+    """Restore file descriptor 1 if a gloo group set-up left it on /dev/null.
+
+    vLLM's `init_gloo_process_group` silences fd 1 with a dup2 around the group's
+    creation. When the engine's worker runs in this process (single-process mode), its
+    set-up and ours run at the same time in two threads, and the second dup2 can save
+    /dev/null as "the original": stdout would stay silenced for the rest of the process.
+    """
+    saved = os.dup(1)
+    try:
+        yield
+    finally:
+        try:
+            devnull = os.stat(os.devnull)
+            if os.path.samestat(os.fstat(1), devnull) and not os.path.samestat(os.fstat(saved), devnull):
+                os.dup2(saved, 1)
+        finally:
+            os.close(saved)

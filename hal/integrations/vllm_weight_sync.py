@@ -31,17 +31,15 @@ failure was the trainer's own (its source raised; `resend_after_failure`).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
-import os
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from dataclasses import asdict
+from typing import Any, Sequence
 
 import hal
 from hal import env
 from hal.integrations import vllm_internals
-from hal.integrations._shared import in_daemon_thread, result_within
+from hal.integrations._shared import SyncResult, in_daemon_thread, keep_stdout, result_within
 from hal.integrations.vllm import TRANSPORTS, HalInitInfo, dtype_name
 from hal.integrations.vllm_engines import Engine, as_engine
 from hal.integrations.vllm_sharded_sync import EveryRankSends
@@ -60,50 +58,7 @@ logger = logging.getLogger(__name__)
 # as its weight version, followed by the last version it held completely.
 INCONSISTENT_PREFIX = "inconsistent:"
 
-# Who sends: "one" (this process, rank 0 of the sync group; a sharded trainer's other ranks
-# follow it with TrainerSync) or "all" (every rank of `trainer_group`, its own rows).
-SENDERS = ("one", "all")
-
-@dataclass(slots=True)
-class SyncResult:
-    """One sync into every engine."""
-
-    version: int
-    seconds: float
-    """From the call until every engine reports the new version (finish + cache reset included)."""
-    metrics: SyncMetrics
-    """The sender's metrics (bytes, buckets, transfer and pack time)."""
-    engine_versions: dict[str, str] = field(default_factory=dict)
-    resent: bool = False
-    """The first attempt failed on the trainer's side and this is the resend's result."""
-
-    @property
-    def gib_per_s(self) -> float:
-        return self.metrics.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
-
-
-@contextlib.contextmanager
-def _keep_stdout() -> Iterator[None]:
-    """Restore file descriptor 1 if a gloo group set-up left it on /dev/null.
-
-    vLLM's `init_gloo_process_group` silences fd 1 with a dup2 around the group's
-    creation. When the engine's worker runs in this process (single-process mode), its
-    set-up and ours run at the same time in two threads, and the second dup2 can save
-    /dev/null as "the original": stdout would stay silenced for the rest of the process.
-    """
-    saved = os.dup(1)
-    try:
-        yield
-    finally:
-        try:
-            devnull = os.stat(os.devnull)
-            if os.path.samestat(os.fstat(1), devnull) and not os.path.samestat(os.fstat(saved), devnull):
-                os.dup2(saved, 1)
-        finally:
-            os.close(saved)
-
-
-_result = result_within
+SENDERS = ("one", "all")  # this process (the others follow: TrainerSync), or every trainer rank its own rows
 
 
 class WeightSync(EveryRankSends):
@@ -216,7 +171,7 @@ class WeightSync(EveryRankSends):
     def init(self) -> None:
         """Join every engine's workers into one group with this process (once). With
         senders="all", on every trainer rank: each joins a group of its own with them."""
-        with _keep_stdout():
+        with keep_stdout():
             if self.senders == "all":
                 self._init_all()
             else:
@@ -302,7 +257,7 @@ class WeightSync(EveryRankSends):
                     self._engine_result(call, what)
             pending = concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)[1]
         try:
-            self._group = _result(group_call, "trainer: join the weight-sync group", max(0.0, deadline - time.monotonic()))
+            self._group = result_within(group_call, "trainer: join the weight-sync group", max(0.0, deadline - time.monotonic()))
         except Exception as exc:
             for what, call in calls:
                 if call.done():
@@ -315,7 +270,7 @@ class WeightSync(EveryRankSends):
     @staticmethod
     def _engine_result(call: "concurrent.futures.Future[Any]", what: str, timeout: float = 0.0) -> Any:
         try:
-            return _result(call, what, timeout)
+            return result_within(call, what, timeout)
         except SyncError:
             raise
         except Exception as exc:
@@ -386,7 +341,7 @@ class WeightSync(EveryRankSends):
             problems = []
             for what, call in calls:
                 try:
-                    _result(call, what, self.timeout_s)
+                    result_within(call, what, self.timeout_s)
                 except BaseException as engine_exc:  # noqa: BLE001
                     problems.append(f"{what}: {engine_exc}")
             self._mark_inconsistent(exc)
@@ -394,7 +349,7 @@ class WeightSync(EveryRankSends):
                 raise type(exc)(f"{exc} | " + " | ".join(problems), reports=exc.reports, my_rank=exc.my_rank) from exc
             raise
         for what, call in calls:
-            _result(call, what, self.timeout_s)
+            result_within(call, what, self.timeout_s)
         return metrics
 
     def _mark_inconsistent(self, exc: BaseException, *, call_engines: bool = True) -> None:
