@@ -39,10 +39,9 @@ from hal.sync import AuthError, ShardedSender, SyncError, SyncMetrics
 from hal.sync import errors as sync_errors
 from hal.sync.errors import PeerError, RankReport
 from hal.sync.group import RendezvousServer, SyncGroupSpec, join_sync_group
-from hal.sync.layout import _all_gather_bytes, declare
-from hal.sync.protocol import GroupChannel
+from hal.sync.layout import declare
+from hal.sync.protocol import GroupChannel, control_device_of
 from hal.sync.sharded import local_tensors
-from hal.sync.trainer import _control_device
 
 logger = logging.getLogger("hal.integrations.vllm_weight_sync")
 
@@ -73,7 +72,7 @@ class EveryRankSends:
         vllm_internals.require_supported_vllm()
         backend = hal.current()
         self.transport = "broadcast"
-        channel = GroupChannel(self.trainer_group, control_device=_control_device(self.trainer_group, backend))
+        channel = GroupChannel(self.trainer_group, control_device=control_device_of(self.trainer_group, backend))
         channel.name = "trainer group"
         self._channel = channel
         lead = channel.rank == 0
@@ -81,7 +80,7 @@ class EveryRankSends:
         mine = {"address": self.master_address, "port": port, "engines": [[e.name, e.num_workers] for e in self.engines]}
         try:
             with channel.bounded(self.timeout_s):
-                payloads = _all_gather_bytes(channel, json.dumps(mine).encode(), "weight-sync endpoints")
+                payloads = channel.all_gather_bytes(json.dumps(mine).encode(), "weight-sync endpoints")
             senders, sizes = _senders_of(payloads)  # the same on every rank, or the same error
         except BaseException:
             self._channel = None
@@ -138,7 +137,7 @@ class EveryRankSends:
         every rank when any rank failed."""
         try:
             with self._channel.bounded(bound_s):
-                payloads = _all_gather_bytes(self._channel, b"" if error is None else _error_json(error), f"weight-sync init: {what}")
+                payloads = self._channel.all_gather_bytes(b"" if error is None else _error_json(error), f"weight-sync init: {what}")
         except BaseException:
             self._channel = None
             raise
@@ -249,7 +248,7 @@ class EveryRankSends:
             )
         # the others wait here while rank 0 waits for the engines' calls and finishes them
         with self._channel.bounded(self.timeout_s + 2 * self.config.timeout_s):
-            payloads = _all_gather_bytes(self._channel, json.dumps(word).encode(), f"outcome of the sync of version {version}")
+            payloads = self._channel.all_gather_bytes(json.dumps(word).encode(), f"outcome of the sync of version {version}")
         try:
             words = [json.loads(p) for p in payloads]
             versions = {str(k): str(v) for k, v in dict(words[0].get("v") or {}).items()}

@@ -247,7 +247,7 @@ class LayoutExchange:
             raise errors.SpecMismatchError("this trainer rank could not declare the tensors it holds")
         if self.plan is not None and self.plan.digests == theirs:
             return self.plan
-        payloads = _all_gather_bytes(channel, encode_declared(declared), "layout declarations")
+        payloads = channel.all_gather_bytes(encode_declared(declared), "layout declarations")
         declarations = [declared if r == channel.rank else decode_declared(p, r) for r, p in enumerate(payloads)]
         self.plan = None
         plan = build_shard_plan(declarations, theirs)
@@ -256,22 +256,6 @@ class LayoutExchange:
 
 
 _UNDECLARED = -1  # a digest no declaration has (digests are non-negative)
-
-
-def _all_gather_bytes(channel: GroupChannel, payload: bytes, what: str) -> list[bytes]:
-    """Every rank's bytes, through two all-reduces (lengths, then one padded row per rank)."""
-    sizes = torch.zeros(channel.world_size, dtype=torch.int64, device=channel.control_device)
-    sizes[channel.rank] = len(payload)
-    channel.allreduce(sizes, f"{what} lengths")
-    lengths = [int(n) for n in sizes.cpu().tolist()]
-    width = max(lengths, default=0)
-    rows = torch.zeros(channel.world_size, max(width, 1), dtype=torch.uint8)
-    if payload:
-        rows[channel.rank, : len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    rows = rows.to(channel.control_device)
-    channel.allreduce(rows, what)
-    rows = rows.cpu()
-    return [rows[r, :n].numpy().tobytes() for r, n in enumerate(lengths)]
 
 
 def covering(shares: Iterable[tuple[TensorSpec, int, int]]) -> list[str]:

@@ -103,6 +103,16 @@ def _digest(words: torch.Tensor) -> str:
     return hashlib.sha256(words.contiguous().numpy().tobytes()).hexdigest()
 
 
+def control_device_of(group: Any, backend: Backend) -> torch.device:
+    """Where a group's control messages live (`Backend.control_device` of its collective
+    library); the host for a group outside c10d's registry, which cannot be asked."""
+    try:
+        name = str(dist.get_backend(group))
+    except (RuntimeError, ValueError, TypeError):
+        return torch.device("cpu")
+    return backend.control_device(name)
+
+
 class GroupChannel:
     """Small control collectives over one process group, with errors that say which rank
     and what: the agreement every rank of a sync ends with, used by transports (over the
@@ -208,6 +218,21 @@ class GroupChannel:
         self.allreduce(rows, what)
         rows = rows.cpu()
         return [RankReport.decode(rows[r, :n].numpy().tobytes().decode(errors="replace"), flags[r]) for r, n in enumerate(sizes)]
+
+    def all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
+        """Every rank's bytes (JSON, never pickles), through two all-reduces: the lengths,
+        then one zero-padded row per rank."""
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.control_device)
+        sizes[self.rank] = len(payload)
+        self.allreduce(sizes, f"{what} lengths")
+        lengths = [int(n) for n in sizes.cpu().tolist()]
+        rows = torch.zeros(self.world_size, max(max(lengths, default=0), 1), dtype=torch.uint8)
+        if payload:
+            rows[self.rank, : len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        rows = rows.to(self.control_device)
+        self.allreduce(rows, what)
+        rows = rows.cpu()
+        return [rows[r, :n].numpy().tobytes() for r, n in enumerate(lengths)]
 
     def challenge(self) -> str:
         """A fresh challenge for the next header, the same on every rank: 128 random bits

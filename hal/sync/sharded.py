@@ -44,11 +44,11 @@ from hal.sync.errors import RankReport
 from hal.sync.layout import SHARD0, LayoutExchange, ShardPlan, declare
 from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import TensorSpec
-from hal.sync.protocol import GroupChannel
+from hal.sync.protocol import GroupChannel, control_device_of
 from hal.sync.sender import Sender
 from hal.sync.source import TensorSource, as_source
 from hal.sync.sharded_receiver import ShardedReceiver
-from hal.sync.trainer import _control_device, _world
+from hal.sync.trainer import _world
 from hal.sync.transport import Transport
 
 __all__ = ["ShardedReceiver", "ShardedSender", "local_tensors"]
@@ -114,7 +114,7 @@ class ShardedSender:
         self.sender = Sender(transport, config, backend=self.backend, token=token)
         self.config = self.sender.config
         group = trainer_group if trainer_group is not None else _world()
-        self.channel = GroupChannel(group, control_device=_control_device(group, self.backend))
+        self.channel = GroupChannel(group, control_device=control_device_of(group, self.backend))
         self.channel.name = "trainer group"
         self.layout = LayoutExchange(self.channel)
         self.sender.senders = self.channel.world_size  # buckets from free memory: a share of them each

@@ -50,17 +50,8 @@ from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import TensorSpec
 from hal.sync.sender import Sender
 from hal.sync.source import WeightSource, as_source
-from hal.sync.protocol import GroupChannel
+from hal.sync.protocol import GroupChannel, control_device_of
 from hal.sync.transport import Transport
-
-
-def _control_device(group: Any, backend: Backend) -> torch.device:
-    """Where the trainer group's control messages live (`Backend.control_device`)."""
-    try:
-        name = str(dist.get_backend(group))
-    except (RuntimeError, ValueError, TypeError):  # a group outside c10d's registry: no way to ask
-        return torch.device("cpu")
-    return backend.control_device(name)
 
 
 def metadata_digest(specs: list[TensorSpec]) -> int:
@@ -136,7 +127,7 @@ class TrainerSync:
         self.config = config if config is not None else SyncConfig()
         self.backend = backend or hal.current()
         group = trainer_group if trainer_group is not None else _world()
-        self.channel = GroupChannel(group, control_device=_control_device(group, self.backend))
+        self.channel = GroupChannel(group, control_device=control_device_of(group, self.backend))
         self.channel.name = "trainer group"
         self.sender = Sender(transport, self.config, backend=self.backend, token=token) if transport is not None else None
         self.version: int | None = None
