@@ -19,7 +19,10 @@ for the module (`scenario`), and each test below checks one part of what it reco
    each trainer rank sent exactly its plan share (half the model here) of the whole;
 2. a sync whose trainer ranks disagree on the layout (rank 1 leaves a tensor out):
    SpecMismatchError on both ranks naming the tensor and the rank, before the engine is
-   asked anything; the engine keeps its weights and version.
+   asked anything; the engine keeps its weights and version;
+3. a new `WeightSync` with delta on, three syncs in which each rank changed one word of
+   each of its shards: after the first (whole) one each rank sends only those words, and
+   both workers are handed the trainer's bytes.
 
 Refusals by the engine itself (a wrong token, part of a layer) are not run against this
 engine: vLLM 0.32's multi-process executor stops reading the workers' replies at the first
@@ -259,6 +262,35 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
             out["layout_engine"] = engine.call("check")
     finally:
         sync.close()
+
+    # 3. delta: a new WeightSync with delta on; each rank changes one word of each of its shards,
+    # so after the first (whole) sync each rank sends only the words it changed
+    from hal.sync import DeltaConfig
+
+    config = SyncConfig(**SYNC_CONFIG, delta=DeltaConfig(anchor_every=100, choose="bytes"))
+    sync = WeightSync([engine], config=config, timeout_s=TIMEOUT_S, token=TOKEN, trainer_group=dist.group.WORLD, senders="all")
+    sync.init()
+    if rank == 0:
+        engine.call("record")
+    out["delta"] = []
+    try:
+        for version in (5, 6, 7):
+            with torch.no_grad():
+                for param in model.parameters():
+                    local = param.to_local()
+                    if local.numel():
+                        local.view(-1)[0] += 0.5
+            metrics = sync.sync(model, version=version).metrics
+            full = {n: p.full_tensor() for n, p in model.named_parameters()}
+            step = {
+                "delta": metrics.delta, "wire_bytes": metrics.wire_bytes, "dense_wire_bytes": metrics.dense_wire_bytes,
+                "digests": {n: sha(t) for n, t in full.items()},
+            }
+            if rank == 0:
+                step["engine"] = engine.call("check")
+            out["delta"].append(step)
+    finally:
+        sync.close()
     return out
 
 
@@ -331,6 +363,22 @@ def test_every_rank_sends_its_shard_bit_exact_over_three_syncs(scenario):
         assert engine["greedy"] == mine["trainer_greedy"], f"sync {step}: the engine's greedy output differs from transformers'"
     digests = [s["digests"] for s in rank0["steps"]]
     assert digests[0] != digests[1] != digests[2]  # the optimizer moved the weights every step
+
+
+@engine_test
+def test_every_rank_sends_only_the_words_it_changed_with_delta_on(scenario):
+    rank0, rank1 = scenario["ranks"]
+    for step, (mine, theirs) in enumerate(zip(rank0["delta"], rank1["delta"])):
+        for record in (mine, theirs):
+            assert record["delta"] is (step > 0), f"delta sync {step}: {record}"  # the first is whole (an anchor)
+            if step:
+                assert record["wire_bytes"] < record["dense_wire_bytes"] / 10, record  # one word per shard, not the shard
+        assert theirs["digests"] == mine["digests"]
+        engine = mine["engine"]
+        for worker, received in enumerate(engine["received"]):
+            assert received == mine["digests"], f"delta sync {step}: worker {worker} holds other bytes than the trainer"
+        assert engine["version"] == str(5 + step)
+    assert rank0["delta"][0]["digests"] != rank0["delta"][2]["digests"]
 
 
 @engine_test
