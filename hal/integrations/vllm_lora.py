@@ -55,6 +55,10 @@ adds the worker-side queries (`hal_lora_loaded_adapter_ids`, `hal_lora_adapter_v
 reachable through `collective_rpc`; importing it in a worker process registers the
 backend there too.
 
+A sharded trainer (FSDP2) sends from every rank: `LoraWeightSync(..., trainer_group=g,
+senders="all")` on every rank of `g`; each rank sends its rows of what travels and each
+worker receives from all of them (hal.integrations.vllm_lora_sync, docs/vllm.md).
+
 Where each part lives: the worker side (`HalLoraInitInfo`, `HalLoraWeightTransferEngine`)
 in hal.integrations.vllm_lora_engine, the trainer side (`LoraWeightSync`, `LoraEngine`,
 `lora_request`) in hal.integrations.vllm_lora_sync; this module re-exports both and holds

@@ -4,6 +4,11 @@
 layerwise reload; the adapter's tensors are built into a vLLM `LoRAModel` while the sync
 runs (checked as vLLM's own loader checks it), then published in peft's layout for vLLM's
 LoRA loader once every rank completed the sync. hal.integrations.vllm_lora says why.
+
+With `HalInitInfo.senders` (every trainer rank sends its rows: `LoraWeightSync(...,
+senders="all")`) the "hal" engine joins one group per trainer rank and this engine
+receives base and adapter with a `ShardedReceiver`: what it is handed are whole tensors,
+as from one sender, so the adapter checks and the publishing are the same.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from hal.integrations import vllm_internals
 from hal.integrations.vllm import HalInitInfo, HalUpdateInfo, HalWeightTransferEngine, dtype_from_name
-from hal.sync import Receiver, SpecMismatchError, TensorSpec
+from hal.sync import Receiver, ShardedReceiver, SpecMismatchError, TensorSpec
 from hal.sync.lora import adapter_specs
 
 logger = logging.getLogger(__name__)
@@ -47,8 +52,6 @@ class HalLoraInitInfo(HalInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.senders is not None:
-            raise ValueError("HalLoraInitInfo.senders: a LoRA sync has one sending trainer rank (leave senders None)")
         if not os.path.isabs(self.adapter_dir):
             raise ValueError(f"HalLoraInitInfo.adapter_dir must be an absolute path, got {self.adapter_dir!r}")
         if not isinstance(self.lora_config, dict):
@@ -113,13 +116,19 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
             self.shutdown()  # leave no half-initialised group behind
             raise
         self._adapter_names = frozenset(s.name for s in lora)
-        self._receiver = Receiver(
-            self._receiver.transport, base + lora, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate
-        )
+        if isinstance(self._receiver, ShardedReceiver):  # every trainer rank sends its rows (`HalInitInfo.senders`)
+            self._receiver = ShardedReceiver(
+                [part.transport for part in self._receiver.parts], base + lora,
+                timeout_s=init_info.timeout_s, token=self._token, validate=self.validate,
+            )
+        else:
+            self._receiver = Receiver(
+                self._receiver.transport, base + lora, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate
+            )
         self._lora_info = init_info
         logger.info(
-            "hal-lora weight transfer: adapter %r (id %d, r=%s) with %d tensors, %d base tensors",
-            init_info.lora_name, init_info.lora_int_id, init_info.lora_config["r"], len(lora), len(base),
+            "hal-lora weight transfer: adapter %r (id %d, r=%s) with %d tensors, %d base tensors, from %d trainer rank(s)",
+            init_info.lora_name, init_info.lora_int_id, init_info.lora_config["r"], len(lora), len(base), self.senders,
         )
 
     def validate(self, specs: list[TensorSpec]) -> None:

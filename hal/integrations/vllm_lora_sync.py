@@ -8,10 +8,19 @@ while the engines keep their base weights) into engines started with `backend="h
 
 Each engine is what `WeightSync` takes (an `Engine` or a vLLM weight-sync client), wrapped
 in `LoraEngine` so that its init request also carries the adapter's config, name and id.
+
+A sharded trainer (FSDP2): `LoraWeightSync(engines, lora_config, ..., trainer_group=g,
+senders="all")`, made and called the same way on every rank of `g` (rank 0 alone drives
+the engines; the others may pass `[]`): each rank sends only its rows of what travels
+(`WeightSync(..., senders="all")`). Before each sync the ranks agree on it: the base
+travels when any rank's tracker says so (`engine_lost_weights()` told on rank 0 alone is
+enough), and a rank that cannot read its parts of the model fails the sync on every rank.
+Merged weights (`adapter_merged=True`) are refused with senders="all".
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -21,11 +30,13 @@ from typing import Any, Sequence
 
 import torch
 
+import hal
 from hal.integrations.vllm_engines import Engine, as_engine
 from hal.integrations.vllm_lora_engine import DEFAULT_LORA_ID, DEFAULT_LORA_NAME, HalLoraInitInfo
 from hal.integrations.vllm_weight_sync import SyncResult, WeightSync
 from hal.sync import SyncConfig, TensorSource
 from hal.sync.lora import BaseWeightTracker, LoraSyncDecision, MergedSource, adapter_tensors, base_tensors
+from hal.sync.protocol import GroupChannel, control_device_of
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +117,8 @@ class LoraSyncResult:
     result: SyncResult
     """The sync's own result (metrics.bytes: the bytes that travelled)."""
     part_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes of each part sent ("base", "adapter", "merged")."""
+    """Bytes of each part sent ("base", "adapter", "merged"), of the whole model (with
+    senders="all", `metrics.bytes` is this rank's share of their sum)."""
 
     @property
     def metrics(self) -> Any:
@@ -122,6 +134,9 @@ class LoraWeightSync:
     describe how the engines are put to sleep between rollouts (as verl's rollout config);
     `engine_lost_weights()` records an engine's report that it freed its weights, so that
     the next sync resends the base.
+
+    `trainer_group=g, senders="all"` (on every rank of `g`): every trainer rank sends its own
+    rows (see the module doc); `token` as for `WeightSync`.
     """
 
     def __init__(
@@ -141,7 +156,24 @@ class LoraWeightSync:
         transport: str = "auto",
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
+        token: str | None = None,
+        trainer_group: Any = None,
+        senders: str = "one",
     ) -> None:
+        if senders == "all" and adapter_merged:
+            raise ValueError(
+                "LoraWeightSync(adapter_merged=True, senders='all'): merged weights (MergedSource) fold the adapter "
+                "into whole base tensors, which no single trainer rank holds; send base and adapter "
+                "(adapter_merged=False), or merge on one rank (senders='one')"
+            )
+        if trainer_group is not None and senders != "all":
+            raise ValueError(
+                "LoraWeightSync(trainer_group=...) needs senders='all' (every trainer rank sends its rows); "
+                "gathering onto one sending rank is not offered for LoRA syncs"
+            )
+        self.senders = senders
+        self.trainer_group = trainer_group
+        self._channel: GroupChannel | None = None  # senders="all": the trainer group, to agree on what travels
         self.lora_name = lora_name
         self.lora_int_id = lora_int_id
         self.adapter_dir = os.path.abspath(adapter_dir or default_adapter_dir(lora_name))
@@ -157,11 +189,17 @@ class LoraWeightSync:
         ]
         self.weight_sync = WeightSync(
             wrapped, config=config, timeout_s=timeout_s, transport=transport,
-            master_address=master_address, master_port=master_port,
+            master_address=master_address, master_port=master_port, token=token,
+            trainer_group=trainer_group, senders=senders,
         )
 
     def init(self) -> None:
         self.weight_sync.init()
+        if self.senders == "all":
+            group = self.trainer_group
+            channel = GroupChannel(group, control_device=control_device_of(group, hal.current()))
+            channel.name = "trainer group"
+            self._channel = channel
 
     def decide(self) -> LoraSyncDecision:
         return self.tracker.decide()
@@ -184,7 +222,10 @@ class LoraWeightSync:
     def sync(self, model: torch.nn.Module, version: int) -> LoraSyncResult:
         """One sync of the peft `model` as `version`; the engines serve the new adapter when it returns."""
         decision = self.tracker.decide()
-        source, sizes = self.sources(model, decision)
+        if self._channel is not None:
+            decision, source, sizes = self._agreed(model, decision, version)
+        else:
+            source, sizes = self.sources(model, decision)
         start = time.perf_counter()
         result = self.weight_sync.sync(source, version)
         self.tracker.sent(decision)
@@ -192,6 +233,37 @@ class LoraWeightSync:
             "hal-lora sync v%d: %s (%s) in %.3f s", version, "+".join(decision.parts), decision.reason, time.perf_counter() - start
         )
         return LoraSyncResult(decision=decision, result=result, part_bytes=sizes)
+
+    def _agreed(
+        self, model: torch.nn.Module, decision: LoraSyncDecision, version: int
+    ) -> tuple[LoraSyncDecision, TensorSource, dict[str, int]]:
+        """senders="all", on every trainer rank: what travels, the same on every rank (the
+        base when any rank's tracker says so); a rank that cannot read its parts fails the
+        sync on every rank, naming it, before any engine is asked anything."""
+        parts: dict[str, TensorSource] = {}
+        sizes: dict[str, int] = {}
+        error: BaseException | None = None
+        try:  # both parts (references, no copies): another rank may want the base
+            for part in ("base", "adapter"):
+                got = base_tensors(model) if part == "base" else adapter_tensors(model, self.adapter_name)
+                parts[part] = TensorSource(got)
+                sizes[part] = sum(t.numel() * t.element_size() for _, t in got)
+        except Exception as exc:  # noqa: BLE001 - told to every rank
+            error = exc
+        word = {"base": decision.send_base, "e": None if error is None else str(error)[:2000], "t": type(error).__name__}
+        with self._channel.bounded(self.weight_sync.config.timeout_s):
+            payloads = self._channel.all_gather_bytes(json.dumps(word).encode(), f"what the LoRA sync of version {version} sends")
+        words = [json.loads(p) for p in payloads]
+        failed = next(((r, w) for r, w in enumerate(words) if w.get("e") is not None), None)
+        if failed is not None:
+            rank, told = failed
+            cls = {c.__name__: c for c in (ValueError, TypeError, KeyError, RuntimeError)}.get(told.get("t"), RuntimeError)
+            raise cls(f"LoraWeightSync.sync of version {version}: trainer rank {rank}: {told['e']}") from error
+        if not decision.send_base and any(w.get("base") for w in words):
+            self.tracker.engine_lost_weights()  # another rank was told the engine lost its weights
+            decision = self.tracker.decide()
+        pairs = [pair for part in decision.parts for pair in parts[part].pairs]
+        return decision, TensorSource(pairs), {part: sizes[part] for part in decision.parts}
 
     def engine_lost_weights(self) -> None:
         """An engine reported it freed its weights (e.g. woke from sleep level 2): resend the base next time."""
@@ -202,6 +274,7 @@ class LoraWeightSync:
         return lora_request(self.adapter_dir, self.lora_name, self.lora_int_id)
 
     def close(self) -> None:
+        self._channel = None
         self.weight_sync.close()
 
     def __enter__(self) -> "LoraWeightSync":

@@ -586,14 +586,18 @@ def test_every_rank_sends_only_with_a_trainer_group_over_broadcast():
     assert WeightSync([engine]).senders == "one"  # the default: one sending rank, as before
 
 
-def test_a_lora_engine_takes_one_sender():
+def test_a_lora_engine_takes_every_sender():
+    """The LoRA engine joins a group per sending trainer rank as the "hal" engine does
+    (tests/integrations/test_vllm_lora_sharded.py runs it); its senders are checked alike."""
     from hal.integrations.vllm_lora_engine import HalLoraInitInfo
 
-    with pytest.raises(ValueError, match=r"HalLoraInitInfo\.senders: a LoRA sync has one sending trainer rank"):
-        HalLoraInitInfo(
-            master_address="127.0.0.1", master_port=1234, senders=[{"address": "127.0.0.1", "port": 1234}],
-            lora_config={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, adapter_dir="/tmp/adapter",
-        )
+    lora = dict(lora_config={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, adapter_dir="/tmp/adapter")
+    senders = [{"address": "127.0.0.1", "port": 1234}, {"address": "127.0.0.1", "port": 1235}]
+    info = HalLoraInitInfo(master_address="127.0.0.1", master_port=1234, world_size=2, senders=senders, **lora)
+    assert info.endpoints() == [("127.0.0.1", 1234), ("127.0.0.1", 1235)]
+    assert "senders" in info.proven()  # the init proof covers them
+    with pytest.raises(ValueError, match=r"HalInitInfo\.senders\[1\]: 127\.0\.0\.1:1234 is listed twice"):
+        HalLoraInitInfo(master_address="127.0.0.1", master_port=1234, senders=[senders[0]] * 2, **lora)
 
 
 def test_the_ranks_endpoints_are_checked_alike_on_every_rank():
