@@ -219,23 +219,28 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _running_at(timeline: Path, when: float) -> list[str]:
-    """The tests that were running at `when` (or the last one to end before it)."""
+    """The tests that were running at `when` (or the last one to end before it). A file's
+    times come from the kernel's coarse clock, up to a few ms behind `time.time()`: a file
+    a test writes at once can look older than the test's start, hence the slack."""
+    slack = 0.25
     try:
         lines = timeline.read_text().splitlines()
     except OSError:
         return []
-    running: dict[str, float] = {}
-    last_ended = ""
+    started: dict[str, float] = {}
+    spans: list[tuple[float, float, str]] = []
     for line in lines:
         stamp, what, nodeid = line.split(" ", 2)
-        if float(stamp) > when:
-            break
         if what == "start":
-            running[nodeid] = float(stamp)
-        else:
-            running.pop(nodeid, None)
-            last_ended = nodeid
-    return sorted(running) or ([f"(after) {last_ended}"] if last_ended else [])
+            started[nodeid] = float(stamp)
+        elif nodeid in started:
+            spans.append((started.pop(nodeid), float(stamp), nodeid))
+    spans += [(start, float("inf"), nodeid) for nodeid, start in started.items()]
+    running = sorted({nodeid for start, end, nodeid in spans if start - slack <= when <= end + slack})
+    if running:
+        return running
+    before = [(end, nodeid) for _, end, nodeid in spans if end < when]
+    return [f"(after) {max(before)[1]}"] if before else []
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

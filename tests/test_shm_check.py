@@ -40,3 +40,15 @@ def test_a_run_that_leaves_a_file_in_dev_shm_fails(tmp_path):
     assert re.search(rf"left \d+ file\(s\) in /dev/shm: .*{leftover.name}", done.stdout), done.stdout
     # and it names the test that was running when the file was written
     assert re.search(rf"{leftover.name}: last written .* while: .*test_leaks.py::test_leaves_a_file", done.stdout), done.stdout
+
+
+def test_a_file_is_traced_to_the_test_that_wrote_it_despite_the_coarse_file_clock(tmp_path):
+    from tests.conftest import _running_at
+
+    timeline = tmp_path / "timeline.log"
+    timeline.write_text("100.000 start a.py::one\n101.000 end a.py::one\n102.000 start a.py::two\n103.000 end a.py::two\n")
+    # a file written at once by a test can look a few ms older than the test's start
+    assert _running_at(timeline, 99.996) == ["a.py::one"]
+    assert _running_at(timeline, 102.5) == ["a.py::two"]
+    assert _running_at(timeline, 101.6) == ["(after) a.py::one"]
+    assert _running_at(timeline, 50.0) == []
