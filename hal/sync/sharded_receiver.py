@@ -51,6 +51,8 @@ class ShardedReceiver:
     ) -> None:
         if not transports:
             raise ValueError("ShardedReceiver needs one transport per trainer rank, got none")
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"ShardedReceiver budget_bytes must be a non-negative int, got {budget_bytes!r}")
         self.backend = backend or hal.current()
         self.parts = [Receiver(t, None, timeout_s=timeout_s, token=token, backend=self.backend) for t in transports]
         self.timeout_s = float(timeout_s)

@@ -134,3 +134,11 @@ def test_assembly_buffers_come_back_from_the_pool_within_its_limit():
     pool.give(hal.get_backend("cpu").empty(128))
     pool.give(hal.get_backend("cpu").empty(128))  # over the limit: dropped
     assert pool.held_bytes == 256
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, True, "256M"])
+def test_a_bad_budget_is_refused_by_name(budget):
+    from hal.sync.sharded_receiver import ShardedReceiver
+
+    with pytest.raises(ValueError, match="budget_bytes must be a non-negative int"):
+        ShardedReceiver([object()], None, budget_bytes=budget)
