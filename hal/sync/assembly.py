@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 import torch
 
 from hal.backend import Backend
@@ -97,8 +98,12 @@ class PartSink:
 class Assembler:
     """One sync's assembly (see the module doc); made by `ShardedReceiver.receive`."""
 
-    def __init__(self, pool: BufferPool, senders: int, budget_bytes: int, timeout_s: float) -> None:
+    def __init__(self, pool: BufferPool, streams: list[Any], budget_bytes: int, timeout_s: float) -> None:
+        """`streams`: one per sender's thread, then one for handing over (kept across syncs)."""
         self.pool = pool
+        self.backend = pool.backend
+        self.streams = streams
+        senders = len(streams) - 1
         self.budget_bytes = budget_bytes
         self.timeout_s = timeout_s
         self.shares: dict[str, ShareInfo] = {}
@@ -106,7 +111,6 @@ class Assembler:
         self.discard = False  # the sync already failed: take shares, keep nothing
         self.error: BaseException | None = None  # the first failure of handing over
         self.touched = False  # the engine's sink got a tensor or a destination was written
-        self.handed = 0
         self._cond = threading.Condition()
         self._open: dict[str, _Open] = {}
         self._open_bytes = 0
@@ -119,27 +123,35 @@ class Assembler:
 
     # ---- the receiving threads --------------------------------------------------------
     def take(self, sender: int, pairs: Pairs) -> None:
-        for wire_name, rows in pairs:
-            if self.discard:
-                return
+        """A segment's shares from `sender`'s receiver: into their tensors with one
+        multi-tensor copy (the receiver's views are ready on the current stream)."""
+        entries: list[tuple[ShareInfo, _Open]] = []
+        targets: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
+        for wire_name, share in pairs:
             info = self.shares.get(wire_name)
             if info is None:  # checked against the header: cannot happen
                 raise errors.SyncError(f"sender {sender} delivered {wire_name!r}, which no header announced")
             entry = self._entry(sender, info)
-            if entry is None:
-                continue
-            target = entry.tensor[info.lo : info.hi] if info.spec.shape else entry.tensor
-            target.copy_(rows)
-            with self._cond:
+            if entry is None:  # the sync failed: keep nothing
+                return
+            entries.append((info, entry))
+            targets.append(entry.tensor[info.lo : info.hi] if info.spec.shape else entry.tensor)
+            rows.append(share)
+        self._copy(self.streams[sender], targets, rows)
+        with self._cond:
+            for info, entry in entries:
                 entry.missing -= 1
                 if entry.missing == 0:
                     del self._open[info.spec.name]
                     self._ready.append((info.spec, entry.tensor, entry.raw))
-                    self._cond.notify_all()
+            self._cond.notify_all()
 
     def _entry(self, sender: int, info: ShareInfo) -> _Open | None:
         name, deadline = info.spec.name, time.monotonic() + self.timeout_s
         with self._cond:
+            if self.discard:
+                return None
             self._last[sender] = info.index
             while name not in self._open:
                 behind = [s for s in self._running if s != sender and self._last[s] < info.index]
@@ -190,17 +202,23 @@ class Assembler:
                 self._cond.notify_all()
 
     def _hand_over(self, sink: Sink, batch: list[_Ready]) -> None:
-        pairs: Pairs = []
-        for spec, tensor, _ in batch:
-            dest = self.destinations.get(spec.name)
-            if dest is not None:
-                self.touched = True
-                dest.copy_(tensor)
-                tensor = dest
-            pairs.append((spec.name, tensor))
+        """Whole tensors into their destinations (one multi-tensor copy), then to `apply`."""
+        destinations = self.destinations
+        dsts = [destinations[spec.name] for spec, _, _ in batch if spec.name in destinations]
+        if dsts:
+            self._copy(self.streams[-1], dsts, [t for spec, t, _ in batch if spec.name in destinations])
         self.touched = True
-        sink.apply(pairs)
-        self.handed += len(pairs)
+        sink.apply([(spec.name, destinations.get(spec.name, tensor)) for spec, tensor, _ in batch])
+
+    def _copy(self, stream: Any, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """One multi-tensor copy on this thread's stream, after what the current stream did
+        (where the sources were made ready), done when this returns: a receiver's views
+        are reused, and a sink reads its destinations, right after. Every shape was checked
+        against its spec at the header."""
+        if self.backend.supports_async_streams:
+            stream.wait_stream(self.backend.current_stream())
+        self.backend.copy_many_(dsts, srcs, stream=stream, shapes_checked=True)
+        stream.synchronize()
 
     def stop(self) -> None:
         """The sync failed: take what still arrives and keep none of it."""

@@ -138,6 +138,16 @@ class RankReport:
         return cls(error=error[:_MAX_MESSAGE], kind=kind if kind in _KINDS else "error", sender=sender, inconsistent=inconsistent, resend=resend)
 
 
+MAX_REPORTED = 5  # problems named in one refusal; the rest are counted
+
+
+def refuse_specs(problems: list[str], prefix: str = "") -> None:
+    """Raise `SpecMismatchError` naming the first few `problems` (and how many more), if any."""
+    if problems:
+        more = f" (+{len(problems) - MAX_REPORTED} more)" if len(problems) > MAX_REPORTED else ""
+        raise SpecMismatchError(prefix + "; ".join(problems[:MAX_REPORTED]) + more)
+
+
 def error_class(kind: str) -> type[SyncError]:
     """The `SyncError` subclass a report's kind names."""
     return _KINDS.get(kind, SyncError)

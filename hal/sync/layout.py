@@ -35,7 +35,6 @@ from hal.sync.plan import TensorSpec
 from hal.sync.protocol import GroupChannel
 
 SHARD0, WHOLE = "shard0", "whole"
-_MAX_REPORTED = 5
 
 
 def shard_name(name: str, first_row: int) -> str:
@@ -216,9 +215,7 @@ def build_shard_plan(declarations: list[list[Declared]], digests: tuple[int, ...
             if hi > lo:
                 wire = TensorSpec(shard_name(name, lo), (hi - lo, *spec.shape[1:]), spec.dtype)
                 shares[rank].append(Share(spec, lo, hi, wire))
-    if problems:
-        more = f" (+{len(problems) - _MAX_REPORTED} more)" if len(problems) > _MAX_REPORTED else ""
-        raise errors.SpecMismatchError("trainer ranks disagree on the layout: " + "; ".join(problems[:_MAX_REPORTED]) + more)
+    errors.refuse_specs(problems, "trainer ranks disagree on the layout: ")
     return ShardPlan(tuple(specs), tuple(tuple(s) for s in shares), tuple(kinds), tuple(digests))
 
 

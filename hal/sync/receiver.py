@@ -34,9 +34,6 @@ from hal.sync.plan import BucketPlan, PlanCache, TensorSpec
 from hal.sync.sink import Sink, as_sink
 from hal.sync.transport import Transport
 
-_MAX_REPORTED = 5
-
-
 class Receiver:
     """Receives syncs into a `Sink` (or an `apply(pairs)` callable), accepting only
     tensors described by `specs`, or, with `specs=None`, whatever tensors the sender's
@@ -162,9 +159,7 @@ class Receiver:
             # buffers' device) may be written in place
             if in_place and (exact_for is None or spec.name in exact_for) and dest.dtype is spec.dtype and dest.is_contiguous() and dest.device == device:
                 exact[spec.name] = dest
-        if problems:
-            more = f" (+{len(problems) - _MAX_REPORTED} more)" if len(problems) > _MAX_REPORTED else ""
-            raise errors.SpecMismatchError("; ".join(problems[:_MAX_REPORTED]) + more)
+        errors.refuse_specs(problems)
         self._accepted = specs
         return Destinations(every, exact, objects)
 

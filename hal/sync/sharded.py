@@ -119,6 +119,7 @@ class ShardedSender:
         self.layout = LayoutExchange(self.channel)
         self.sender.senders = self.channel.world_size  # buckets from free memory: a share of them each
         self.version: int | None = None
+        self._model_bytes_of: tuple[ShardPlan | None, int] = (None, 0)
 
     @property
     def rank(self) -> int:
@@ -165,6 +166,13 @@ class ShardedSender:
         errors.raise_if_any(reports, transport.rank, f"sync of version {version}")
         self.version = version
         metrics.senders = self.channel.world_size
-        wire = self.config.wire_dtype
-        metrics.model_bytes = sum(s.numel * (wire_dtype_for(s.dtype, wire) if wire is not None else s.dtype).itemsize for s in plan.specs)
+        metrics.model_bytes = self._model_bytes(plan)
         return metrics
+
+    def _model_bytes(self, plan: ShardPlan) -> int:
+        """The whole model's bytes at the wire dtype, once per plan (not per tensor every sync)."""
+        if self._model_bytes_of[0] is not plan:
+            wire = self.config.wire_dtype
+            nbytes = sum(s.numel * (wire_dtype_for(s.dtype, wire) if wire is not None else s.dtype).itemsize for s in plan.specs)
+            self._model_bytes_of = (plan, nbytes)
+        return self._model_bytes_of[1]

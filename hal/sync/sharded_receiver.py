@@ -25,9 +25,6 @@ from hal.sync.receiver import IncomingSync, Receiver
 from hal.sync.sink import Sink, as_sink
 from hal.sync.transport import Transport
 
-_MAX_REPORTED = 5
-
-
 class ShardedReceiver:
     """An engine worker receiving from every trainer rank at once (see the module doc).
 
@@ -65,6 +62,8 @@ class ShardedReceiver:
         self._layout: tuple | None = None
         self.pool = BufferPool(self.backend, self.budget_bytes)
         """Assembly buffers kept across syncs (at most `budget_bytes`)."""
+        self.streams = [self.backend.new_stream() for _ in range(len(self.parts) + 1)]
+        """The assembly's copies: one stream per sender's thread, one for handing over."""
 
     @property
     def senders(self) -> int:
@@ -91,7 +90,7 @@ class ShardedReceiver:
             return self._receive(sink, start, host_start)
 
     def _receive(self, sink: Sink, start: float, host_start: float) -> SyncMetrics:
-        assembler = Assembler(self.pool, self.senders, self.budget_bytes, self.timeout_s)
+        assembler = Assembler(self.pool, self.streams, self.budget_bytes, self.timeout_s)
         incoming = [IncomingSync(part, assembler.part_sink(m)) for m, part in enumerate(self.parts)]
         live = set(range(self.senders))  # the groups still in the sync (header agreed, none broken)
         failure = self._headers(incoming, sink, assembler, live)
@@ -104,7 +103,7 @@ class ShardedReceiver:
         assembler.drain(sink)
         for thread in threads:
             thread.join()
-        report = self._outcome(failure, incoming, assembler, live)
+        report = self._outcome(failure, incoming, assembler)
         version = next((i.header.version for i in incoming if i.header is not None), None)
         where = f"sync of version {version}" if version is not None else "sync"
         report = self._agree(incoming, live, report, "sync status")
@@ -193,7 +192,7 @@ class ShardedReceiver:
                     problems.append(f"parameter {spec.name!r}: the engine's destination has shape {got}, the sync carries {spec.shape}")
                     continue
                 destinations[spec.name] = dest
-            _refuse(problems)
+            errors.refuse_specs(problems)
             self._layout = (headers, shares, specs, asked, destinations)
         if self.validate is not None:
             self.validate(list(specs))
@@ -203,13 +202,16 @@ class ShardedReceiver:
         """Each wire tensor's place in its whole tensor, and the whole tensors in sending order."""
         problems: list[str] = []
         found: list[tuple[str, TensorSpec, int, int]] = []
+        sequences: list[list[str]] = []  # per sender, the tensors it sends shares of, in order
         for m, specs in enumerate(headers):
+            sequences.append([])
             for wire in specs:
                 try:
                     name, lo = parse_shard_name(wire.name)
                 except ValueError as exc:
                     problems.append(f"sender {m}: {exc}")
                     continue
+                sequences[-1].append(name)
                 whole = self.specs.get(name) if self.specs is not None else None
                 if self.specs is not None and whole is None:
                     problems.append(f"parameter {name!r}: not a parameter this receiver accepts")
@@ -227,12 +229,12 @@ class ShardedReceiver:
                 ends[whole.name] = max(ends.get(whole.name, 0), hi)
             found = [(w, TensorSpec(s.name, (ends[s.name], *s.shape[1:]) if s.shape else (), s.dtype), lo, hi) for w, s, lo, hi in found]
         problems += covering((whole, lo, hi) for _, whole, lo, hi in found)
-        _refuse(problems)
+        errors.refuse_specs(problems)
         specs = {whole.name: whole for _, whole, _, _ in found}
         count: dict[str, int] = {}
         for _, whole, _, _ in found:
             count[whole.name] = count.get(whole.name, 0) + 1
-        order = {name: i for i, name in enumerate(sending_order([[parse_shard_name(w.name)[0] for w in h] for h in headers]))}
+        order = {name: i for i, name in enumerate(sending_order(sequences))}
         shares = {wire_name: ShareInfo(specs[whole.name], order[whole.name], lo, hi, count[whole.name]) for wire_name, whole, lo, hi in found}
         return shares, sorted(specs.values(), key=lambda s: order[s.name])
 
@@ -247,12 +249,12 @@ class ShardedReceiver:
         finally:
             assembler.sender_done(m)
 
-    def _outcome(self, failure: errors.SyncError | None, incoming: list[IncomingSync], assembler: Assembler, live: set[int]) -> RankReport:
+    def _outcome(self, failure: errors.SyncError | None, incoming: list[IncomingSync], assembler: Assembler) -> RankReport:
         """This receiver's word on the whole sync: the first thing that went wrong, if any."""
         touched = assembler.touched
         if failure is not None:
             return errors.report_exception(failure, sender=False, inconsistent=touched)
-        for m, inc in enumerate(incoming):
+        for inc in incoming:
             if inc.lost is not None:
                 return errors.report_exception(inc.lost, sender=False, inconsistent=touched)
             if inc.delivery is not None and inc.delivery.error is not None:
@@ -261,9 +263,9 @@ class ShardedReceiver:
             return errors.report_exception(assembler.error, sender=False, inconsistent=touched)
         if any(inc.delivery is not None and inc.delivery.sender_failed for inc in incoming):
             return RankReport(inconsistent=touched)  # the sender says why at the agreement
-        if assembler.leftover():
-            names = assembler.leftover()
-            return RankReport(error=f"tensors {names[:_MAX_REPORTED]} never got all their shares", kind="peer", inconsistent=touched)
+        names = assembler.leftover()
+        if names:
+            return RankReport(error=f"tensors {names[: errors.MAX_REPORTED]} never got all their shares", kind="peer", inconsistent=touched)
         return RankReport(inconsistent=touched)
 
     def _agree(self, incoming: list[IncomingSync], live: set[int], report: RankReport, what: str) -> RankReport:
@@ -281,12 +283,6 @@ class ShardedReceiver:
             if report.error is None and told is not None:
                 report = RankReport(error=f"sender {m}'s group: {told.error}", kind=told.kind, inconsistent=report.inconsistent)
         return report
-
-
-def _refuse(problems: list[str]) -> None:
-    if problems:
-        more = f" (+{len(problems) - _MAX_REPORTED} more)" if len(problems) > _MAX_REPORTED else ""
-        raise errors.SpecMismatchError("; ".join(problems[:_MAX_REPORTED]) + more)
 
 
 def sending_order(sequences: list[list[str]]) -> list[str]:

@@ -15,6 +15,11 @@ from hal.sync.plan import TensorSpec
 from hal.sync.sharded_receiver import sending_order
 
 
+def assembler_of(budget, timeout_s):
+    cpu = hal.get_backend("cpu")
+    return Assembler(BufferPool(cpu, 1 << 20), [cpu.new_stream() for _ in range(3)], budget, timeout_s)
+
+
 class Recorder:
     """A sink that records what it was handed, and whether every tensor was whole."""
 
@@ -76,7 +81,7 @@ def full(i, rows=4, cols=8):
 @pytest.mark.parametrize("budget", [1, 64, 1 << 20])
 def test_tensors_are_handed_whole_under_any_budget_however_far_one_sender_is_ahead(budget):
     specs, shares = layout(200)
-    assembler = Assembler(BufferPool(hal.get_backend("cpu"), 1 << 20), 2, budget, timeout_s=20)
+    assembler = assembler_of(budget, timeout_s=20)
     assembler.shares = shares
     first = [(f"t{i}@0", full(i)[:2]) for i in range(200)]
     second = [(f"t{i}@2", full(i)[2:]) for i in range(200)]
@@ -89,7 +94,7 @@ def test_tensors_are_handed_whole_under_any_budget_however_far_one_sender_is_ahe
 
 def test_a_sender_that_stops_leaves_its_tensors_unhanded():
     _, shares = layout(10)
-    assembler = Assembler(BufferPool(hal.get_backend("cpu"), 1 << 20), 2, 1 << 20, timeout_s=20)
+    assembler = assembler_of(1 << 20, timeout_s=20)
     assembler.shares = shares
     sink = Recorder()
     run(assembler, sink, [[(f"t{i}@0", full(i)[:2]) for i in range(10)], [(f"t{i}@2", full(i)[2:]) for i in range(4)]])
@@ -99,7 +104,7 @@ def test_a_sender_that_stops_leaves_its_tensors_unhanded():
 
 def test_a_sink_that_fails_stops_the_handing_over_and_the_senders_still_finish():
     _, shares = layout(20)
-    assembler = Assembler(BufferPool(hal.get_backend("cpu"), 1 << 20), 2, 1, timeout_s=20)
+    assembler = assembler_of(1, timeout_s=20)
     assembler.shares = shares
     sink = Recorder(fail_at=3)
     failures = run(assembler, sink, [[(f"t{i}@0", full(i)[:2]) for i in range(20)], [(f"t{i}@2", full(i)[2:]) for i in range(20)]])
@@ -109,7 +114,7 @@ def test_a_sink_that_fails_stops_the_handing_over_and_the_senders_still_finish()
 
 def test_a_thread_ahead_waits_at_most_the_timeout_for_one_that_never_comes():
     _, shares = layout(3)
-    assembler = Assembler(BufferPool(hal.get_backend("cpu"), 1 << 20), 2, 1, timeout_s=0.5)
+    assembler = assembler_of(1, timeout_s=0.5)
     assembler.shares = shares
     assembler.expect({0, 1})
     assembler.part_sink(0).apply([("t0@0", full(0)[:2])])  # t0 open; sender 1 never delivers
