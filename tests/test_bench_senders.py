@@ -14,18 +14,9 @@ import torch
 from hal import cli
 from hal.sync.layout import chunk_rows as layout_chunk_rows
 from hal.tools.bench import buffers, presets, senders, senders_rank
+from tests.test_bench import _gone
 
 pytestmark = pytest.mark.cpu
-
-
-def _gone(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.mark.multiprocess

@@ -78,8 +78,8 @@ import hal
 from hal import env
 from hal.integrations import verl_internals
 from hal.integrations._shared import in_daemon_thread
-from hal.integrations.verl_settings import SENDERS_CHOICES, TRANSPORT_CHOICES, choice, sync_config_from
-from hal.integrations.verl_topology import NOT_IN_GROUP, build, group_key
+from hal.integrations.verl_settings import SENDERS_CHOICES, TRANSPORT_CHOICES, choice, numeric_metrics, sync_config_from
+from hal.integrations.verl_topology import NOT_IN_GROUP, build, group_key, node_address
 from hal.integrations.verl_weights import GeneratorSource, HandoffSink
 from hal.sync import (
     BroadcastTransport,
@@ -106,20 +106,6 @@ _TRANSPORTS = {
 }
 
 
-def _numeric_metrics(metrics: dict[str, Any]) -> dict[str, float | int]:
-    """The sync's metrics as verl merges them into a step's: numbers only (verl averages
-    them), dicts flattened (`segments_by_encoding/dense`), words and Nones left out."""
-    out: dict[str, float | int] = {}
-    for key, value in metrics.items():
-        if key == "plan_reused":
-            continue
-        if isinstance(value, dict):
-            out.update({f"checkpoint_engine/hal/{key}/{k}": v for k, v in value.items() if isinstance(v, (int, float))})
-        elif isinstance(value, (int, float)):  # (bools too: delta)
-            out[f"checkpoint_engine/hal/{key}"] = value
-    return out
-
-
 def _in_thread(fn: Any, *args: Any) -> "concurrent.futures.Future[Any]":
     """Run `fn(*args)` in a new daemon thread on this thread's device; a future of its result."""
     backend = hal.current()
@@ -130,18 +116,6 @@ def _in_thread(fn: Any, *args: Any) -> "concurrent.futures.Future[Any]":
         return fn(*args)
 
     return in_daemon_thread("hal-verl-sync", run)
-
-
-def _node_address() -> str:
-    """This node's address as Ray knows it (127.0.0.1 on a loopback-only Ray), else loopback."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address().strip("[]")
-    except ImportError:
-        pass
-    return LOOPBACK
 
 
 class HalCheckpointEngine(CheckpointEngine):
@@ -195,7 +169,7 @@ class HalCheckpointEngine(CheckpointEngine):
             from hal.procs import free_port
 
             backend = hal.current()
-            address = _node_address()
+            address = node_address()
             metadata.update(
                 address=address,
                 port=free_port(address),
@@ -380,7 +354,7 @@ class HalCheckpointEngine(CheckpointEngine):
         self.version = version
         self.metrics = metrics.as_dict()
         self.last_error = None
-        return _numeric_metrics(self.metrics) if report else {}
+        return numeric_metrics(self.metrics) if report else {}
 
     @torch.no_grad()
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:

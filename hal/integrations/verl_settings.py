@@ -92,3 +92,17 @@ def choice(setting: str, value: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"checkpoint engine 'hal': {setting} must be one of {', '.join(choices)}, got {value!r}")
     return value
+
+
+def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float | int]:
+    """The sync's metrics as verl merges them into a step's: numbers only (verl averages
+    them), dicts flattened (`segments_by_encoding/dense`), words and Nones left out."""
+    out: dict[str, float | int] = {}
+    for key, value in metrics.items():
+        if key == "plan_reused":
+            continue
+        if isinstance(value, dict):
+            out.update({f"checkpoint_engine/hal/{key}/{k}": v for k, v in value.items() if isinstance(v, (int, float))})
+        elif isinstance(value, (int, float)):  # (bools too: delta)
+            out[f"checkpoint_engine/hal/{key}"] = value
+    return out

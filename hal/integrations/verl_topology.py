@@ -144,3 +144,15 @@ def _every_trainer_rank(trainers: int, rollouts: int, metadata: list[dict[str, A
         "reuse": [reuse] * rollouts,
     }
     return actor, rollout
+
+
+def node_address() -> str:
+    """This node's address as Ray knows it (127.0.0.1 on a loopback-only Ray), else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address().strip("[]")
+    except ImportError:
+        pass
+    return LOOPBACK

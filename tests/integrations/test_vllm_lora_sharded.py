@@ -31,11 +31,8 @@ once for the module (`scenario`); each test checks one part of what it recorded:
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing
 import multiprocessing.forkserver
-import socketserver
-import threading
 from typing import Any, Iterator
 
 import pytest
@@ -59,15 +56,10 @@ def served(llm: Any, adapter_dir: str) -> Iterator[tuple[str, int]]:
     from hal.integrations.vllm_client import OfflineEngine
     from hal.integrations.vllm_lora import lora_request
     from tests.integrations.test_vllm_lora import PROMPTS, engine_greedy, lose_engine_weights
+    from tests.integrations.test_vllm_sharded import ENGINE_CALLS, serve_calls
 
     engine = OfflineEngine(llm, name=NAME)
-    calls = {
-        name: getattr(engine, name)
-        for name in (
-            "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
-            "update_weight_version", "get_weight_version", "reset_prefix_cache", "shutdown_weight_transfer_engine",
-        )
-    }
+    calls = {name: getattr(engine, name) for name in ENGINE_CALLS}
     calls["check"] = lambda: {
         "version": llm.get_weight_version(),
         "adapter_version": llm.collective_rpc("hal_lora_adapter_version"),
@@ -75,28 +67,8 @@ def served(llm: Any, adapter_dir: str) -> Iterator[tuple[str, int]]:
         "base": engine_greedy(llm, PROMPTS),
     }
     calls["scramble"] = lambda: lose_engine_weights(llm)
-    lock = threading.Lock()
-
-    class Handler(socketserver.StreamRequestHandler):
-        def handle(self) -> None:
-            request = json.loads(self.rfile.readline())
-            try:
-                with lock:  # one engine call at a time, as WeightSync makes them
-                    reply = {"result": calls[request["m"]](*request["a"])}
-            except Exception as exc:  # noqa: BLE001 - the caller raises it
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            self.wfile.write(json.dumps(reply).encode() + b"\n")
-
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, name="engine calls", daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[:2]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serve_calls(calls) as address:
+        yield address
 
 
 # ---- the trainer ranks -------------------------------------------------------------------------

@@ -155,34 +155,23 @@ class RemoteEngine:
         self.call("shutdown_weight_transfer_engine")
 
 
-@contextlib.contextmanager
-def served(llm: Any) -> Iterator[tuple[str, int]]:
-    """Serve `OfflineEngine(llm)`'s calls, and `check` / `record`, on a loopback port."""
-    from hal.integrations.vllm_client import OfflineEngine
-    from hal.tools.demo import engine_greedy
+ENGINE_CALLS = (
+    "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+    "update_weight_version", "get_weight_version", "reset_prefix_cache", "shutdown_weight_transfer_engine",
+)
 
-    engine = OfflineEngine(llm, name="tp2")
+
+@contextlib.contextmanager
+def serve_calls(calls: dict[str, Any]) -> Iterator[tuple[str, int]]:
+    """Serve `calls` (name -> callable) on a loopback port, one JSON request per connection,
+    one call at a time (as WeightSync makes them): what `RemoteEngine` calls."""
     lock = threading.Lock()
-    calls = {
-        name: getattr(engine, name)
-        for name in (
-            "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
-            "update_weight_version", "get_weight_version", "reset_prefix_cache", "shutdown_weight_transfer_engine",
-        )
-    }
-    calls["record"] = lambda: llm.collective_rpc("hal_record_received")
-    calls["check"] = lambda: {
-        "received": llm.collective_rpc("hal_received"),
-        "states": llm.collective_rpc("hal_state"),
-        "version": llm.get_weight_version(),
-        "greedy": engine_greedy(llm, PROMPTS, MAX_TOKENS),
-    }
 
     class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:
             request = json.loads(self.rfile.readline())
             try:
-                with lock:  # one engine call at a time, as WeightSync makes them
+                with lock:
                     reply = {"result": calls[request["m"]](*request["a"])}
             except Exception as exc:  # noqa: BLE001 - the caller raises it
                 reply = {"error": f"{type(exc).__name__}: {exc}"}
@@ -198,6 +187,25 @@ def served(llm: Any) -> Iterator[tuple[str, int]]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def served(llm: Any) -> Iterator[tuple[str, int]]:
+    """Serve `OfflineEngine(llm)`'s calls, and `check` / `record`, on a loopback port."""
+    from hal.integrations.vllm_client import OfflineEngine
+    from hal.tools.demo import engine_greedy
+
+    engine = OfflineEngine(llm, name="tp2")
+    calls = {name: getattr(engine, name) for name in ENGINE_CALLS}
+    calls["record"] = lambda: llm.collective_rpc("hal_record_received")
+    calls["check"] = lambda: {
+        "received": llm.collective_rpc("hal_received"),
+        "states": llm.collective_rpc("hal_state"),
+        "version": llm.get_weight_version(),
+        "greedy": engine_greedy(llm, PROMPTS, MAX_TOKENS),
+    }
+    with serve_calls(calls) as address:
+        yield address
 
 
 # ---- the trainer ranks -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hal.sync import BroadcastTransport, HierarchicalTransport, IpcTransport, ModuleSource, SyncConfig, SyncError, TensorSpec, copy_into
 from hal.sync.sharded import ShardedReceiver, ShardedSender
 from tests.multiproc import run_group
-from tests.sync.test_trainer import digest, make_model, train_step
+from tests.sync.test_trainer import digest, make_model, sharded_model, train_step
 
 pytestmark = pytest.mark.multiprocess
 
@@ -53,8 +53,6 @@ def sharded_worker(rank, world, scenario, backend="cpu"):
 
 
 def _sharded_worker(rank, world, scenario):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
     from hal.sync import DeltaConfig
 
@@ -76,11 +74,7 @@ def _sharded_worker(rank, world, scenario):
         # and receives from both senders over the network, rank 3 reads rank 2's buffers
         return HierarchicalTransport(group, src=src, node="abcc"[rank], timeout_s=TIMEOUT_S)
     if rank in (0, 1):
-        model = make_model()
-        mesh = DeviceMesh.from_group(trainer_group, "cpu")
-        for layer in (model[0], model[1], model[3]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = sharded_model(trainer_group)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4 if wire is not None else 1e-2)
         sender = ShardedSender(transport(sync_groups[rank]), config=config, trainer_group=trainer_group, token=token)
         results = []

@@ -40,6 +40,19 @@ def make_model() -> torch.nn.Module:
     )
 
 
+def sharded_model(trainer_group: object) -> torch.nn.Module:
+    """`make_model()` under FSDP2 over `trainer_group`: each layer, then the whole."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    mesh = DeviceMesh.from_group(trainer_group, "cpu")
+    for layer in (model[0], model[1], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def engine_specs(dtype: torch.dtype | None = None) -> list[TensorSpec]:
     return [TensorSpec.of(n, p.detach() if dtype is None else p.detach().to(dtype)) for n, p in make_model().named_parameters()]
 
@@ -66,8 +79,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: i
 
 
 def fsdp_worker(rank, world, scenario):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
     from hal.sync import DeltaConfig
 
@@ -78,11 +89,7 @@ def fsdp_worker(rank, world, scenario):
         wire = torch.bfloat16
         config = dataclasses.replace(config, wire_dtype=wire, delta=DeltaConfig(anchor_every=100, choose="bytes"))
     if rank in (0, 1):
-        model = make_model()
-        mesh = DeviceMesh.from_group(trainer_group, "cpu")
-        for layer in (model[0], model[1], model[3]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = sharded_model(trainer_group)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4 if scenario == "delta" else 1e-2)
         trainer = TrainerSync(
             transport=BroadcastTransport(sync_group, src=0) if rank == 0 else None, config=config, trainer_group=trainer_group

@@ -67,9 +67,12 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Any, Callable
+from typing import Any
 
+from hal.tools.bench.arg_types import comma_list, float_list, non_negative_int, positive_float, positive_int
 from hal.tools.bench.presets import PRESETS
+
+__all__ = ["add_arguments", "main"]
 
 ENGINES = ("transfer", "vllm")
 _DEVICE_METHODS = ("floor_ipc", "hal_ipc", "hal_ipc_verified", "hal_ipc_staged", "hal_gloo")  # hal.tools.bench.device_transfer.METHODS
@@ -81,11 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--engine", choices=ENGINES, default="transfer", help="transfer: process-to-process benchmark (default); vllm: into a live vLLM engine")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="synthetic weight set (default: qwen2.5-0.5b)")
-    parser.add_argument("--repeats", type=_positive_int, default=5, help="measured repetitions per method; the median is reported (default: 5)")
-    parser.add_argument("--warmup", type=_non_negative_int, default=1, help="discarded repetitions per method first (default: 1)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="measured repetitions per method; the median is reported (default: 5)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="discarded repetitions per method first (default: 1)")
     parser.add_argument(
         "--bucket-mb",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="bucket size in MiB for the hal methods (default: what hal.sync picks by itself: default_bucket_bytes "
         "from free memory and the preset's largest tensor)",
@@ -100,14 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--receivers",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="receiver processes (default: 1); the benchmark spawns 1 + K processes on one gloo group, and `floor` "
         "becomes one flat broadcast to all K. This 2-core machine holds about 2 busy processes per core.",
     )
     parser.add_argument(
         "--nodes",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="simulated nodes the receivers are spread over, in contiguous blocks (default: 1): each receiver gets "
         "VERL_HAL_NODE=node<i>, the sender 'trainer'. hal_hier then moves one model per node over the network and "
@@ -118,9 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="backend of the hal methods' syncs (weights stay in host memory either way): cpu (default) or sim, "
         "whose copies run on its streams' threads, so host us/tensor is the sync's own Python",
     )
-    parser.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads per benchmark process (default: 1; the two processes share the cores)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads per benchmark process (default: 1; the two processes share the cores)")
     parser.add_argument(
-        "--timeout", type=_positive_float, default=None, help="seconds before every benchmark process is killed (default: 300; 600 with --device-transfer, 1800 with --delta)"
+        "--timeout", type=positive_float, default=None, help="seconds before every benchmark process is killed (default: 300; 600 with --device-transfer, 1800 with --delta)"
     )
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip the (untimed) byte check at the receiver")
     parser.add_argument("--trace", action="store_true", help="record per-bucket transport/apply timings of the hal methods' last repetition in the JSON")
@@ -131,19 +134,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="measure delta sync (SyncConfig.delta) after Adam steps on fp32 master weights, against dense hal_bucketed and floor",
     )
-    delta.add_argument("--lrs", type=_float_list, default=(1e-6, 1e-5), help="Adam learning rates, comma-separated (default: 1e-6,1e-5)")
-    delta.add_argument("--syncs", type=_positive_int, default=8, help="syncs per learning rate after the first, whole one (default: 8)")
+    delta.add_argument("--lrs", type=float_list, default=(1e-6, 1e-5), help="Adam learning rates, comma-separated (default: 1e-6,1e-5)")
+    delta.add_argument("--syncs", type=positive_int, default=8, help="syncs per learning rate after the first, whole one (default: 8)")
     delta.add_argument("--wire-dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="SyncConfig.wire_dtype (default: bf16)")
-    delta.add_argument("--anchor-every", type=_positive_int, default=16, help="DeltaConfig.anchor_every (default: 16)")
+    delta.add_argument("--anchor-every", type=positive_int, default=16, help="DeltaConfig.anchor_every (default: 16)")
     delta.add_argument("--baseline", choices=("device", "host"), default="device", help="DeltaConfig.baseline (default: device)")
     delta.add_argument(
-        "--link-gbps", type=_positive_float, default=None, metavar="GB_PER_S",
+        "--link-gbps", type=positive_float, default=None, metavar="GB_PER_S",
         help="emulate a link of this many GB/s (1e9 bytes/s) for every method: a send's bytes count as arrived only at "
         "that rate, overlapping the work around it (default: the transport as it is)",
     )
     senders = parser.add_argument_group("--senders (hal.tools.bench.senders)")
     senders.add_argument(
-        "--senders", type=_positive_int, default=None, metavar="M",
+        "--senders", type=positive_int, default=None, metavar="M",
         help="M-to-N: M trainer ranks holding the preset as FSDP2 Shard(0) DTensors, each sending only its own rows "
         "(hal.sync.sharded) to --receivers, against 1 sender into the same receivers; checks every rank's bytes",
     )
@@ -161,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--delta-kernels", action="store_true",
         help="time the delta kernels (encode, check, apply) on one segment on the current backend's device",
     )
-    kernels.add_argument("--segment-mb", type=_positive_float, default=None, help="segment size in MiB (default: 32)")
+    kernels.add_argument("--segment-mb", type=positive_float, default=None, help="segment size in MiB (default: 32)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results")
     try:
         vllm_engine = importlib.import_module(_VLLM_MODULE)
@@ -194,9 +197,9 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "timeout", None) is None:
         args.timeout = DEFAULT_TIMEOUT_S[_benchmark(args)]
     if getattr(args, "senders", None) is not None:
-        from hal.tools.bench.senders import format_table as format_senders_table
+        from hal.tools.bench.senders import format_table as format_senders_table, run_from_args
 
-        report = _run_senders(args)
+        report = run_from_args(args)
         print(format_senders_table(report))
     elif getattr(args, "delta_kernels", False):
         from hal.tools.bench.delta_kernels import KernelBenchConfig, format_table as format_kernel_table, run_delta_kernels
@@ -245,32 +248,6 @@ def _run_transfer(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as exc:  # e.g. shared-memory methods on several simulated nodes
         raise SystemExit(f"hal bench: {exc}") from None
     return run_transfer(config)
-
-
-def _run_senders(args: argparse.Namespace) -> dict[str, Any]:
-    from hal.tools.bench.senders import SendersConfig, run_senders
-
-    unsupported = [
-        flag
-        for flag, given in (
-            ("--engine vllm", getattr(args, "engine", "transfer") != "transfer"), ("--delta", getattr(args, "delta", False)),
-            ("--delta-kernels", getattr(args, "delta_kernels", False)), ("--device-transfer", getattr(args, "device_transfer", False)),
-            ("--methods", getattr(args, "methods", None) is not None), ("--nodes", getattr(args, "nodes", 1) != 1),
-            ("--trace", getattr(args, "trace", False)), ("--plot", bool(getattr(args, "plot", None))),
-        )
-        if given
-    ]
-    if unsupported:
-        raise SystemExit(f"hal bench: --senders does not take {', '.join(unsupported)}")
-    try:
-        config = SendersConfig(
-            preset=args.preset, senders=args.senders, receivers=args.receivers, repeats=args.repeats, warmup=args.warmup,
-            bucket_bytes=int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else None,
-            timeout_s=args.timeout, verify=args.verify, threads=args.threads, sync_backend=args.sync_backend,
-        )
-    except ValueError as exc:
-        raise SystemExit(f"hal bench: {exc}") from None
-    return run_senders(config)
 
 
 def _run_device_transfer(args: argparse.Namespace) -> dict[str, Any]:
@@ -386,47 +363,3 @@ def _write(report: dict[str, Any], args: argparse.Namespace) -> None:
 
         plot_results(report, args.plot)
         print(f"wrote {args.plot}")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
-def comma_list(valid: tuple[str, ...], what: str) -> Callable[[str], tuple[str, ...]]:
-    """An argparse type: a comma-separated, non-empty subset of `valid` (`what` names one)."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        values = tuple(v.strip() for v in text.split(",") if v.strip())
-        unknown = [v for v in values if v not in valid]
-        if unknown or not values:
-            raise argparse.ArgumentTypeError(f"unknown {what}(s) {unknown}; valid: {','.join(valid)}")
-        return values
-
-    return parse

@@ -60,6 +60,7 @@ gets every rank killed (hal.procs.spawn_ranks), so no process is left behind.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import asdict
@@ -263,6 +264,31 @@ def run_senders(config: SendersConfig) -> dict[str, Any]:
         "setup_wall_s": max(r["setup_wall_s"] for r in reports),
         "wall_s": wall,
     }
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`hal bench --senders ...`: the run its arguments ask for (the other modes' flags refused by name)."""
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--engine vllm", getattr(args, "engine", "transfer") != "transfer"), ("--delta", getattr(args, "delta", False)),
+            ("--delta-kernels", getattr(args, "delta_kernels", False)), ("--device-transfer", getattr(args, "device_transfer", False)),
+            ("--methods", getattr(args, "methods", None) is not None), ("--nodes", getattr(args, "nodes", 1) != 1),
+            ("--trace", getattr(args, "trace", False)), ("--plot", bool(getattr(args, "plot", None))),
+        )
+        if given
+    ]
+    if unsupported:
+        raise SystemExit(f"hal bench: --senders does not take {', '.join(unsupported)}")
+    try:
+        config = SendersConfig(
+            preset=args.preset, senders=args.senders, receivers=args.receivers, repeats=args.repeats, warmup=args.warmup,
+            bucket_bytes=int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else None,
+            timeout_s=args.timeout, verify=args.verify, threads=args.threads, sync_backend=args.sync_backend,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"hal bench: {exc}") from None
+    return run_senders(config)
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -44,7 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from hal.tools.bench import comma_list
+from hal.tools.bench.arg_types import comma_list
 from hal.integrations import vllm_internals
 
 GIB = 1024**3
