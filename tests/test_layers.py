@@ -12,7 +12,7 @@ from pathlib import Path
 import hal
 
 ROOT = Path(hal.__file__).parent
-LIBRARY = ["hal", "hal.backends", "hal.kernels", "hal.sync", "hal.integrations", "hal.offload", "hal.procs", "hal.env"]
+LIBRARY = ["hal", "hal.backends", "hal.kernels", "hal.sync", "hal.integrations", "hal.offload", "hal.procs", "hal.engine_processes", "hal.env"]
 
 
 def _modules() -> dict[str, Path]:

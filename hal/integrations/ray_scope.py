@@ -1,8 +1,9 @@
 """`ActorScope`: every Ray actor and placement group added to it is gone when it closes.
 
 Gone as Ray reports it (actors dead, placement groups removed) and, for an actor on this
-node, as the operating system does (its process exited), so that a test or a demo leaves
-nothing running behind. Imports Ray only when it closes.
+node, as the operating system does (its process and the processes it started exited, and
+the /dev/shm names they held unlinked: hal.engine_processes), so that a test or a demo
+leaves nothing running behind. Imports Ray only when it closes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class ActorScope:
     """Every actor and placement group added here is gone after `close()` (or the `with`).
 
     `close()` kills each actor, waits until Ray reports it dead and, for an actor on this
-    node, until its process has exited; then removes each placement group and waits until
+    node, until its process has exited; the processes it started are then killed if still
+    running, and the /dev/shm names they held unlinked if nothing alive holds them; then removes each placement group and waits until
     Ray reports it removed. Past `timeout_s` it raises TimeoutError naming what is left.
     """
 
@@ -74,10 +76,15 @@ class ActorScope:
                         processes.append(pid)
                 except ray.exceptions.RayError:
                     pass  # it never started or already died
+        # what the local actors run (an engine actor's vLLM workers) and the /dev/shm names
+        # they hold: a killed actor's engine cannot unlink its shared memory itself
+        leftovers = EngineProcesses.record(processes)
+        for actor, _ in actors:
             ray.kill(actor, no_restart=True)
         left = [_wait_dead(ray, actor, deadline) for actor, _ in actors]
         left = [str(a) for a in left if a is not None]
         left += [f"process {pid}" for pid in processes if not _wait_exited(pid, deadline)]
+        leftovers.release(grace_s=max(1.0, min(10.0, deadline - time.monotonic())))
         from ray.util.placement_group import placement_group_table, remove_placement_group
 
         for pg in groups:

@@ -291,13 +291,41 @@ def _warn_tied_once(alias: str, owner: str, quant_method: Any) -> None:
 
 
 # ---- engines and workers ----------------------------------------------------------------------
+def engine_process_ids(llm: Any) -> list[int]:
+    """The processes an offline `LLM` started (their descendants are found from them): the
+    engine core processes of the multi-process client
+    (`engine_core.resources.engine_manager.processes`), or, with the engine core in this
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=0), its executor's worker processes
+    (`engine_core.engine_core.model_executor.workers[i].proc`). Empty when it runs none."""
+    client = llm.llm_engine.engine_core
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    if manager is not None:
+        procs = list(getattr(manager, "processes", ()))
+    else:
+        executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
+        procs = [getattr(w, "proc", None) for w in getattr(executor, "workers", None) or ()]
+    return [p.pid for p in procs if p is not None and p.pid is not None]
+
+
 def shutdown_llm(llm: Any, timeout_s: float = 30.0) -> None:
-    """Stop an offline `LLM`'s engine core now (`llm.llm_engine.engine_core.shutdown(timeout=)`):
-    without it, its processes outlive a test and exit prints logging errors. `timeout_s`
-    is how long its processes get to exit before vLLM kills them: vLLM's own default (a
-    few seconds) ran out for tensor-parallel workers on a loaded 2-core machine, and a
-    killed worker leaves its shared memory (vllm_dist_*, psm_*) in /dev/shm."""
-    llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
+    """Stop an offline `LLM`'s engine core now (`llm.llm_engine.engine_core.shutdown(timeout=)`)
+    and leave nothing of it behind: without the stop, its processes outlive a test and exit
+    prints logging errors. `timeout_s` is how long its processes get to exit before vLLM
+    kills them (vLLM's own default, a few seconds, ran out for tensor-parallel workers on a
+    loaded 2-core machine). A killed process leaves the shared memory it created
+    (`psm_*`, `vllm_dist_*`) in /dev/shm, so the engine's processes and the names they hold
+    are recorded first, and after vLLM's shutdown whatever is left of either is removed
+    (hal.engine_processes)."""
+    from hal.engine_processes import EngineProcesses
+
+    try:
+        engine = EngineProcesses.record(engine_process_ids(llm))
+    except Exception:  # noqa: BLE001 - an engine that failed to start has no processes to find
+        engine = EngineProcesses()
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
+    finally:
+        engine.release()
 
 
 def worker_model(worker: Any) -> torch.nn.Module:

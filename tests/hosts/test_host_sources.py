@@ -173,7 +173,7 @@ NOT_VLLM = {
     "Filter", "LogRecord", "Module", "Tensor", "__name__", "add", "addFilter", "append", "args", "contextmanager",
     "endswith", "filters", "functional", "get", "getLogger", "import_module", "items", "join", "linear", "lru_cache",
     "msg", "named_modules", "named_parameters", "nn", "no_grad", "parameters", "setdefault", "update", "warning",
-    "cpu", "unknown",
+    "cpu", "unknown", "pid", "record", "release",  # BaseProcess.pid; hal.engine_processes
 }
 _TABLES = {"VLLM_NEEDS", "UNSUPPORTED_VLLM", "SUPPORTED_VLLM", "_WT"}
 

@@ -9,6 +9,7 @@ setting at import), so this file imports it only inside functions.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import importlib.util
@@ -18,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 import torch
@@ -457,3 +459,44 @@ def test_scope_tears_down_a_busy_actor(ray_instance):
     with pytest.raises(ray.exceptions.ActorDiedError):
         ray.get(busy.__ray_ready__.remote(), timeout=10)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@needs_ray
+def test_scope_leaves_nothing_an_actors_processes_held_in_dev_shm(ray_instance):
+    """A killed actor's children cannot unlink their shared memory (as a vLLM engine actor's
+    workers and their message queue): the scope kills what is left of them and unlinks it."""
+    import psutil
+
+    ray = ray_instance
+    names = [f"/dev/shm/hal-test-actor-{uuid.uuid4().hex[:12]}" for _ in range(2)]
+
+    class Holder:
+        def start(self, own: str, child_s: str) -> int:
+            import mmap
+            import subprocess
+            import sys
+
+            fd = os.open(own, os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(fd, 1 << 20)
+            self.held = mmap.mmap(fd, 1 << 20)
+            # a child that maps a name of its own and would outlive a SIGKILLed parent
+            code = (
+                "import mmap, os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); os.ftruncate(fd, 1 << 20); "
+                "m = mmap.mmap(fd, 1 << 20); print('ready', flush=True); time.sleep(600)"
+            )
+            self.child = subprocess.Popen([sys.executable, "-c", code, child_s], stdout=subprocess.PIPE, text=True)
+            assert self.child.stdout.readline().strip() == "ready"
+            return self.child.pid
+
+    try:
+        with hal_ray.ActorScope(timeout_s=30) as scope:
+            holder = scope.add(ray.remote(Holder).options(num_cpus=0.5).remote())
+            child = ray.get(holder.start.remote(*names), timeout=60)
+            assert all(os.path.exists(n) for n in names)
+        assert not [n for n in names if os.path.exists(n)]
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    finally:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)

