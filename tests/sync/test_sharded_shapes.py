@@ -9,7 +9,8 @@ knows nothing and hands views to a callable sink. Every tensor must arrive with 
 exact bytes (floats compared as integers: NaN payloads, -0 and subnormals included),
 each trainer rank must send exactly its plan's share (the rows `torch.chunk` gives it),
 and the shares must add up to the model's bytes. M = 3 does not divide most row counts,
-so some ranks hold fewer rows than others, or none.
+so some ranks hold fewer rows than others, or none. First, without processes: what one
+trainer rank yields for its shares of an empty tensor, and its refusal of a shard of another shape.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from hal.sync import SyncConfig, SyncError, TensorSpec, copy_into
+from hal.sync.layout import SHARD0, WHOLE, Declared, build_shard_plan
+from hal.sync.sharded import _Shares
 from tests.multiproc import run_group
-
-pytestmark = pytest.mark.multiprocess
 
 TIMEOUT_S = 10.0
 BUCKET = 4096  # the smallest a SyncConfig takes: the big tensors' shares are several buckets each
@@ -31,7 +32,7 @@ SENDERS = 3
 ENGINE = SENDERS  # the engine worker's world rank
 
 # How a trainer rank holds a tensor: a parameter of an FSDP2 module, a plain DTensor, a buffer
-FSDP2, SHARD0, REPLICATE, BUFFER = "fsdp2", "shard0", "replicate", "buffer"
+FSDP2, DT_SHARD0, DT_REPLICATE, BUFFER = "fsdp2", "dtensor shard0", "dtensor replicate", "buffer"
 
 # bf16 and fp16 bit patterns a sync must not touch: NaNs with distinct payloads (quiet and
 # signalling, either sign), +0 and -0, +inf and -inf, the smallest and largest subnormals
@@ -55,6 +56,28 @@ def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+# FSDP2 gives every rank a (0, 0) shard of a (3, 0) parameter, distribute_tensor (1, 0); a
+# plain or Replicate() tensor is (3, 0) itself
+@pytest.mark.parametrize("kind, local_shape", [(SHARD0, (0, 0)), (SHARD0, (1, 0)), (SHARD0, (3, 0)), (WHOLE, (3, 0))])
+def test_an_empty_tensor_is_sent_with_its_global_shape_whatever_the_local_shard(kind, local_shape):
+    declared = [Declared("w", (3, 0), torch.bfloat16, kind), Declared("v", (6, 2), torch.float32, kind)]
+    plan = build_shard_plan([declared] * SENDERS)
+    owners = [r for r in range(SENDERS) if any(s.spec.name == "w" for s in plan.shares[r])]
+    assert len(owners) == 1 and plan.bytes_of(owners[0]) == 2 * 2 * 4  # v's rows; w has no bytes
+    tensors = {"w": torch.empty(local_shape, dtype=torch.bfloat16), "v": torch.arange(12.0).reshape(6, 2)}
+    if kind == SHARD0:
+        tensors["v"] = tensors["v"][2 * owners[0] : 2 * owners[0] + 2]
+    shares = dict(_Shares(plan, owners[0], tensors))
+    assert shares["w@0"].shape == (3, 0) and shares["w@0"].dtype == torch.bfloat16
+    assert torch.equal(shares[f"v@{2 * owners[0]}"], torch.arange(12.0).reshape(6, 2)[2 * owners[0] : 2 * owners[0] + 2])
+
+
+def test_a_shard_of_another_shape_is_refused_naming_the_parameter_and_the_rank():
+    plan = build_shard_plan([[Declared("w", (7, 2), torch.float32, SHARD0)]] * SENDERS)
+    with pytest.raises(ValueError, match=r"parameter 'w': trainer rank 2's shard has shape \(3, 2\), the Shard\(0\) layout gives it rows 6..7 \(\(1, 2\)\)"):
+        list(_Shares(plan, 2, {"w": torch.zeros(3, 2)}))
+
+
 def case_tensors(case: str) -> list[tuple[str, str, torch.Tensor]]:
     """(name, how the trainer holds it, the whole tensor) in the order the trainers list them;
     the same on every rank (fixed seeds)."""
@@ -63,9 +86,9 @@ def case_tensors(case: str) -> list[tuple[str, str, torch.Tensor]]:
             ("f32.empty", FSDP2, torch.empty(3, 0)),  # FSDP2 gives every rank a (0, 0) shard
             ("f32.no_rows", FSDP2, torch.empty(0, 4)),
             ("f32.rows7", FSDP2, _randn(7, 2, seed=1)),
-            ("d_empty", SHARD0, torch.empty(3, 0)),  # distribute_tensor gives every rank (1, 0)
-            ("d_empty_bf16", SHARD0, torch.empty(3, 0, 2, dtype=torch.bfloat16)),
-            ("r_empty", REPLICATE, torch.empty(3, 0)),
+            ("d_empty", DT_SHARD0, torch.empty(3, 0)),  # distribute_tensor gives every rank (1, 0)
+            ("d_empty_bf16", DT_SHARD0, torch.empty(3, 0, 2, dtype=torch.bfloat16)),
+            ("r_empty", DT_REPLICATE, torch.empty(3, 0)),
             ("b_empty", BUFFER, torch.empty(2, 0, dtype=torch.int64)),
             ("b_scalar", BUFFER, torch.tensor(-7, dtype=torch.int64)),
         ]
@@ -76,9 +99,9 @@ def case_tensors(case: str) -> list[tuple[str, str, torch.Tensor]]:
             ("f32.rows1", FSDP2, _randn(1, 4, seed=3)),  # 1, none, none
             ("f32.vector7", FSDP2, _randn(7, seed=4)),
             ("f32.big", FSDP2, _randn(301, 32, seed=5)),  # 101 rows of 128 bytes a share: > a bucket
-            ("d_rows7", SHARD0, _randn(7, 3, seed=6)),
-            ("d_rows1", SHARD0, _randn(1, 6, seed=7)),
-            ("d_big", SHARD0, _randn(100, 50, seed=8)),
+            ("d_rows7", DT_SHARD0, _randn(7, 3, seed=6)),
+            ("d_rows1", DT_SHARD0, _randn(1, 6, seed=7)),
+            ("d_big", DT_SHARD0, _randn(100, 50, seed=8)),
             ("b_big", BUFFER, _randn(64, 100, seed=9)),  # replicated on every rank: split in three
         ]
     if case == "bits":
@@ -87,8 +110,8 @@ def case_tensors(case: str) -> list[tuple[str, str, torch.Tensor]]:
             ("bf16.big", FSDP2, _special((200, 40), torch.bfloat16, 2)),
             ("f16.w", FSDP2, _special((7, 16), torch.float16, 3)),
             ("f16.v", FSDP2, _special((2, 9), torch.float16, 4)),
-            ("d_bf16", SHARD0, _special((5, 7), torch.bfloat16, 5)),
-            ("r_f16", REPLICATE, _special((7, 3), torch.float16, 6)),
+            ("d_bf16", DT_SHARD0, _special((5, 7), torch.bfloat16, 5)),
+            ("r_f16", DT_REPLICATE, _special((7, 3), torch.float16, 6)),
             ("b_bf16", BUFFER, _special((1, 20), torch.bfloat16, 7)),
         ]
     if case == "buffers":
@@ -100,10 +123,10 @@ def case_tensors(case: str) -> list[tuple[str, str, torch.Tensor]]:
             ("b_transposed", BUFFER, torch.arange(28, dtype=torch.int64).reshape(4, 7).t()),  # (7, 4), not contiguous
             ("b_transposed_f32", BUFFER, _randn(3, 5, seed=2).t()),  # (5, 3), not contiguous
             ("b_count", BUFFER, torch.tensor(2**62 + 3, dtype=torch.int64)),  # 0-d: one rank sends it
-            ("r_rows7", REPLICATE, _randn(7, 3, seed=3)),
-            ("r_rows1", REPLICATE, _randn(1, 5, seed=4)),
-            ("r_scalar", REPLICATE, torch.tensor(1.5)),
-            ("r_int64", REPLICATE, torch.arange(5, dtype=torch.int64) - 2**60),
+            ("r_rows7", DT_REPLICATE, _randn(7, 3, seed=3)),
+            ("r_rows1", DT_REPLICATE, _randn(1, 5, seed=4)),
+            ("r_scalar", DT_REPLICATE, torch.tensor(1.5)),
+            ("r_int64", DT_REPLICATE, torch.arange(5, dtype=torch.int64) - 2**60),
         ]
     raise ValueError(f"no case {case!r}")
 
@@ -146,9 +169,9 @@ def trainer_source(case: str, trainer_group: object) -> list[tuple[str, torch.Te
     held = dict(model.named_parameters()) | dict(model.named_buffers())
     out = []
     for name, how, tensor in entries:
-        if how == SHARD0:
+        if how == DT_SHARD0:
             out.append((name, distribute_tensor(tensor.clone(), mesh, [Shard(0)])))
-        elif how == REPLICATE:
+        elif how == DT_REPLICATE:
             out.append((name, distribute_tensor(tensor.clone(), mesh, [Replicate()])))
         else:
             out.append((name, held[name]))
@@ -258,6 +281,7 @@ def check_case(case: str, trainers: list[dict], engine: dict) -> None:
             assert data == raw(want), f"sync {step + 1}: {name!r} differs from the trainer's bytes"
 
 
+@pytest.mark.multiprocess
 def test_empty_parameters_and_dtensors_go_whole_from_one_rank_with_their_global_shape():
     trainers, engine = run_case("empty")
     # what the trainer ranks held of the empty tensors: not the global shape, so nothing of
@@ -267,11 +291,13 @@ def test_empty_parameters_and_dtensors_go_whole_from_one_rank_with_their_global_
     check_case("empty", trainers, engine)
 
 
+@pytest.mark.multiprocess
 def test_rows_not_divisible_by_three_and_shares_larger_than_a_bucket():
     trainers, engine = run_case("rows")
     check_case("rows", trainers, engine)
 
 
+@pytest.mark.multiprocess
 def test_bf16_and_fp16_nan_payloads_signed_zeros_infinities_and_subnormals_arrive_bit_exact():
     trainers, engine = run_case("bits")
     check_case("bits", trainers, engine)
@@ -285,6 +311,7 @@ def test_bf16_and_fp16_nan_payloads_signed_zeros_infinities_and_subnormals_arriv
             assert got.view(torch.int16).reshape(-1)[: len(INT16[want.dtype])].tolist() == INT16[want.dtype], name
 
 
+@pytest.mark.multiprocess
 def test_int64_buffers_transposed_buffers_and_replicated_dtensors():
     trainers, engine = run_case("buffers")
     assert trainers[0]["local"]["b_transposed"] == ((7, 4), False)  # the buffer stayed transposed
