@@ -9,6 +9,9 @@ its global shape, dtype and how it holds it,
   ranks it is replicated there, and they split its rows between them the same way, so
   that each sends a share; held by one rank (a pipeline stage's layers) that rank sends it.
 
+A 0-d tensor, and an empty one (no elements, whatever its rows), goes whole from one of
+its holders.
+
 The ranks exchange their declarations once per layout (a digest each sync, the
 declarations themselves only when a digest changed) and every rank builds the same
 `ShardPlan`: per trainer rank, the row ranges it sends, in one global order. A
@@ -206,7 +209,9 @@ def build_shard_plan(declarations: list[list[Declared]], digests: tuple[int, ...
         kinds.append(first.kind)
         ranks = [r for r, _ in holders]
         rows = rows_of(spec.shape)
-        if not spec.shape or spec.numel == 0:  # nothing to split: one holder sends it whole
+        if not spec.shape or spec.numel == 0:
+            # nothing to split: one holder sends it whole (an empty one as zero bytes of its
+            # global shape, never its local shard's: FSDP2 and DTensor give it other shapes)
             owner = ranks[index % len(ranks)]
             shares[owner].append(Share(spec, 0, rows, TensorSpec(shard_name(name, 0), spec.shape, spec.dtype)))
             continue

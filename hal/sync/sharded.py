@@ -70,6 +70,7 @@ class _Shares:
     """One sync's source on one trainer rank: its shares of the plan, as wire tensors."""
 
     def __init__(self, plan: ShardPlan, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.rank = rank
         self.shares = plan.shares[rank]
         self.kinds = dict(zip((s.name for s in plan.specs), plan.kinds))
         self.tensors = tensors
@@ -82,10 +83,15 @@ class _Shares:
             name = share.spec.name
             tensor = self.tensors[name]
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            if self.kinds[name] == SHARD0:
+            if share.spec.numel == 0:
+                # no bytes to read, and the local shard's shape says nothing of the tensor's
+                # (FSDP2 gives every rank (0, 0) of a (3, 0) parameter, distribute_tensor
+                # (1, 0)): the share is an empty tensor of the declared global shape
+                yield share.wire.name, local.new_empty(share.wire.shape)
+            elif self.kinds[name] == SHARD0:
                 if tuple(local.shape) != share.wire.shape:
                     raise ValueError(
-                        f"parameter {name!r}: this rank's shard has shape {tuple(local.shape)}, the Shard(0) layout "
+                        f"parameter {name!r}: trainer rank {self.rank}'s shard has shape {tuple(local.shape)}, the Shard(0) layout "
                         f"gives it rows {share.lo}..{share.hi} ({share.wire.shape})"
                     )
                 yield share.wire.name, local
