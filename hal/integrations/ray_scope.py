@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any, TypeVar
 
+from hal.engine_processes import EngineProcesses
 from hal.integrations._shared import import_ray
 
 _A = TypeVar("_A")
@@ -31,8 +32,8 @@ class ActorScope:
 
     `close()` kills each actor, waits until Ray reports it dead and, for an actor on this
     node, until its process has exited; the processes it started are then killed if still
-    running, and the /dev/shm names they held unlinked if nothing alive holds them; then removes each placement group and waits until
-    Ray reports it removed. Past `timeout_s` it raises TimeoutError naming what is left.
+    running, and the /dev/shm names they held unlinked if nothing alive holds them; then
+    removes each placement group and waits until Ray reports it removed. Past `timeout_s` it raises TimeoutError naming what is left.
     """
 
     def __init__(self, *, timeout_s: float = 30.0) -> None:
