@@ -11,9 +11,12 @@ raises `HeaderError` naming what is wrong, in time and memory bounded by
     header = SyncHeader.decode(data)                                       # each engine worker
     check_auth(header, engine_token, challenge)                            # hal.sync.auth
 
-Decoding is linear in the input; the worst input (64 MiB of tiny JSON arrays) costs
-about 1.5 GiB of Python objects and some seconds while it is parsed, then is refused.
-Authentication is checked after decoding, since the proof travels in the header.
+What decoding may cost derives from the most tensors a sync may carry (`MAX_SPECS`): at
+most `MAX_HEADER_BYTES`, and, counted before any parse, no more arrays, strings and commas
+than that many specs hold (`check_counts`), so that parsing builds no more objects than a
+real header of that size would: about 1.5 s and 180 MiB at worst. Before these counts,
+64 MiB of tiny JSON arrays cost 1.6 GiB and 8 s of parsing (issue 25). Authentication is
+checked after decoding, since the proof travels in the header.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from dataclasses import dataclass
 from hal.sync.auth import auth_proof
 from hal.sync.errors import HeaderError
 from hal.sync.header_json import (  # noqa: F401 - the wire's limits and names, re-exported
-    _ITEMSIZE, _KEYS, _NAME_OF, _SPECS_AT, AUTH_CHARS, DIGEST_CHARS, HEADER_PROTOCOL, MAX_BUCKET_BYTES, MAX_DIM, MAX_DIMS,
-    MAX_HEADER_BYTES, MAX_NAME_CHARS, MAX_SPECS, MAX_TENSOR_BYTES, MAX_VERSION, MIN_BUCKET_BYTES, WIRE_DTYPES,
-    _check_hex, _check_int, _check_spec, _decode_specs, _describe, _dumps, _parse_float, _parse_int,
-    _protocol_message, _quote, _reason, _refuse_constant, _specs_text, _unique_keys, _validated, dtype_from_name, dtype_name,
-    remember_checked, specs_checked,
+    _ITEMSIZE, _KEYS, _NAME_OF, _SPECS_AT, _SPECS_END, AUTH_CHARS, DIGEST_CHARS, HEADER_PROTOCOL, MAX_BUCKET_BYTES, MAX_DIM, MAX_DIMS,
+    MAX_HEADER_BYTES, MAX_HEADER_COUNTS, MAX_NAME_CHARS, MAX_SPECS, MAX_TENSOR_BYTES, MAX_VERSION, MIN_BUCKET_BYTES,
+    WIRE_DTYPES, _check_hex, _check_int, _check_spec, _decode_specs, _describe, _dumps, _parse_float, _parse_int,
+    _protocol_message, _quote, _reason, _refuse_constant, _specs_text, _unique_keys, _validated, char_counts, check_counts,
+    dtype_from_name, dtype_name, remember_checked, specs_checked,
 )
 from hal.sync.plan import BucketPlan, TensorSpec
 
@@ -149,13 +152,20 @@ class SyncHeader:
         }
         # ensure_ascii=False: names travel as UTF-8, not \u escapes; __post_init__ refused
         # names that are not valid Unicode, so this always encodes.
-        text = _dumps(head)[:-1] + ',"specs":' + _specs_text(self.specs) + "," + _dumps(rest)[1:]
-        data = text.encode("utf-8")
+        specs, specs_counts = _specs_text(self.specs)
+        around = _dumps(head)[:-1] + ',"specs":', "," + _dumps(rest)[1:]
+        data = (around[0] + specs + around[1]).encode("utf-8")
         if len(data) > MAX_HEADER_BYTES:
             raise HeaderError(
                 f"header of {len(data)} bytes ({len(self.specs)} tensors) exceeds MAX_HEADER_BYTES ({MAX_HEADER_BYTES}): "
                 "receivers would refuse it"
             )
+        # the specs' counts were taken once with their text; the rest is a few hundred bytes
+        rest_counts = char_counts(around[0] + around[1])
+        try:
+            check_counts({c: n + rest_counts[c] for c, n in specs_counts.items()})
+        except HeaderError as exc:
+            raise HeaderError(f"header of {len(self.specs)} tensors: {exc}; receivers would refuse it") from None
         return data
 
     @classmethod
@@ -195,6 +205,7 @@ class SyncHeader:
             text = text[: prefix.end()] + "null" + text[end:]
         else:
             known = None
+        check_counts(char_counts(text))  # what parsing `text` would build, before it is built
         try:
             obj = json.loads(
                 text,
@@ -226,20 +237,25 @@ class SyncHeader:
             if obj["specs"] is not None:  # (cannot be: "null" stands where the text was)
                 raise HeaderError("header field 'specs': unreadable")
             obj["specs"] = known
-        else:
-            raw = obj["specs"]
-            obj["specs"] = _decode_specs(raw)
-            if prefix is not None and _validated.specs is obj["specs"]:
-                # remember the text as it came, where it stands, for the next sync's header
-                exact = _dumps(raw)
-                if text.startswith(exact, prefix.end()):
-                    _validated.text = exact
-        return cls(**obj)
+            return cls(**obj)
+        obj["specs"] = _decode_specs(obj["specs"])
+        header = cls(**obj)
+        if prefix is not None and _validated.specs is header.specs:
+            # remember the specs' text as it came, for the next sync's header (`encode` puts
+            # bucket_bytes after them). Where it ends: a `],"bucket_bytes":` reads so only
+            # there, in a header whose every field passed: inside a string each quote is
+            # escaped, and no field after the specs holds an array.
+            end = text.find(_SPECS_END, prefix.end())
+            if end >= 0:
+                _validated.text = text[prefix.end() : end + 1]
+        return header
 
 
 __all__ = [
     "HEADER_PROTOCOL",
     "MAX_HEADER_BYTES",
+    "MAX_HEADER_COUNTS",
+    "MAX_SPECS",
     "WIRE_DTYPES",
     "SyncHeader",
     "dtype_from_name",

@@ -23,10 +23,30 @@ HEADER_PROTOCOL = WIRE_PROTOCOL
 proof covers the receivers' challenge, `Transport.challenge`; 4: a piece's checksum pads its
 last partial word, hal.kernels.verify)."""
 
-MAX_HEADER_BYTES = 64 * 2**20
-"""Largest encoded header either side accepts: bounds what a hostile peer can make a receiver parse."""
+MAX_SPECS = 2**17
+"""Most tensors one sync may carry (131,072): 1.3 times a DeepSeek-V3-sized MoE (about
+100,000 tensors with their scales). What a header may cost a receiver derives from it
+(below): the largest real header these limits allow costs about 1.5 s and 180 MiB to
+decode, and a hostile one no more (tests/sync/test_header.py, the costs); twice the
+tensors would cost twice that."""
 
-MAX_SPECS = 1_000_000
+# What one spec holds on the wire, on average over MAX_SPECS of them: `["name",[d0,d1,d2,d3],"dtype"],`
+# is 2 arrays, 4 quotes and, with up to 4 dimensions, 6 commas, in about 100 bytes (a
+# DeepSeek-V3 name has 60 characters); the header's own keys and values add a few of each.
+_SPEC_BYTES = 256
+_SPEC_COUNTS = {"[{": 2, '"': 4, ",": 6}
+_COUNTED = {"[{": "'[' and '{' (arrays and objects)", '"': "quotes (two a string)", ",": "commas (one a value)"}
+_HEAD_COUNTS = 64
+
+MAX_HEADER_BYTES = MAX_SPECS * _SPEC_BYTES
+"""Largest encoded header either side accepts (32 MiB): what MAX_SPECS specs of 256 bytes take."""
+
+MAX_HEADER_COUNTS: Mapping[str, int] = MappingProxyType({c: MAX_SPECS * n + _HEAD_COUNTS for c, n in _SPEC_COUNTS.items()})
+"""How many of these characters a header may hold: what MAX_SPECS specs hold (`check_counts`).
+What JSON parsing builds is bounded by these, not by the length: every value but the first
+in an array or object follows a comma, every array and object opens with a bracket, every
+string with a quote; 32 MiB of `[],` would be 11 million lists, 0.8 GiB of Python objects."""
+
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 32
 MAX_DIM = 2**48
@@ -68,6 +88,7 @@ WIRE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 )
 """Wire name -> dtype of every dtype a sync may carry (those this torch lacks are left out)."""
 
+_DTYPE_OF: dict[str, torch.dtype] = dict(WIRE_DTYPES)  # a plain dict: looked up once per spec
 _NAME_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 _ITEMSIZE: dict[torch.dtype, int] = {dtype: dtype.itemsize for dtype in WIRE_DTYPES.values()}
 _HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in (DIGEST_CHARS, AUTH_CHARS)}
@@ -91,6 +112,26 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 # -- checks shared by construction and decoding --------------------------------------------
+
+
+def char_counts(text: str) -> dict[str, int]:
+    """How many of each of MAX_HEADER_COUNTS's characters `text` holds (inside strings too)."""
+    return {chars: sum(text.count(c) for c in chars) for chars in MAX_HEADER_COUNTS}
+
+
+def check_counts(found: Mapping[str, int]) -> None:
+    """Refuse a header whose `char_counts` exceed what a header of MAX_SPECS tensors holds: a
+    cheap look before JSON parsing, which would build an object for each of them. Counted
+    inside strings too, so names that hold these characters count against the bound; it
+    is on the whole header, so only one of nearly MAX_SPECS tensors of more than 4
+    dimensions or such names on average comes near it."""
+    for chars, n in found.items():
+        limit = MAX_HEADER_COUNTS[chars]
+        if n > limit:
+            raise HeaderError(
+                f"header holds {n} {_COUNTED[chars]}; a header of at most {MAX_SPECS} tensors holds at most {limit} "
+                f"({_SPEC_COUNTS[chars]} per tensor): refused unparsed"
+            )
 
 
 def _check_int(field: str, value: Any, lo: int | None = None, hi: int | None = None, expected: str = "an int") -> None:
@@ -184,11 +225,12 @@ def remember_checked(specs: tuple[TensorSpec, ...]) -> None:
 # Where the specs start in a header this module encoded: `{"protocol":P,"version":V,"specs":`.
 # JSON strings cannot hold an unescaped quote, so this prefix is the structure it looks like.
 _SPECS_AT = re.compile(r'\{"protocol":[0-9]+,"version":[0-9]+,"specs":')
+_SPECS_END = '],"bucket_bytes":'  # and where they end (hal.sync.header.SyncHeader._decode)
 # The JSON text of the last few spec tuples encoded, by the tuple's identity (a plan's, so
 # the same object every sync of a layout): (tuple, text), kept with the tuple so its id
 # stays its own. More than one: a process may run senders of two layouts (a transport that
 # sends buckets whole beside one that cuts segments) and must not encode anew for each.
-_encoded: dict[int, tuple[tuple, str]] = {}
+_encoded: dict[int, tuple[tuple, str, dict[str, int]]] = {}  # with the text's `char_counts`
 _ENCODED_KEPT = 8
 
 
@@ -196,15 +238,16 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def _specs_text(specs: tuple[TensorSpec, ...]) -> str:
+def _specs_text(specs: tuple[TensorSpec, ...]) -> tuple[str, dict[str, int]]:
+    """The specs' JSON text and its `char_counts`, made once per tuple."""
     kept = _encoded.get(id(specs))
     if kept is not None and kept[0] is specs:
-        return kept[1]
+        return kept[1], kept[2]
     text = _dumps([[s.name, list(s.shape), _NAME_OF[s.dtype]] for s in specs])
     if len(_encoded) >= _ENCODED_KEPT:
         _encoded.pop(next(iter(_encoded)))  # the oldest
-    _encoded[id(specs)] = (specs, text)
-    return text
+    _encoded[id(specs)] = (specs, text, char_counts(text))
+    return text, _encoded[id(specs)][2]
 
 
 def _decode_specs(raw: Any) -> tuple[TensorSpec, ...]:
@@ -233,21 +276,23 @@ def _decode_new_specs(raw: Any) -> tuple[TensorSpec, ...]:
         raise HeaderError(f"header field 'specs': {len(raw)} tensors, at most {MAX_SPECS} are allowed")
     specs = []
     seen: set[str] = set()
+    trusted = TensorSpec.trusted
     for i, entry in enumerate(raw):
         if not isinstance(entry, list) or len(entry) != 3:
             raise HeaderError(f"header field 'specs[{i}]': expected [name, shape, dtype], got {_describe(entry)}")
         name, shape, dtype = entry
-        torch_dtype = WIRE_DTYPES.get(dtype) if isinstance(dtype, str) else None
+        torch_dtype = _DTYPE_OF.get(dtype) if isinstance(dtype, str) else None
         if torch_dtype is None:
             raise HeaderError(f"{_where(i, name)}: dtype {_quote(dtype)} is not one of {', '.join(WIRE_DTYPES)}")
         if isinstance(shape, list):
             shape = tuple(shape)
-        # checked before TensorSpec sees them: it would coerce true to 1 and 2.5 to 2
+        # checked here, more strictly than TensorSpec would (it coerces true to 1 and 2.5 to
+        # 2), so the spec is built without its checks: a header may hold MAX_SPECS of them
         _check_spec(i, name, shape, torch_dtype)
         if name in seen:
             raise HeaderError(f"header field 'specs[{i}]': name {_quote(name)} appears twice")
         seen.add(name)
-        specs.append(TensorSpec(name, shape, torch_dtype))
+        specs.append(trusted(name, shape, torch_dtype))
     return tuple(specs)
 
 

@@ -60,6 +60,18 @@ class TensorSpec:
         object.__setattr__(self, "nbytes", numel * self.dtype.itemsize)
 
     @classmethod
+    def trusted(cls, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> "TensorSpec":
+        """The spec, without the constructor's checks: only for values that passed them
+        already (a real tensor's, `of`; a decoded header's, hal.sync.header_json, which
+        checks more), where they cost more than building the spec."""
+        spec = object.__new__(cls)
+        object.__setattr__(spec, "name", name)
+        object.__setattr__(spec, "shape", shape)
+        object.__setattr__(spec, "dtype", dtype)
+        spec._derive()
+        return spec
+
+    @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
         """The spec of a tensor (a DTensor's global shape). Sources call this for every
         tensor of every sync, so the spec a name had last time is handed out again when the
@@ -71,12 +83,7 @@ class TensorSpec:
         last = _LAST_SPECS.get(name)
         if last is not None and last.dtype is tensor.dtype and last.shape == tensor.shape:
             return last
-        # without the constructor's checks, which a real tensor's shape and dtype pass
-        spec = object.__new__(cls)
-        object.__setattr__(spec, "name", name)
-        object.__setattr__(spec, "shape", tuple(tensor.shape))
-        object.__setattr__(spec, "dtype", tensor.dtype)
-        spec._derive()
+        spec = cls.trusted(name, tuple(tensor.shape), tensor.dtype)  # a real tensor's shape and dtype pass the checks
         if len(_LAST_SPECS) >= _MAX_LAST_SPECS:  # many models in one process: start over
             _LAST_SPECS.clear()
         _LAST_SPECS[name] = spec

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hal.backend import Backend
-from hal.sync.errors import HeaderError, PeerError, RankReport
+from hal.sync.errors import AuthError, HeaderError, PeerError, RankReport
 from hal.sync.header import MAX_HEADER_BYTES
 
 # Largest status report one rank contributes to an agreement (its error message, JSON).
@@ -133,6 +133,7 @@ class GroupChannel:
         self.control_device = torch.device(control_device)
         self._bound_s: float | None = None  # while `bounded`: the longest wait of any one step
         self._challenge: str | None = None  # drawn in the last agreement, for the next header
+        self._forged: str | None = None  # why the challenge drawn last cannot be trusted (`_drawn`)
         # The last collectives' work objects, so that this thread, not the library's, lets go
         # of them last: a gloo worker thread that drops the last reference to a finished
         # work releases its tensors, and a tensor Python already let go of then needs the
@@ -197,12 +198,13 @@ class GroupChannel:
         """
         text = report.encode().encode()[:MAX_REPORT_BYTES]
         head = torch.zeros(self.world_size, 4, dtype=torch.int64, device=self.control_device)
-        head[self.rank, 0] = len(text)
-        head[self.rank, 1] = report.flags
-        head[self.rank, 2:] = _random_words()  # the next header's challenge comes along (see `challenge`)
+        # this rank's row: its message length, its flags, and the random words of the next
+        # header's challenge, which comes along (see `challenge`); kept to check it came back
+        mine = torch.cat([torch.tensor([len(text), report.flags], dtype=torch.int64), _random_words()])
+        head[self.rank] = mine
         self.allreduce(head, f"{what} lengths")
         rows = head.cpu()
-        self._challenge = _digest(rows[:, 2:])
+        self._drawn(rows, mine, rows[:, 2:], f"{what} lengths")
         rows_head = rows[:, :2].tolist()
         sizes = [int(n) for n, _ in rows_head]
         flags = [int(f) for _, f in rows_head]
@@ -241,14 +243,40 @@ class GroupChannel:
         recorded earlier, in this group or another, is refused. Every agreement (`agree`)
         draws the next one on the way, so only a group's first header, or one after a
         header without an agreement, costs a collective of its own. Every rank calls this
-        before each header, as every rank calls `agree`: the ranks stay in step."""
-        if self._challenge is None:
+        before each header, as every rank calls `agree`: the ranks stay in step.
+
+        Raises `AuthError` when this rank's own bits did not come back unchanged (`_drawn`),
+        after the collective, so the ranks stay in step: the caller still takes part in the
+        header's exchange and tells the others at its agreement (`Sender`, `Receiver`)."""
+        if self._challenge is None and self._forged is None:
             rows = torch.zeros(self.world_size, 2, dtype=torch.int64, device=self.control_device)
-            rows[self.rank] = _random_words()
+            mine = _random_words()
+            rows[self.rank] = mine
             self.allreduce(rows, "header challenge")
-            self._challenge = _digest(rows.cpu())
-        challenge, self._challenge = self._challenge, None  # used once
+            rows = rows.cpu()
+            self._drawn(rows, mine, rows, "header challenge")
+        challenge, forged, self._challenge, self._forged = self._challenge, self._forged, None, None  # used once
+        if forged is not None:
+            raise AuthError(forged)
         return challenge
+
+    def _drawn(self, rows: torch.Tensor, mine: torch.Tensor, bits: torch.Tensor, what: str) -> None:
+        """Keep the challenge in `bits` (every rank's random words, one row each), unless
+        this rank's row of `rows` differs from what it contributed (`mine`). Every other rank
+        adds zeros there, so a changed row means a member did not follow the all-reduce but
+        made up its result: a peer that sees the others' bits can steer the result to a
+        challenge seen before, and so make a recorded header's proof valid again. Only this
+        rank's own row can be checked here; each rank checks its own, so no honest rank
+        takes a challenge that is not fresh for it."""
+        if torch.equal(rows[self.rank], mine):
+            self._challenge, self._forged = _digest(bits), None
+            return
+        self._challenge, self._forged = None, (
+            f"{self.name}: rank {self.rank} of a group of {self.world_size}: its own row of the {what} all-reduce "
+            "(with its random bits for the next header's challenge) came back changed; a member of the group does not "
+            "follow the collective (it may be forcing a challenge seen before, to replay a recorded header): "
+            "the next header is refused"
+        )
 
 
 class SyncChannel(GroupChannel):

@@ -224,7 +224,11 @@ class IncomingSync:
     def check(self) -> RankReport:
         """Draw the challenge, take the sender's header and check it; this rank's verdict."""
         receiver, transport = self.receiver, self.receiver.transport
-        challenge = transport.challenge()
+        try:
+            challenge = transport.challenge()
+        except errors.AuthError as exc:  # forged by a member: still take the header, to stay in step
+            transport.exchange_header(None)
+            return errors.report_exception(exc, sender=False)
         payload = transport.exchange_header(None)
         self.header, self.plan, self.destinations, report = receiver._check_header(payload, self.sink, challenge)
         self.where = f"sync of version {self.header.version}" if self.header is not None else "sync"

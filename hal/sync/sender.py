@@ -203,12 +203,18 @@ class OutgoingSync:
         base, choice, sample = delta.base(plan) if delta is not None else (None, None, False)
         while True:
             try:
-                challenge = transport.challenge()
+                try:
+                    challenge, report = transport.challenge(), errors.RankReport(sender=True)
+                except errors.AuthError as exc:
+                    # forged by a member: prove nothing over it, but send the header and
+                    # agree as ever, so that every rank refuses this sync in step
+                    challenge, report = None, errors.report_exception(exc, sender=True)
                 header = SyncHeader.from_plan(
-                    plan, version=self.version, token=sender.token, challenge=challenge, delta=delta is not None, delta_base=base
+                    plan, version=self.version, token=sender.token if challenge is not None else None, challenge=challenge,
+                    delta=delta is not None, delta_base=base,
                 )
                 transport.exchange_header(header.encode())
-                errors.raise_if_any(transport.agree(errors.RankReport(sender=True), "header check"), transport.rank, self.where)
+                errors.raise_if_any(transport.agree(report, "header check"), transport.rank, self.where)
                 break
             except errors.SyncError as exc:
                 if base is not None and exc.only_delta_base:

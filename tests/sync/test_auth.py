@@ -121,11 +121,17 @@ class RecordingLoader:
             self.tensors[name].copy_(tensor)
 
 
-def auth_worker(rank, world, kind, receiver_tokens, steps, segment_bytes):
+def auth_worker(rank, world, kind, receiver_tokens, steps, segment_bytes, forger_rank=None):
     """Each step is (sender token, version): the sender sends weights(version) with that
-    token; every receiver receives it. Returns what each rank saw, step by step."""
+    token; every receiver receives it. Returns what each rank saw, step by step. Rank
+    `forger_rank`, if any, forges the first sync's closing agreement ("sync status") so
+    that the second sync's challenge is the first's (`forger`)."""
     with hal.use("cpu"):
         transport = {"broadcast": CountingBroadcast, "ipc": CountingIpc}[kind](None, src=0)
+        if forger_rank == rank:
+            forger(transport, world, record="header challenge", forge="sync status lengths", draw=3)
+        elif forger_rank is not None:
+            honest(rank)
         out = []
         if rank == 0:
             cfg = SyncConfig(bucket_bytes=BUCKET, segment_bytes=segment_bytes, timeout_s=TIMEOUT_S)
@@ -169,10 +175,10 @@ def auth_worker(rank, world, kind, receiver_tokens, steps, segment_bytes):
         return out
 
 
-def run(kind, receiver_tokens, steps, segment_bytes=None):
+def run(kind, receiver_tokens, steps, segment_bytes=None, forger_rank=None):
     world = 1 + len(receiver_tokens)
     return run_group(
-        auth_worker, world, args=(kind, receiver_tokens, steps, segment_bytes), timeout=90, collective_timeout=TIMEOUT_S
+        auth_worker, world, args=(kind, receiver_tokens, steps, segment_bytes, forger_rank), timeout=90, collective_timeout=TIMEOUT_S
     )
 
 
@@ -291,3 +297,132 @@ def test_only_a_groups_first_header_costs_a_collective_for_its_challenge():
         assert standalone == ["header challenge"]  # the first sync's only
         assert len(challenges) == 3 and len(set(challenges)) == 3
     assert results[0][1] == results[1][1] == results[2][1]
+
+
+# -- a member that makes up the challenge's all-reduce -------------------------------------
+#
+# Each rank's random bits for a challenge sit in its own row of an all-reduce; the others
+# add zeros there. A member that computes the reduction itself sees the others' bits before
+# it contributes, and can steer the result to any rows it likes: to a challenge seen
+# before, which makes a recorded header's proof valid again. Here the honest ranks draw
+# predictable bits (`predictable_words`), which stands in for what such a member sees.
+
+
+def predictable_words(rank: int, draw: int) -> torch.Tensor:
+    return torch.tensor([rank * 1_000_003 + draw, -draw], dtype=torch.int64)
+
+
+def honest(rank):
+    """Rank `rank` draws `predictable_words(rank, 1)`, then 2, ...; otherwise follows the protocol."""
+    from hal.sync import protocol
+
+    draws = iter(range(1, 1_000_000))
+    protocol._random_words = lambda: predictable_words(rank, next(draws))
+
+
+def forger(transport, world, *, record, forge, draw):
+    """Makes this rank a member that replays a challenge: the rows of the all-reduce named
+    `record` are remembered; in the next all-reduce named `forge` (the honest ranks' draw
+    number `draw`), its own row is its remembered one (so its own check passes) and each
+    honest row gets what turns that rank's fresh bits into its remembered bits."""
+    from hal.sync import protocol
+
+    me, kept, forged, draws = transport.rank, {}, [], iter(range(1, 1_000_000))
+    real_words, real_allreduce = protocol._random_words, transport.allreduce
+
+    def words():  # drawn in step with the honest ranks' draws
+        return kept["rows"][me].clone() if next(draws) == draw else real_words()
+
+    def allreduce(tensor, what):
+        if what == forge and "rows" in kept and not forged:
+            for r in range(world):
+                if r != me:
+                    tensor[r, -2:] = kept["rows"][r] - predictable_words(r, draw)
+            forged.append(what)
+        real_allreduce(tensor, what)
+        if what == record and "rows" not in kept:
+            kept["rows"] = tensor.cpu()[:, -2:].clone()
+
+    protocol._random_words = words
+    transport.allreduce = allreduce
+
+
+def forged_challenge_worker(rank, world):
+    """Rank 2 replays the first challenge in the second (a standalone all-reduce each);
+    every rank then draws a third. Returns each challenge, or the error it raised."""
+    from hal.sync.errors import AuthError
+
+    with hal.use("cpu"):
+        transport = BroadcastTransport(None, src=0)
+        if rank == 2:
+            forger(transport, world, record="header challenge", forge="header challenge", draw=2)
+        else:
+            honest(rank)
+        out = []
+        with transport.bounded(TIMEOUT_S):
+            for _ in range(3):
+                try:
+                    out.append(transport.challenge())
+                except AuthError as exc:
+                    out.append(f"AuthError: {exc}")
+        return out
+
+
+def test_a_rank_refuses_a_challenge_whose_own_bits_did_not_survive_the_all_reduce():
+    """A member contributes rows that turn the honest ranks' fresh bits into those of the
+    challenge before: every honest rank refuses with AuthError naming itself, instead of
+    taking the old challenge again; the next challenge is fresh and the same on every rank."""
+    (first0, second0, third0), (first1, second1, third1), (first2, second2, third2) = run_group(
+        forged_challenge_worker, 3, timeout=60, collective_timeout=TIMEOUT_S
+    )
+    assert first0 == first1 == first2
+    assert second2 == first2  # the forger got the challenge it wanted
+    for rank, second in ((0, second0), (1, second1)):
+        assert second != first0, f"rank {rank} took the replayed challenge again"
+        assert second.startswith("AuthError: ") and f"rank {rank} of a group of 3" in second, second
+        assert "header challenge all-reduce" in second and "came back changed" in second, second
+    assert third0 == third1 == third2 and third0 not in (first0, second2)
+
+
+def test_a_header_replayed_under_a_forged_challenge_is_refused():
+    """The sender records the first sync's header, steers the agreement that ends it so that
+    the next challenge is the first one again, and replays the recorded header: its proof
+    is for that challenge. Each receiver sees that its own bits did not survive, and the
+    sync is refused with AuthError on every rank, before any segment; nothing lands, the
+    version does not move, and the group then carries a correct sync."""
+    steps = [(TOKEN, 1), (REPLAY, 1), (TOKEN, 2)]
+    results = run("broadcast", [TOKEN, TOKEN], steps, forger_rank=0)
+    assert_accepted(results, 0, version=1)
+    sent = results[0][1]
+    assert sent["error"] == "AuthError" and sent["failed"] == [1, 2] and not sent["trainer_side"], sent
+    assert sent["seconds"] < TIMEOUT_S / 4, sent
+    for rank in (1, 2):
+        assert_forgery_seen(results[rank][1], rank, held_version=1)
+    assert_accepted(results, 2, version=2)
+
+
+def test_a_sender_whose_challenge_was_forged_proves_nothing_over_it():
+    """A receiver steers the agreement to the last challenge. The sender sees that its own
+    bits did not survive: it still sends its header, so the ranks stay in step, but with
+    no proof over that challenge, and says why at the header's agreement. The honest
+    receiver refuses for the same reason, the forging one for want of a proof; every
+    rank raises AuthError, nothing lands, and the next sync goes through."""
+    steps = [(TOKEN, 1), (TOKEN, 2), (TOKEN, 3)]
+    results = run("broadcast", [TOKEN, TOKEN], steps, forger_rank=2)
+    assert_accepted(results, 0, version=1)
+    sent = results[0][1]
+    assert sent["error"] == "AuthError" and sent["failed"] == [0, 1, 2], sent
+    assert "rank 0 of a group of 3: its own row of the sync status lengths all-reduce" in sent["message"], sent
+    assert_forgery_seen(results[1][1], 1, held_version=1)
+    forging = results[2][1]
+    assert forging["error"] == "AuthError" and re.search(NO_TOKEN, forging["message"]), forging
+    assert forging["data_phases"] == 0 and forging["calls"] == [] and forging["unchanged"], forging
+    assert_accepted(results, 2, version=3)
+
+
+def assert_forgery_seen(got, rank, *, held_version):
+    where = f"rank {rank}: {got}"
+    assert got["error"] == "AuthError", where
+    assert f"rank {rank} of a group of 3: its own row of the sync status lengths all-reduce" in got["message"], where
+    assert got["data_phases"] == 0 and got["calls"] == [] and got["unchanged"], where
+    assert got["version"] == held_version and got["consistent"], where

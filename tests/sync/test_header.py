@@ -25,6 +25,8 @@ from hal.sync.errors import AuthError, HeaderError
 from hal.sync.header import (
     HEADER_PROTOCOL,
     MAX_HEADER_BYTES,
+    MAX_HEADER_COUNTS,
+    MAX_SPECS,
     WIRE_DTYPES,
     SyncHeader,
     dtype_from_name,
@@ -279,8 +281,8 @@ def test_specs_must_be_a_list_of_bounded_length():
     refused_object(lambda o: o.update(specs={"a": 1}), "'specs'")
     obj = wire_object()
     obj["specs"] = 0
-    text = encode_object(obj).replace(b'"specs":0', b'"specs":[' + b"0," * 1_000_000 + b"0]")
-    refused(text, "'specs'", "1000001 tensors")
+    text = encode_object(obj).replace(b'"specs":0', b'"specs":[' + b"0," * MAX_SPECS + b"0]")
+    refused(text, "'specs'", f"{MAX_SPECS + 1} tensors", f"at most {MAX_SPECS}")
 
 
 def test_oversize_input_is_refused_unread(monkeypatch):
@@ -300,6 +302,230 @@ def test_sender_refuses_to_encode_an_oversize_header(monkeypatch):
     small_header().encode()
     with pytest.raises(HeaderError, match="exceeds MAX_HEADER_BYTES"):
         realistic_header().encode()
+
+
+def _array_of(n: int, unit: bytes, last: bytes) -> bytes:
+    """A header whose key "x" holds an array of n `unit`s and `last`: parsed whole before
+    the keys are checked. Around it: a '{', a '[', four quotes and a comma."""
+    return b'{"protocol":%d,"x":[' % HEADER_PROTOCOL + unit * n + last + b"]}"
+
+
+@pytest.mark.parametrize(
+    "chars,unit,last,named",
+    [
+        ("[{", b"[],", b"[]", "'[' and '{' (arrays and objects)"),
+        ("[{", b"{},", b"{}", "'[' and '{' (arrays and objects)"),
+        ('"', b'"",', b'""', "quotes"),
+        (",", b"0,", b"0", "commas"),
+    ],
+)
+def test_more_values_than_max_specs_hold_are_refused_unparsed(monkeypatch, chars, unit, last, named):
+    """What parsing builds is one object per value: a header that holds more arrays, strings
+    or values than a header of MAX_SPECS tensors is refused before any of them is built,
+    at once; one that holds as many is parsed (and refused for what it says)."""
+    limit, per = MAX_HEADER_COUNTS[chars], sum(unit.count(c.encode()) for c in chars)
+    real_loads = json.loads
+    parsed = []
+    monkeypatch.setattr(header_module.json, "loads", lambda *a, **k: parsed.append(1) or real_loads(*a, **k))
+    start = time.perf_counter()
+    refused(_array_of(limit // per, unit, last), named, f"at most {limit}", f"{MAX_SPECS} tensors", "refused unparsed")
+    assert time.perf_counter() - start < 0.5 and not parsed
+    refused(_array_of((limit - 8) // per - 2, unit, last), "unknown key(s) 'x'")
+    assert parsed
+
+
+def test_the_limits_derive_from_max_specs():
+    """A spec `["name",[d0,d1,d2,d3],"dtype"],` holds 2 arrays, 4 quotes and 6 commas; the
+    header's own keys and values are within 64 of each; 256 bytes a spec on average."""
+    assert dict(MAX_HEADER_COUNTS) == {"[{": 2 * MAX_SPECS + 64, '"': 4 * MAX_SPECS + 64, ",": 6 * MAX_SPECS + 64}
+    assert MAX_HEADER_BYTES == 256 * MAX_SPECS == 32 * 2**20
+
+
+def test_sender_refuses_to_encode_a_header_the_counts_refuse(monkeypatch):
+    """The sender checks the counts as the receivers will (the specs' counts are taken once
+    per spec tuple, with their text)."""
+    import hal.sync.header_json as wire
+
+    header = realistic_header(n=50)
+    data = header.encode()
+    monkeypatch.setattr(wire, "MAX_HEADER_COUNTS", {**MAX_HEADER_COUNTS, ",": 60})
+    with pytest.raises(HeaderError, match=r"header of 50 tensors: header holds \d+ commas .*; receivers would refuse it"):
+        header.encode()
+    refused(data, "commas", "at most 60", "refused unparsed")
+
+
+# -- what a header costs to decode --------------------------------------------------------
+#
+# Measured in a fresh process (`_print_costs`), one input after another: the wall and CPU
+# time of SyncHeader.decode, the growth of the resident set over the decode (VmHWM after a
+# reset through /proc/self/clear_refs, where the kernel allows it: exact for the first
+# input, and it can only understate later ones, whose objects may reuse memory an earlier
+# input freed), and the peak of what Python allocated during a second decode (tracemalloc:
+# exact for every input).
+
+COST_S = 2.0  # every hostile header is refused within this, in CPU seconds of decoding
+COST_WALL_S = 30.0  # on the clock only a bound against hangs: the test machines are shared, CPU time is the cost
+COST_MIB = 256  # with at most this much more memory
+
+
+def _key_x(body: bytes) -> bytes:
+    return b'{"protocol":%d,"x":' % HEADER_PROTOCOL + body + b"}"
+
+
+def _n_strings(n: int, size: int) -> bytes:
+    """A JSON array of n distinct strings of `size` characters."""
+    return b"[" + b",".join(b'"%09d%s"' % (i, b"s" * (size - 9)) for i in range(n)) + b"]"
+
+
+def _moe_specs(n: int, dims: int = 2, name_chars: int = 0) -> list[list]:
+    """n specs named and shaped as an MoE's experts (DeepSeek-V3: 256 experts, three
+    projections, each weight with its block scales), names padded to `name_chars`."""
+    specs = []
+    for i in range(n):
+        layer, expert, w = i // 1536, (i // 6) % 256, i % 6
+        name = f"model.layers.{layer}.mlp.experts.{expert}.{('gate', 'up', 'down')[w % 3]}_proj.weight"
+        shape = [7168, 2048, 3, 3][:dims] if w < 3 else [56, 16, 3, 3][:dims]
+        name += "_scale_inv" if w >= 3 else ""
+        specs.append([name.ljust(name_chars, "_"), shape, "float8_e4m3fn" if w < 3 else "float32"])
+    return specs
+
+
+def _header_text(specs: list[list]) -> bytes:
+    obj = wire_object(small_header())
+    obj["specs"] = specs
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+# names that fill a header of MAX_SPECS specs of 4 dimensions up to MAX_HEADER_BYTES
+_LONGEST_NAMES = MAX_HEADER_BYTES // MAX_SPECS - len('["",[7168,2048,3,3],"float8_e4m3fn"],') - 2
+
+
+def _real_header(n: int, dims: int = 2, name_chars: int = 0) -> bytes:
+    """What a sender of n such tensors sends (SyncHeader.encode checks the counts too)."""
+    specs = tuple(TensorSpec(name, tuple(shape), WIRE_DTYPES[dtype]) for name, shape, dtype in _moe_specs(n, dims, name_chars))
+    return SyncHeader(version=3, specs=specs, bucket_bytes=1 << 30, segment_bytes=None, verify=True, digest=DIGEST,
+                      auth="ab" * 32).encode()
+
+
+def _hostile_headers() -> dict[str, Callable[[], bytes]]:
+    arrays, quotes, commas = (MAX_HEADER_COUNTS[c] for c in ("[{", '"', ","))
+    full = MAX_HEADER_BYTES - 64
+    n_strings = quotes // 2 - 16
+
+    def max_specs_repeating_the_last() -> bytes:
+        specs = _moe_specs(MAX_SPECS - 1, dims=4, name_chars=_LONGEST_NAMES)
+        return _header_text(specs + [specs[-1]])
+
+    return {
+        # far over the counts: refused unparsed
+        "the limit's bytes of [],": lambda: b"[" + b"[]," * (full // 3) + b"[]]",
+        "nesting the limit's bytes deep": lambda: b"[" * MAX_HEADER_BYTES,
+        "the limit's bytes of keys": lambda: b'{"protocol":%d,' % HEADER_PROTOCOL + b'"k":0,' * (full // 6) + b'"k":0}',
+        # one value as large as a header
+        "an integer of the limit's bytes": lambda: _key_x(b"9" * full),
+        "a float of the limit's bytes": lambda: _key_x(b"1." + b"9" * full),
+        "a string of the limit's bytes": lambda: _key_x(b'"' + b"s" * full + b'"'),
+        # as much of each as the counts let through to the parser
+        "arrays at the counts' limit": lambda: _key_x(b"[" + b"[]," * (arrays - 16) + b"[]]"),
+        "objects at the counts' limit": lambda: _key_x(b"[" + b"{}," * (arrays - 16) + b"{}]"),
+        "strings at the counts' limit, of the limit's bytes": lambda: _key_x(_n_strings(n_strings, full // n_strings - 3)),
+        "integers at the counts' limit": lambda: _key_x(b"[" + b"123456789012345678901234," * (commas - 16) + b"0]"),
+        "keys at the counts' limit": lambda: b'{"protocol":%d,' % HEADER_PROTOCOL + _n_strings(n_strings, 9)[1:-1].replace(b",", b":0,") + b":0}",
+        # a real header's structure, as large as the limits allow, refused at its last spec
+        f"{MAX_SPECS} specs of the limit's bytes, the last name repeated": max_specs_repeating_the_last,
+        # issue 25's: 1.6 GiB and 7.7 s before (the limit was 64 MiB)
+        "64 MiB of [],": lambda: b"[" + b"[]," * (2**26 // 3 - 1) + b"[]]",
+    }
+
+
+def _real_headers() -> dict[str, Callable[[], bytes]]:
+    return {
+        "100000 tensors (DeepSeek-V3-sized)": lambda: _real_header(100_000),
+        f"{MAX_SPECS} tensors of 4 dimensions, of the limit's bytes": lambda: _real_header(MAX_SPECS, 4, _LONGEST_NAMES),
+    }
+
+
+def _print_costs() -> None:
+    """Run in a fresh process: print each input's decoding cost as one JSON line."""
+    import gc
+    import tracemalloc
+
+    import hal.sync.header_json as wire
+    from hal.tools.bench.common import PeakMemory
+
+    def decode(data: bytes) -> str:
+        wire._validated.__init__()  # decode each input afresh, as a receiver meets it first
+        try:
+            return f"decoded {len(SyncHeader.decode(data).specs)} tensors"
+        except HeaderError as exc:
+            return f"HeaderError: {exc}"
+
+    peak, costs = PeakMemory(), {}
+    for name, build in {**_hostile_headers(), **_real_headers()}.items():
+        data = build()
+        wire._encoded.clear()
+        wire._checked.clear()
+        peak.reset()
+        wall, cpu = time.perf_counter(), time.process_time()
+        verdict = decode(data)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        rss = peak.extra()
+        gc.collect()
+        tracemalloc.start()
+        decode(data)
+        traced = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        costs[name] = {
+            "bytes": len(data), "verdict": verdict[:300], "wall_s": wall, "cpu_s": cpu,
+            "rss_mib": None if rss is None else rss / 2**20, "traced_mib": traced / 2**20,
+        }
+        del data
+        gc.collect()
+    print(json.dumps(costs))
+
+
+@pytest.fixture(scope="module")
+def costs() -> dict[str, dict[str, Any]]:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from tests.sync.test_header import _print_costs; _print_costs()"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    measured = json.loads(proc.stdout.splitlines()[-1])
+    print("\n".join(f"{name}: {c}" for name, c in measured.items()))
+    return measured
+
+
+def _within_bounds(name: str, cost: dict[str, Any]) -> None:
+    where = f"{name}: {cost}"
+    assert cost["cpu_s"] < COST_S and cost["wall_s"] < COST_WALL_S, where
+    assert cost["traced_mib"] < COST_MIB, where
+    assert cost["rss_mib"] is None or cost["rss_mib"] < COST_MIB, where
+
+
+def test_hostile_headers_are_refused_in_bounded_time_and_memory(costs):
+    """Issue 25: 64 MiB of `[],` took 1.6 GiB and 7.7 s before its HeaderError. Every hostile
+    header is now refused within 2 s of decoding and 256 MiB: one far over the counts at
+    once, unparsed, and any other for no more than a real header as large as the limits."""
+    for name in _hostile_headers():
+        assert costs[name]["verdict"].startswith("HeaderError"), costs[name]
+        _within_bounds(name, costs[name])
+    for name in list(_hostile_headers())[:3]:
+        assert "refused unparsed" in costs[name]["verdict"], costs[name]
+
+
+def test_real_headers_up_to_max_specs_tensors_decode(costs):
+    """A DeepSeek-V3-sized MoE's header (100k tensors) decodes, and so does the largest a
+    sender may send, in no more than a hostile one may cost."""
+    for name, n in zip(_real_headers(), (100_000, MAX_SPECS)):
+        assert costs[name]["verdict"] == f"decoded {n} tensors", costs[name]
+        _within_bounds(name, costs[name])
 
 
 def test_wrong_protocol():
@@ -622,6 +848,28 @@ def test_the_checked_specs_reused_across_syncs_cannot_be_smuggled_past():
         obj["specs"][0][1][0] = bad  # [8, 4] -> [true, 4] / [8.0, 4]
         with pytest.raises(HeaderError, match=r"specs\[0\]"):
             SyncHeader.decode(encode_object(obj))
+
+
+def test_the_next_header_of_the_same_specs_parses_the_rest_only(monkeypatch):
+    """Every sync of a job carries the same specs: the decoder remembers their text as it
+    came (up to the `],"bucket_bytes":` that follows them) and parses only the rest of the
+    next header that starts with it. A header refused for a field after the specs teaches
+    it nothing."""
+    import hal.sync.header_json as wire
+
+    first = realistic_header(seed=3, n=40)
+    decoded = SyncHeader.decode(first.encode())
+    assert header_module._validated.text == wire._specs_text(first.specs)[0]
+    real_loads, parsed = json.loads, []
+    monkeypatch.setattr(header_module.json, "loads", lambda text, **kw: parsed.append(len(text)) or real_loads(text, **kw))
+    again = SyncHeader.decode(dataclasses.replace(first, version=9).encode())
+    assert again.specs is decoded.specs and again.version == 9 and parsed[-1] < 400
+    obj = wire_object(first)
+    odd = {"protocol": obj["protocol"], "version": 1, "specs": obj["specs"], "segment_bytes": [1]}
+    odd.update((k, v) for k, v in obj.items() if k not in odd)
+    header_module._validated.__init__()
+    refused(json.dumps(odd, separators=(",", ":"), ensure_ascii=False).encode(), "'segment_bytes'")
+    assert header_module._validated.text is None
 
 
 def test_senders_of_two_layouts_check_and_encode_each_spec_tuple_once(monkeypatch):
