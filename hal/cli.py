@@ -123,6 +123,7 @@ def _add_lazy_arguments(parser: argparse.ArgumentParser, module: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for the records `hal bench --json` writes
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:

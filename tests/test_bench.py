@@ -11,9 +11,20 @@ import pytest
 import torch
 
 from hal import cli
-from hal.tools.bench import buffers, presets, transfer, transfer_config
+from hal.tools.bench import buffers, presets, record, transfer, transfer_config
 
 pytestmark = pytest.mark.cpu
+
+
+def _check_record(report, benchmark, argv):
+    """The report is a record that stands alone (hal.tools.bench.record): docs/results/ takes it as it is."""
+    assert record.check_record(report) == [], record.check_record(report)
+    assert list(report)[0] == "run"
+    run = report["run"]
+    assert run["benchmark"] == benchmark and run["source"] == "hal bench --json"
+    assert run["command"].endswith("hal " + " ".join(argv)), run["command"]
+    assert run["date"] <= run["finished"]
+    assert run["machine"]["cpus"] >= 1 and run["machine"]["torch"] and run["machine"]["backend"]
 
 
 def test_qwen_05b_preset_matches_the_model():
@@ -59,6 +70,7 @@ def test_bench_cli_smoke_on_tiny_preset(tmp_path, capsys):
     table = capsys.readouterr().out
 
     report = json.loads(out_json.read_text())
+    _check_record(report, "transfer", argv)
     assert report["preset"] == "tiny"
     methods = [r["method"] for r in report["results"]]
     for required in ("floor", "per_tensor", "hal_bucketed", "hal_shm"):
@@ -143,6 +155,7 @@ def test_bench_cli_with_two_receivers(tmp_path):
             "--timeout", "240", "--json", str(out_json)]
     assert cli.main(argv) == 0
     report = json.loads(out_json.read_text())
+    _check_record(report, "transfer", argv)
     _check_processes(report, 2)
     rows = {r["method"]: r for r in report["results"]}
     assert list(rows) == list(transfer_config.default_methods(2, 1))
@@ -170,6 +183,7 @@ def test_bench_cli_hierarchical_on_two_nodes(tmp_path):
             "--repeats", "2", "--timeout", "240", "--json", str(out_json)]
     assert cli.main(argv) == 0
     report = json.loads(out_json.read_text())
+    _check_record(report, "transfer", argv)
     _check_processes(report, 2)
     assert report["node_keys"] == ["trainer", "node0", "node1"] and report["node_leaders"] == [1, 2]
     rows = {r["method"]: r for r in report["results"]}
@@ -198,6 +212,7 @@ def test_bench_delta_cli_on_tiny_preset(tmp_path):
             "--bucket-mb", "0.0625", "--timeout", "200", "--json", str(out_json)]
     assert cli.main(argv) == 0
     report = json.loads(out_json.read_text())
+    _check_record(report, "delta", argv)
     assert multiprocessing.active_children() == []
     assert all(_gone(pid) for pid in report["pids"]), report["pids"]
     assert report["mode"] == "delta" and report["preset"] == "tiny"
@@ -293,8 +308,12 @@ def test_bench_delta_rejects_unknown_values(argv, message, capsys):
 def test_bench_delta_kernels_times_each_kernel_and_checks_each_apply(device, tmp_path, monkeypatch, hal_reset):
     monkeypatch.setenv("VERL_DEVICE", device)
     out_json = tmp_path / "kernels.json"
-    assert cli.main(["bench", "--delta-kernels", "--segment-mb", "0.25", "--repeats", "1", "--json", str(out_json)]) == 0
+    argv = ["bench", "--delta-kernels", "--segment-mb", "0.25", "--repeats", "1", "--json", str(out_json)]
+    assert cli.main(argv) == 0
     report = json.loads(out_json.read_text())
+    _check_record(report, "delta-kernels", argv)
+    assert report["run"]["command"].startswith(f"VERL_DEVICE={device} ")
+    assert report["run"]["machine"]["backend"] == device
     assert report["mode"] == "delta-kernels" and report["backend"] == device and report["segment_bytes"] == 256 << 10
     assert report["copy_ms"] > 0
     rows = {r["fraction"]: r for r in report["results"]}
@@ -331,6 +350,7 @@ def test_bench_device_transfer_checks_every_receivers_bytes_for_every_method(dev
     argv = ["bench", "--device-transfer", "--preset", "tiny", "--repeats", "2", "--receivers", "2", "--json", str(out_json)]
     assert cli.main(argv) == 0
     report = json.loads(out_json.read_text())
+    _check_record(report, "device-transfer", argv)
     assert report["mode"] == "device-transfer" and report["backend"] == device and len(report["devices"]) == 3
     rows = {r["method"]: r for r in report["results"]}
     assert list(rows) == ["floor_ipc", "hal_ipc", "hal_ipc_verified", "hal_ipc_staged", "hal_gloo"]

@@ -13,7 +13,7 @@ import torch
 
 from hal import cli
 from hal.sync.layout import chunk_rows as layout_chunk_rows
-from hal.tools.bench import buffers, presets, senders, senders_rank
+from hal.tools.bench import buffers, presets, record, senders, senders_rank
 from tests.test_bench import _gone
 
 pytestmark = pytest.mark.cpu
@@ -26,6 +26,8 @@ def test_two_senders_two_receivers_on_the_tiny_preset(tmp_path, capsys):
     assert cli.main(argv) == 0
     table = capsys.readouterr().out
     report = json.loads(out_json.read_text())
+    assert record.check_record(report) == [] and report["run"]["benchmark"] == "senders"
+    assert report["run"]["command"].endswith("hal " + " ".join(argv))
     model = presets.get_preset("tiny").total_bytes()
     assert report["mode"] == "senders" and report["senders"] == 2 and report["receivers"] == 2 and report["bytes"] == model
     rows = {r["method"]: r for r in report["results"]}

@@ -56,6 +56,10 @@ device IPC) against hal.sync over IpcTransport (plain, verified, host-staged) an
 the gloo group (`--device-methods` picks). It takes `--preset`, `--receivers`,
 `--repeats`, `--warmup`, `--bucket-mb`, `--timeout`, `--no-verify` and `--json`.
 
+With `--json PATH`, every mode's report begins with "run": when it started (UTC), the
+command line, the git commit of the hal checkout, and the machine (hal.tools.bench.record),
+so the file is a record that stands alone: docs/results/ keeps them (docs/benchmarks.md).
+
 `--engine vllm` hands the parsed arguments to `hal.tools.bench.vllm_engine.run(args)`, which
 returns a dict; that module is imported only then (it needs vllm). If it defines
 `add_arguments(parser)`, its options are declared here too.
@@ -194,6 +198,9 @@ def _benchmark(args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from hal.tools.bench import record
+
+    started, load_average = record.utc_now(), record._load_average()
     if getattr(args, "timeout", None) is None:
         args.timeout = DEFAULT_TIMEOUT_S[_benchmark(args)]
     if getattr(args, "senders", None) is not None:
@@ -231,6 +238,9 @@ def main(args: argparse.Namespace) -> int:
         from hal.tools.bench.transfer_table import format_table
 
         print(format_table(report))
+    if args.json:  # the run's date, machine, commit and command line: a record that stands alone
+        run = record.describe_run(_benchmark(args), getattr(args, "argv", None), date=started, load_average_start=load_average)
+        report = record.stamp(report, run)
     _write(report, args)
     return 0
 
