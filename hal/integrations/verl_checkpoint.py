@@ -50,7 +50,7 @@ generator once in full (on the master each tensor is kept in host memory until i
 sent: one copy of the weights, once), every later sync streams with that layout and
 checks each tensor against it; a sync whose tensors differ fails on every rank and the
 next one learns the layout again. With `"all"` the trainer ranks declare their shards
-from metadata each sync (`hal.sync.layout`). Rollout workers accept the tensors the trainer's header
+from metadata each sync (`hal.sync.shard_plan`). Rollout workers accept the tensors the trainer's header
 declares (verl's rollout side has no model of its own to check them against).
 
 With `delta`, the wire carries only the changed words (docs/delta.md); each rollout worker
@@ -69,6 +69,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import types
 from typing import Any, AsyncIterator
 
 import torch
@@ -81,29 +82,14 @@ from hal.integrations._shared import in_daemon_thread
 from hal.integrations.verl_settings import SENDERS_CHOICES, TRANSPORT_CHOICES, choice, numeric_metrics, sync_config_from
 from hal.integrations.verl_topology import NOT_IN_GROUP, build, group_key, node_address
 from hal.integrations.verl_weights import GeneratorSource, HandoffSink
-from hal.sync import (
-    BroadcastTransport,
-    HierarchicalTransport,
-    IpcTransport,
-    Receiver,
-    ShardedReceiver,
-    ShardedSender,
-    SyncError,
-    TensorSpec,
-    TrainerSync,
-)
+from hal.sync import ShardedSender, SyncError, SyncReceiver, TensorSpec, TrainerSync
+from hal.sync.endpoints import ALL, GATHER, make_receiver, make_sender, open_transport
 from hal.sync.errors import PeerError
 from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["HalCheckpointEngine", "NOT_IN_GROUP", "sync_config_from"]
-
-_TRANSPORTS = {
-    "broadcast": BroadcastTransport,
-    "ipc": IpcTransport,
-    "hierarchical": HierarchicalTransport,
-}
 
 
 def _in_thread(fn: Any, *args: Any) -> "concurrent.futures.Future[Any]":
@@ -141,8 +127,8 @@ class HalCheckpointEngine(CheckpointEngine):
         self._links: list[Any] = []  # their transports
         self._trainer: TrainerSync | None = None  # "master", every trainer rank
         self._sharded: ShardedSender | None = None  # "all", every trainer rank
-        self._receiver: Receiver | ShardedReceiver | None = None
-        self._layout: list[TensorSpec] | None = None
+        self._receiver: SyncReceiver | None = None
+        self._learned_specs: list[TensorSpec] | None = None
         self._engine: Any = None  # "all": the training engine whose shards this trainer rank sends
         self._refusal: str | None = None  # why that engine's shards are not what verl's generator yields
 
@@ -229,20 +215,24 @@ class HalCheckpointEngine(CheckpointEngine):
         for group_spec, name in zip(specs, transports):  # in one order on every worker: each join waits for its group
             self._groups.append(join_sync_group(group_spec, rank, backend=backend, timeout_s=self.config.timeout_s))
             self._specs.append(group_spec)
-            self._links.append(_TRANSPORTS[name](self._groups[-1], src=0, control_device=control))
+            self._links.append(open_transport(name, self._groups[-1], control_device=control))
         token = env.sync_token()
-        timeout = self.config.timeout_s
-        if role == "trainer" and self.senders == "all":
-            self._sharded = ShardedSender(self._links[0], config=self.config, backend=backend, token=token)
-        elif role == "trainer":
-            self._trainer = TrainerSync(transport=self._links[0] if self._links else None, config=self.config, backend=backend, token=token)
-        elif self.senders == "all":
-            # verl's rollout side has no model to check the trainers' tensors against: the
-            # receiver takes what the headers declare (each still decoded and checked itself)
-            # a stale version stays refused across new groups
-            self._receiver = ShardedReceiver(self._links, None, timeout_s=timeout, token=token, backend=backend, version=self.version)
+        # "master": trainer rank 0 sends what every trainer rank gathers with it
+        sending = ALL if self.senders == "all" else GATHER
+        if role == "trainer":
+            link = self._links[0] if self._links else None
+            sender = make_sender(sending, link, config=self.config, backend=backend, token=token)
+            if sending == ALL:
+                self._sharded = sender
+            else:
+                self._trainer = sender
         else:
-            self._receiver = Receiver(self._links[0], None, timeout_s=timeout, token=token, backend=backend, version=self.version)
+            # verl's rollout side has no model to check the trainers' tensors against: the
+            # receiver takes what the headers declare (each still decoded and checked itself);
+            # a stale version stays refused across new groups
+            self._receiver = make_receiver(
+                sending, self._links, None, timeout_s=self.config.timeout_s, token=token, backend=backend, version=self.version
+            )
 
     def _drop_group(self) -> None:
         for link in self._links:
@@ -302,15 +292,15 @@ class HalCheckpointEngine(CheckpointEngine):
         if self._trainer is None:
             raise RuntimeError("checkpoint engine 'hal': send_weights before init_process_group on this trainer rank")
         version = self._next_version(global_steps)
-        source = GeneratorSource(weights, self._layout, asyncio.get_running_loop(), keep=self._trainer.is_sender)
+        source = GeneratorSource(weights, self._learned_specs, asyncio.get_running_loop(), keep=self._trainer.is_sender)
         try:
             metrics = await asyncio.wrap_future(_in_thread(lambda: self._trainer.sync(source, version=version)))
         except SyncError as exc:
             if source.changed or source.learned:
-                self._layout = None
+                self._learned_specs = None
             self._failed(exc)
             raise
-        self._layout = source.layout
+        self._learned_specs = source.specs
         return self._completed(version, metrics, self._trainer.is_sender)
 
     def _training_engine(self) -> Any:
@@ -330,7 +320,7 @@ class HalCheckpointEngine(CheckpointEngine):
     async def _send_shards(self, engine: Any, weights: Any, version: int) -> dict[str, Any]:
         if self._sharded is None:
             raise RuntimeError("checkpoint engine 'hal': send_weights before init_process_group on this trainer rank")
-        if weights is not engine and hasattr(weights, "close"):
+        if isinstance(weights, types.GeneratorType):
             weights.close()  # verl's generator, unread: its full_tensor() gathers never run
         refused = self._check(engine)
         if refused is not None:
@@ -367,7 +357,7 @@ class HalCheckpointEngine(CheckpointEngine):
             raise RuntimeError("checkpoint engine 'hal': receive_weights before init_process_group on this rollout worker")
         loop = asyncio.get_running_loop()
         receiver = self._receiver
-        handoff = HandoffSink(loop, self.config.timeout_s, receiver.backend)
+        handoff = HandoffSink(loop, self.config.timeout_s, hal.current())
         done = _in_thread(self._receive, receiver, handoff)
         done.add_done_callback(handoff.finish)
         try:
@@ -386,5 +376,5 @@ class HalCheckpointEngine(CheckpointEngine):
         self.last_error = None
 
     @staticmethod
-    def _receive(receiver: Receiver | ShardedReceiver, handoff: HandoffSink) -> Any:
+    def _receive(receiver: SyncReceiver, handoff: HandoffSink) -> Any:
         return receiver.receive(handoff)

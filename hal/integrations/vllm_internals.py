@@ -150,11 +150,11 @@ class _ComputedBufferWarningFilter(logging.Filter):
 
 
 # The logger of vLLM's layerwise reload (a module path, so private).
-_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def quiet_computed_buffer_warnings() -> None:
-    target = logging.getLogger(_LAYERWISE_LOGGER)
+    target = logging.getLogger(LAYERWISE_LOGGER)
     if not any(isinstance(f, _ComputedBufferWarningFilter) for f in target.filters):
         target.addFilter(_ComputedBufferWarningFilter())
 
@@ -188,15 +188,15 @@ def no_mtp_completeness_check() -> Iterator[None]:
 
 # Attribute of vLLM's `VocabParallelEmbedding` / `ParallelLMHead`: the `QuantizeMethodBase`
 # that created the layer's weights and computes with them.
-_QUANT_METHOD_ATTR = "quant_method"
+QUANT_METHOD_ATTR = "quant_method"
 # The quant method of an unquantized embedding / LM head; its processing keeps
 # `layer.weight` (remove_weight=False) and only rebuilds `cpu_linear` from it.
-_EMBEDDING_METHOD = ("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod")
+EMBEDDING_METHOD = ("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod")
 # Set by `vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`: `(x, weight, bias)
 # -> x @ W.T + bias` over a packed copy of W made when the layer was processed; in vLLM 0.32
 # every variant (oneDNN, sgl-kernel, zentorch, F.linear fallback) is a function of the
 # weight alone, so two layers sharing one weight may share one.
-_DERIVED_ATTR = "cpu_linear"
+DERIVED_ATTR = "cpu_linear"
 
 _warned_tied: set[str] = set()
 
@@ -231,13 +231,13 @@ def refresh_tied_weights(model: torch.nn.Module) -> list[str]:
     """
     import importlib
 
-    module_name, class_name = _EMBEDDING_METHOD
+    module_name, class_name = EMBEDDING_METHOD
     embedding_method = getattr(importlib.import_module(module_name), class_name)
     modules = dict(model.named_modules())
     refreshed: list[str] = []
     for alias, owner in tied_aliases(model).items():
         module, owner_module = modules[alias], modules[owner]
-        quant_method = getattr(module, _QUANT_METHOD_ATTR, None)
+        quant_method = getattr(module, QUANT_METHOD_ATTR, None)
         if quant_method is None:
             continue  # a plain torch module: nothing is derived from its weight
         if not isinstance(quant_method, embedding_method):
@@ -250,14 +250,14 @@ def refresh_tied_weights(model: torch.nn.Module) -> list[str]:
             _reprocess(module, alias, owner, owner_module, quant_method)
             refreshed.append(alias)
             continue
-        derived = getattr(module, _DERIVED_ATTR, None)
+        derived = getattr(module, DERIVED_ATTR, None)
         if derived is None or derived is torch.nn.functional.linear:
             continue  # no packed copy: the layer computes from its weight on every call
-        current = getattr(owner_module, _DERIVED_ATTR, None)
+        current = getattr(owner_module, DERIVED_ATTR, None)
         if derived is current:
             continue  # already the owner's, which the reload keeps current
-        if current is not None and isinstance(getattr(owner_module, _QUANT_METHOD_ATTR, None), embedding_method):
-            setattr(module, _DERIVED_ATTR, current)
+        if current is not None and isinstance(getattr(owner_module, QUANT_METHOD_ATTR, None), embedding_method):
+            setattr(module, DERIVED_ATTR, current)
         else:
             _reprocess(module, alias, owner, owner_module, quant_method)
         refreshed.append(alias)
@@ -357,7 +357,7 @@ def lora_target_modules(manager: Any) -> set[str]:
 # The LoRA manager's checks of an adapter, as vLLM's own loader (`vllm/lora/worker_manager.py`)
 # calls them: 0.32 has the first three, 0.33 merged the last two into
 # `_validate_classification_head_lora`. Each release has only some of them.
-_LORA_VALIDATORS = (
+LORA_VALIDATORS = (
     "_validate_moe_lora_format",
     "_validate_modules_to_save",
     "_validate_token_classification_lora",
@@ -367,7 +367,7 @@ _LORA_VALIDATORS = (
 
 def validate_lora_model(manager: Any, lora: Any) -> None:
     """The manager's own checks of a `LoRAModel` (private `_validate_*` methods, where present)."""
-    for check in _LORA_VALIDATORS:
+    for check in LORA_VALIDATORS:
         fn = getattr(manager, check, None)
         if callable(fn):
             fn(lora)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from hal.host_needs import Call, Need
 from hal.integrations.vllm_internals import (
-    _DERIVED_ATTR,
-    _EMBEDDING_METHOD,
-    _LAYERWISE_LOGGER,
-    _LORA_VALIDATORS,
-    _QUANT_METHOD_ATTR,
+    DERIVED_ATTR,
+    EMBEDDING_METHOD,
+    LAYERWISE_LOGGER,
+    LORA_VALIDATORS,
+    QUANT_METHOD_ATTR,
     SHUTDOWN_SINCE,
 )
 
@@ -76,18 +76,18 @@ VLLM_NEEDS: tuple[Need, ...] = (
     # private, through the functions of this module
     Need(target="vllm.model_executor.model_loader.reload:initialize_layerwise_reload", call=Call(1), why="initialize_layerwise_reload"),
     Need(target="vllm.model_executor.model_loader.reload:finalize_layerwise_reload", call=Call(2), why="finalize_layerwise_reload"),
-    Need(target=_LAYERWISE_LOGGER, text="%s: Failed to load weights",
-         why="_ComputedBufferWarningFilter (the logger _LAYERWISE_LOGGER and its message)"),
+    Need(target=LAYERWISE_LOGGER, text="%s: Failed to load weights",
+         why="_ComputedBufferWarningFilter (the logger LAYERWISE_LOGGER and its message)"),
     Need(target="vllm.model_executor.layers.rotary_embedding:RotaryEmbedding", why="_ComputedBufferWarningFilter (layer names)"),
-    Need(target=f"{_EMBEDDING_METHOD[0]}:ParallelLMHead", why="_ComputedBufferWarningFilter (layer names)"),
+    Need(target=f"{EMBEDDING_METHOD[0]}:ParallelLMHead", why="_ComputedBufferWarningFilter (layer names)"),
     Need(target="vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check", call=Call(0), optional=True,
          why="no_mtp_completeness_check"),
-    Need(target=":".join(_EMBEDDING_METHOD) + ".process_weights_after_loading",
-         call=Call(1), why="refresh_tied_weights (_EMBEDDING_METHOD, _reprocess)"),
-    Need(target=f"{_EMBEDDING_METHOD[0]}:VocabParallelEmbedding.{_QUANT_METHOD_ATTR}",
-         why="refresh_tied_weights (_QUANT_METHOD_ATTR)"),
-    Need(target="vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", sets=_DERIVED_ATTR,
-         why="refresh_tied_weights (_DERIVED_ATTR, set there)"),
+    Need(target=":".join(EMBEDDING_METHOD) + ".process_weights_after_loading",
+         call=Call(1), why="refresh_tied_weights (EMBEDDING_METHOD, _reprocess)"),
+    Need(target=f"{EMBEDDING_METHOD[0]}:VocabParallelEmbedding.{QUANT_METHOD_ATTR}",
+         why="refresh_tied_weights (QUANT_METHOD_ATTR)"),
+    Need(target="vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", sets=DERIVED_ATTR,
+         why="refresh_tied_weights (DERIVED_ATTR, set there)"),
     Need(target="vllm.entrypoints.llm:LLM.llm_engine", why="shutdown_llm, OfflineEngine"),
     Need(target="vllm.v1.engine.llm_engine:LLMEngine.engine_core", why="shutdown_llm"),
     Need(target="vllm.v1.engine.llm_engine:LLMEngine.vllm_config", why="OfflineEngine"),
@@ -110,7 +110,7 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm.lora.model_manager:LoRAModelManager.__init__", sets="lora_manager",
          why="lora_manager (the manager sets model.lora_manager)"),
     *(Need(target=f"vllm.lora.model_manager:LoRAModelManager.{check}", call=Call(1), optional=True, why="validate_lora_model")
-      for check in _LORA_VALIDATORS),
+      for check in LORA_VALIDATORS),
     Need(target="vllm.lora.peft_helper:PEFTHelper.from_dict", call=Call(1), why="peft_helper"),
     Need(target="vllm.lora.lora_model:LoRAModel.from_lora_tensors",
          call=Call(0, "lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size", "weights_mapper", "skip_prefixes"),

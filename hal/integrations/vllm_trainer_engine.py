@@ -91,12 +91,16 @@ class _VllmSourceAdapter:
 
     @classmethod
     def wrap(cls, source: Any) -> Any:
+        """`source` as hal reads it: a vLLM `WeightSource` (metadata of vLLM's `ParamMeta`)
+        wrapped, anything else (a module, a hal source, pairs) as it is."""
         import torch
 
-        if isinstance(source, torch.nn.Module) or not hasattr(source, "metadata"):
+        from hal.sync import TensorSpec, WeightSource
+
+        if isinstance(source, torch.nn.Module) or not isinstance(source, WeightSource):
             return source
         meta = source.metadata()
-        if meta and not hasattr(meta[0], "nbytes"):  # vLLM ParamMeta, not hal TensorSpec
+        if meta and not isinstance(meta[0], TensorSpec):  # vLLM ParamMeta, not hal TensorSpec
             return cls(source)
         return source
 

@@ -30,38 +30,29 @@ failure was the trainer's own (its source raised; `resend_after_failure`).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
-from dataclasses import asdict
 from typing import Any, Sequence
 
-import hal
 from hal import env
-from hal.integrations import vllm_internals
-from hal.integrations._shared import SyncResult, in_daemon_thread, keep_stdout, result_within
-from hal.integrations.vllm import TRANSPORTS, HalInitInfo, dtype_name
+from hal.integrations._shared import SyncResult, keep_stdout
+from hal.integrations.vllm_drivers import INCONSISTENT_PREFIX, EngineCalls, GatherThenSend, OneSender, Settings
 from hal.integrations.vllm_engines import Engine, as_engine
+from hal.integrations.vllm_info import ENGINE_TRANSPORTS
 from hal.integrations.vllm_sharded_sync import EveryRankSends
-from hal.procs import free_port
-from hal.sync import AuthError, Sender, ShardedSender, SyncConfig, SyncError, SyncMetrics
-from hal.sync.auth import init_proof
-from hal.sync.errors import PeerError
-from hal.sync.group import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.sync import Sender, SyncConfig, SyncError
+from hal.sync.errors import check_version
 from hal.sync.protocol import GroupChannel
 from hal.sync.source import as_source
-from hal.sync.trainer import TrainerSync
 
 logger = logging.getLogger(__name__)
 
-# What an engine holding some tensors of a failed sync and old ones for the rest reports
-# as its weight version, followed by the last version it held completely.
-INCONSISTENT_PREFIX = "inconsistent:"
+__all__ = ["INCONSISTENT_PREFIX", "SENDERS", "SyncResult", "WeightSync"]
 
 SENDERS = ("one", "all")  # this process (the others follow: TrainerSync), or every trainer rank its own rows
 
 
-class WeightSync(EveryRankSends):
+class WeightSync:
     """Drives hal syncs from this (trainer) process into `engines`.
 
     Each of `engines` is a vLLM weight-sync client (`HTTPVLLMWeightSyncClient(base_url)`,
@@ -101,8 +92,8 @@ class WeightSync(EveryRankSends):
         trainer_group: Any = None,
         senders: str = "one",
     ) -> None:
-        if transport != "auto" and transport not in TRANSPORTS:
-            raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {transport!r}")
+        if transport != "auto" and transport not in ENGINE_TRANSPORTS:
+            raise ValueError(f"transport must be 'auto' or one of {sorted(ENGINE_TRANSPORTS)}, got {transport!r}")
         if senders not in SENDERS:
             raise ValueError(f"senders must be one of {list(SENDERS)}, got {senders!r}")
         if senders == "all":
@@ -125,9 +116,6 @@ class WeightSync(EveryRankSends):
         self.master_address = master_address
         self.master_port = master_port
         self.timeout_s = timeout_s
-        self.transport = transport
-        """"auto": "ipc" when every engine is on this node and the backend shares memory
-        between processes (`supports_ipc`), else "broadcast"."""
         self.token = token if token is not None else env.sync_token()
         self.resend_after_failure = resend_after_failure
         self.trainer_group = trainer_group
@@ -137,149 +125,57 @@ class WeightSync(EveryRankSends):
         senders="all", every rank of it sends."""
         self.senders = senders
         """"one": this process sends; "all": every rank of `trainer_group` sends its own rows."""
-        self._trainer: TrainerSync | None = None
-        self._sharded: ShardedSender | None = None
-        self._channel: GroupChannel | None = None  # senders="all": the trainer group, for init's and each sync's agreements
+        self._settings = Settings(
+            config=self.config, master_address=master_address, master_port=master_port, timeout_s=timeout_s,
+            transport=transport, token=self.token, trainer_group=trainer_group,
+        )
+        self._engines = EngineCalls(engines, self._settings)
+        if senders == "all":
+            self._driver: OneSender | EveryRankSends = EveryRankSends(self._settings, self._engines)
+        elif trainer_group is not None:
+            self._driver = GatherThenSend(self._settings, self._engines)
+        else:
+            self._driver = OneSender(self._settings, self._engines)
         self._attempt = 0
-        self._group: Any = None
-        self._sender: Sender | None = None
-        self._ranks: dict[str, range] = {}
-        self._sizes: list[tuple[str, int]] | None = None  # senders="all": every engine's (name, workers), as rank 0 has them
-        self._connected: set[str] = set()  # engines whose init returned: only those are shut down by close()
         self.version: int | None = None
         self.inconsistent: set[str] = set()
         """Engines holding part of a failed sync (some tensors new, some old), by name."""
 
     @property
+    def transport(self) -> str:
+        """"auto" until `init` picks: "ipc" when every engine is on this node and the backend
+        shares memory between processes (`supports_ipc`), else "broadcast"."""
+        return self._settings.transport
+
+    @property
     def world_size(self) -> int:
         """Ranks in the sync group (of each trainer rank's, with senders="all"): 1 + every engine's workers."""
-        sizes = self._sizes if self._sizes is not None else [(e.name, e.num_workers) for e in self.engines]
-        return 1 + sum(n for _, n in sizes)
+        return self._engines.world_size
 
     @property
     def sender(self) -> Sender:
         """The hal `Sender` this sync drives (after `init`): it holds `self.config` itself."""
-        if self._sender is None:
+        sender = self._driver.core_sender
+        if sender is None:
             raise RuntimeError("WeightSync.sender before init()")
-        return self._sender
+        return sender
+
+    @property
+    def trainer_channel(self) -> GroupChannel | None:
+        """senders="all": the trainer group's channel (after `init`), for agreements of the
+        caller's own (`LoraWeightSync` agrees there on what travels); None otherwise."""
+        return self._driver.trainer_channel
 
     @property
     def trainer_rank(self) -> int:
         """This process's rank in `trainer_group` with senders="all" (after `init`); 0 otherwise."""
-        return self._channel.rank if self._channel is not None else 0
+        return self._driver.trainer_rank
 
     def init(self) -> None:
         """Join every engine's workers into one group with this process (once). With
         senders="all", on every trainer rank: each joins a group of its own with them."""
         with keep_stdout():
-            if self.senders == "all":
-                self._init_all()
-            else:
-                self._init()
-
-    def _init(self) -> None:
-        if self._group is not None:
-            raise RuntimeError("WeightSync.init called twice")
-        vllm_internals.require_supported_vllm()
-        backend = hal.current()
-        if self.transport == "auto":
-            local = all(e.same_node for e in self.engines)
-            self.transport = "ipc" if local and backend.supports_ipc else "broadcast"
-        port = self.master_port or free_port(self.master_address)
-        # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
-        # workers use to join, would listen on every interface: hal.sync.group), from now on
-        spec = SyncGroupSpec(address=self.master_address, port=port, world_size=self.world_size)
-        server = RendezvousServer(spec, timeout_s=self.timeout_s)
-        calls = self._init_engines(port)
-        group_call = in_daemon_thread(
-            "hal-trainer: join the weight-sync group",
-            lambda: join_sync_group(spec, 0, backend=backend.dist_backend, timeout_s=self.timeout_s, server=server),
-        )
-        try:
-            self._join(group_call, calls, port)
-        except BaseException:
-            # an engine refused or the join failed: close the rendezvous, so that the join
-            # thread ends now and the port is free, instead of both lasting until the timeout
-            server.close()
-            raise
-        control = backend.control_device()
-        transport = TRANSPORTS[self.transport](self._group, src=0, control_device=control)
-        if self.trainer_group is not None:
-            self._trainer = TrainerSync(transport=transport, config=self.config, trainer_group=self.trainer_group, token=self.token)
-            self._sender = self._trainer.sender
-        else:
-            self._sender = Sender(transport, self.config, token=self.token)
-
-    def _init_engines(self, port: int, senders: list[dict[str, Any]] | None = None) -> list:
-        """Ask every engine, each in a thread of its own, to join (`init_weight_transfer_engine`);
-        the (what, future) of each call."""
-        calls = []
-        offset = 1
-        for engine in self.engines:
-            info = HalInitInfo(
-                master_address=self.master_address,
-                master_port=port,
-                rank_offset=offset,
-                world_size=self.world_size,
-                wire_dtype=dtype_name(self.config.wire_dtype),
-                timeout_s=self.config.timeout_s,
-                transport=self.transport,
-                senders=senders,
-            )
-            if self.token is not None:  # bound to every field, this engine's rank offset and the senders included
-                info.auth = init_proof(self.token, **info.proven())
-            self._ranks[engine.name] = range(offset, offset + engine.num_workers)
-            offset += engine.num_workers
-            payload = asdict(info)
-            what = f"{engine.name}: init_weight_transfer_engine"
-            calls.append((what, in_daemon_thread(f"hal-{what}", lambda e=engine, p=payload: e.init_weight_transfer_engine(p))))
-        return calls
-
-    def _finish(self, version: int) -> dict[str, str]:
-        """After a complete sync: each engine records the version, drops KV computed with the
-        old weights and reads the version back."""
-        versions = {}
-        for engine in self.engines:
-            engine.finish_weight_update(str(version))
-            # KV computed with the old weights must not be reused (prefix caching)
-            engine.reset_prefix_cache()
-            versions[engine.name] = engine.get_weight_version()
-        return versions
-
-    def _join(self, group_call: "concurrent.futures.Future[Any]", calls: list, port: int) -> None:
-        """Wait for the group and every engine's init. An engine that refuses (bad init info,
-        a wrong token, already connected) fails the init at once."""
-        deadline = time.monotonic() + self.timeout_s
-        pending = {group_call, *(f for _, f in calls)}
-        while not group_call.done() and time.monotonic() < deadline:
-            for what, call in calls:
-                if call.done():
-                    self._engine_result(call, what)
-            pending = concurrent.futures.wait(pending, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)[1]
-        try:
-            self._group = result_within(group_call, "trainer: join the weight-sync group", max(0.0, deadline - time.monotonic()))
-        except Exception as exc:
-            for what, call in calls:
-                if call.done():
-                    self._engine_result(call, what)  # an engine-side error explains the failure better
-            raise PeerError(f"trainer could not join the weight-sync group at {self.master_address}:{port}: {exc}") from exc
-        for (what, call), engine in zip(calls, self.engines):
-            self._engine_result(call, what, self.timeout_s)
-            self._connected.add(engine.name)
-
-    @staticmethod
-    def _engine_result(call: "concurrent.futures.Future[Any]", what: str, timeout: float = 0.0) -> Any:
-        try:
-            return result_within(call, what, timeout)
-        except SyncError:
-            raise
-        except Exception as exc:
-            # Through collective_rpc or HTTP the type is lost: vLLM's worker processes pass on
-            # only the message, and every init refusal (check_init_proof) names the variable.
-            text = f"{type(exc).__name__}: {exc}"
-            if "AuthError" in text or env.VERL_HAL_SYNC_TOKEN in text:
-                raise AuthError(f"{what}: {exc}") from exc
-            raise
+            self._driver.init()
 
     def sync(self, source: Any, version: int) -> SyncResult:
         """Send `source` (a module, a hal source, a dict or list of pairs) as `version`.
@@ -288,24 +184,20 @@ class WeightSync(EveryRankSends):
         sync's `SyncError` otherwise, after resending a trainer-side failure that left an
         engine inconsistent (see the class doc); `self.inconsistent` then names the engines
         that hold part of it, and they report `inconsistent:<version>` as weight version.
+        With senders="all", on every trainer rank: each returns or raises the same.
         """
-        if self._sender is None:
+        if self._driver.core_sender is None:
             raise RuntimeError("WeightSync.sync before init()")
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise TypeError(f"version must be an int (the trainer step), got {version!r}")
+        check_version(version)
         source = as_source(source)
         start = time.perf_counter()
-        if self._sharded is not None:  # every trainer rank sends (hal.integrations.vllm_sharded_sync)
-            metrics, versions, attempt = self._sync_all(source, version)
-            self.version = version
-            self.inconsistent.clear()
-            return SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
         attempt = self._attempt = 0
         while True:
             try:
-                metrics = self._sync_once(source, version)
+                metrics, versions = self._driver.attempt(source, version, self._resends)
                 break
             except SyncError as exc:
+                self._mark_inconsistent(exc)
                 if self._resends(exc):
                     attempt = self._attempt = attempt + 1
                     logger.warning(
@@ -314,87 +206,32 @@ class WeightSync(EveryRankSends):
                     )
                     continue
                 raise
-        versions = self._finish(version)
         self.version = version
         self.inconsistent.clear()
         return SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
 
     def _resends(self, exc: SyncError) -> bool:
         """Whether a failed attempt is sent again: the trainer's own failure that left an
-        engine holding part of it, with attempts left."""
+        engine holding part of it, with attempts left (the same on every trainer rank)."""
         return self._attempt < self.resend_after_failure and exc.trainer_side and bool(exc.inconsistent_ranks)
 
-    def _sync_once(self, source: Any, version: int) -> SyncMetrics:
-        for engine in self.engines:
-            engine.start_weight_update()
-        calls = [
-            (f"{e.name}: update_weights", in_daemon_thread(f"hal-{e.name}-update", lambda e=e: e.update_weights({"version": version})))
-            for e in self.engines
-        ]
-        try:
-            if self._trainer is not None:
-                metrics = self._trainer.sync(source, version=version, resend=self._resends)
-            else:
-                metrics = self._sender.send(source, version=version)
-        except SyncError as exc:
-            # the engines fail the same sync; their message is usually the precise one
-            problems = []
-            for what, call in calls:
-                try:
-                    result_within(call, what, self.timeout_s)
-                except BaseException as engine_exc:  # noqa: BLE001
-                    problems.append(f"{what}: {engine_exc}")
-            self._mark_inconsistent(exc)
-            if problems:
-                raise type(exc)(f"{exc} | " + " | ".join(problems), reports=exc.reports, my_rank=exc.my_rank) from exc
-            raise
-        for what, call in calls:
-            result_within(call, what, self.timeout_s)
-        return metrics
-
-    def _mark_inconsistent(self, exc: BaseException, *, call_engines: bool = True) -> None:
-        """Record, and make each engine report, that it holds part of a failed sync."""
-        ranks = set(exc.inconsistent_ranks) if isinstance(exc, SyncError) else set()
-        marked = {name for name, held in self._ranks.items() if ranks.intersection(held)}
+    def _mark_inconsistent(self, exc: SyncError) -> None:
+        """Record, and make each engine report (where this rank drives them), that it holds part of a failed sync."""
+        marked = self._engines.holding_part_of(exc)
         self.inconsistent |= marked
-        if not call_engines:
-            return
-        for engine in self.engines:
-            if engine.name not in marked:
-                continue
-            label = f"{INCONSISTENT_PREFIX}{'none' if self.version is None else self.version}"
-            try:
-                engine.update_weight_version(label)
-            except Exception as version_exc:  # noqa: BLE001 - the sync's own error is the one to raise
-                logger.warning("engine %s: could not set its weight version to %r: %s", engine.name, label, version_exc)
+        if self._driver.drives_engines:
+            self._engines.label_inconsistent(marked, self.version)
 
     def close(self) -> None:
         """Release the group on both sides; the engines keep serving. With senders="all", on
         every trainer rank (rank 0 shuts the engines' side down, each rank its own group)."""
-        group, sender = self._group, self._sender
-        self._group, self._sender = None, None
-        self._sharded, self._trainer, self._channel = None, None, None
-        for engine in self.engines:
-            if engine.name not in self._connected:
-                continue  # never connected to us (a refused init): it may serve another trainer
-            self._connected.discard(engine.name)
-            try:
-                engine.shutdown_weight_transfer_engine()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
-        if sender is not None:
-            sender.transport.close()
-        if group is not None:
-            try:
-                destroy_sync_group(group)
-            except Exception:  # noqa: BLE001
-                pass
+        self._engines.shut_down()
+        self._driver.close()
 
     def __enter__(self) -> "WeightSync":
-        if self._group is None:
+        if self._driver.core_sender is None:
             self.init()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-

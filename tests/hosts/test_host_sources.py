@@ -160,11 +160,11 @@ def _validators_vllm_calls(tree: SourceTree) -> set[str]:
 
 @pytest.mark.parametrize("where", ["installed", "vllm-0.33"])
 def test_hal_runs_every_lora_check_vllms_own_loader_runs(where, installed_vllm):
-    # validate_lora_model calls what exists of `_LORA_VALIDATORS`; a check vLLM's loader
+    # validate_lora_model calls what exists of `LORA_VALIDATORS`; a check vLLM's loader
     # added or renamed (0.33 merged two into _validate_classification_head_lora) would be
     # skipped without a word, so the list must hold every one the loader calls.
     tree = installed_vllm if where == "installed" else _vllm_tree((0, 33))
-    assert _validators_vllm_calls(tree) <= set(vllm_internals._LORA_VALIDATORS)
+    assert _validators_vllm_calls(tree) <= set(vllm_internals.LORA_VALIDATORS)
 
 
 # Attribute and identifier names in the fence that are not vLLM's (torch, logging, the

@@ -170,13 +170,13 @@ def test_a_sync_with_another_token_is_refused_and_the_engine_keeps_its_weights(e
         sync.init()
         sync_and_compare(llm, model, sync, seed=30)
         serving, version = engine_greedy(llm, PROMPTS, MAX_TOKENS), llm.get_weight_version()
-        sync._sender.token = "s3cret-but-wrong"
+        sync.sender.token = "s3cret-but-wrong"
         perturb(model, seed=31)
         with pytest.raises(AuthError, match=r"rank 1: the trainer's token does not match this engine's"):
             sync.sync(model, version=int(version) + 1)
         assert llm.get_weight_version() == version
         assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
-        sync._sender.token = TOKEN  # the group survived the refusal
+        sync.sender.token = TOKEN  # the group survived the refusal
         sync_and_compare(llm, model, sync, seed=32)
     finally:
         sync.close()
@@ -207,7 +207,7 @@ def test_a_refusal_that_crossed_a_process_boundary_is_still_an_auth_error(token)
     message: the trainer must still raise AuthError, naming the engine."""
     import concurrent.futures
 
-    from hal.integrations.vllm_client import WeightSync
+    from hal.integrations.vllm_drivers import EngineCalls
     from hal.sync.auth import check_init_proof, init_proof
 
     fields = dict(master_address="127.0.0.1", master_port=1234, world_size=2)
@@ -218,11 +218,11 @@ def test_a_refusal_that_crossed_a_process_boundary_is_still_an_auth_error(token)
     # what vllm.v1.executor.multiproc_executor and the engine core client make of it
     call.set_exception(Exception(f"Call to collective_rpc method failed: Worker failed with error '{refused.value}', please check the stack trace above for the root cause"))
     with pytest.raises(AuthError, match=r"^llm: init_weight_transfer_engine: .*VERL_HAL_SYNC_TOKEN"):
-        WeightSync._engine_result(call, "llm: init_weight_transfer_engine")
+        EngineCalls.init_result(call, "llm: init_weight_transfer_engine")
     other: concurrent.futures.Future = concurrent.futures.Future()
     other.set_exception(RuntimeError("Worker failed with error 'hal weight transfer: already initialized'"))
     with pytest.raises(RuntimeError, match="already initialized") as kept:
-        WeightSync._engine_result(other, "llm: init_weight_transfer_engine")
+        EngineCalls.init_result(other, "llm: init_weight_transfer_engine")
     assert not isinstance(kept.value, AuthError)
 
 

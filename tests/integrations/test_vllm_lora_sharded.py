@@ -193,7 +193,7 @@ def scenario(tmp_path_factory) -> Iterator[dict[str, Any]]:
 
 def share(tensors: list[tuple[tuple[int, ...], torch.dtype]], rank: int, ranks: int = 2) -> int:
     """Bytes trainer rank `rank` sends of `tensors`: FSDP2's Shard(0) rows (torch.chunk's)."""
-    from hal.sync.layout import chunk_rows
+    from hal.sync.shard_plan import chunk_rows
 
     total = 0
     for shape, dtype in tensors:

@@ -322,7 +322,7 @@ def _floor_once(sync: Any, llm: Any, nbytes: int, timeout_s: float) -> float:
 
     import hal
 
-    group = sync._group
+    group = sync.sender.transport.group
     buf = hal.current().empty(nbytes)
     buf.fill_(1)
     result: dict[str, Any] = {}
