@@ -56,7 +56,7 @@ def test_importing_the_library_loads_no_tool():
         "    importlib.import_module(name)\n"
         "import hal.integrations, hal.sync\n"
         "for pkg in (hal.integrations, hal.sync):\n"
-        "    for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + '.'):\n"
+        "    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
         "        try:\n"
         "            importlib.import_module(info.name)\n"
         "        except ImportError:\n"

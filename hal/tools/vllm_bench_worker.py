@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import hal
-from hal.integrations import vllm_internals
-from hal.integrations.vllm import HalWorkerExtension
+from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm.engine import HalWorkerExtension
 
 
 class BenchWorkerExtension(HalWorkerExtension):

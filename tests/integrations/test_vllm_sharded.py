@@ -192,7 +192,7 @@ def serve_calls(calls: dict[str, Any]) -> Iterator[tuple[str, int]]:
 @contextlib.contextmanager
 def served(llm: Any) -> Iterator[tuple[str, int]]:
     """Serve `OfflineEngine(llm)`'s calls, and `check` / `record`, on a loopback port."""
-    from hal.integrations.vllm_client import OfflineEngine
+    from hal.integrations.vllm.client import OfflineEngine
     from hal.tools.demo import engine_greedy
 
     engine = OfflineEngine(llm, name="tp2")
@@ -215,7 +215,7 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from hal.integrations.vllm_client import WeightSync
+    from hal.integrations.vllm.client import WeightSync
     from hal.sync import ModuleSource, SyncConfig, SyncError
     from hal.tools.demo import trainer_greedy
     from hal.tools.tiny_model import load_trainer_model
@@ -471,7 +471,7 @@ def thread_engine_rank(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from hal.integrations.vllm_client import WeightSync
+    from hal.integrations.vllm.client import WeightSync
     from hal.sync import SyncConfig, TensorSpec, sharded
     from tests.sync.test_trainer import digest, make_model, train_step
 
@@ -583,7 +583,7 @@ def test_the_init_proof_covers_every_rendezvous():
 
 
 def test_every_rank_sends_only_with_a_trainer_group_over_broadcast():
-    from hal.integrations.vllm_client import WeightSync
+    from hal.integrations.vllm.client import WeightSync
 
     engine = RemoteEngine(None)
     with pytest.raises(ValueError, match="senders='all' needs trainer_group="):
@@ -598,7 +598,7 @@ def test_every_rank_sends_only_with_a_trainer_group_over_broadcast():
 def test_a_lora_engine_takes_every_sender():
     """The LoRA engine joins a group per sending trainer rank as the "hal" engine does
     (tests/integrations/test_vllm_lora_sharded.py runs it); its rendezvous are checked alike."""
-    from hal.integrations.vllm_lora_engine import HalLoraInitInfo
+    from hal.integrations.vllm.lora_engine import HalLoraInitInfo
 
     lora = dict(lora_config={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, adapter_dir="/tmp/adapter")
     senders = [{"address": "127.0.0.1", "port": 1234}, {"address": "127.0.0.1", "port": 1235}]
@@ -612,7 +612,7 @@ def test_a_lora_engine_takes_every_sender():
 def test_the_ranks_endpoints_are_checked_alike_on_every_rank():
     """What each trainer rank tells at init (`_rendezvous_of`, run on every rank over the same
     bytes): rank 0's engines are the ones; another rank may give the same or none."""
-    from hal.integrations.vllm_sharded_sync import _rendezvous_of
+    from hal.integrations.vllm.sharded_sync import _rendezvous_of
 
     def told(port: int, engines: list) -> bytes:
         return json.dumps({"address": "127.0.0.1", "port": port, "engines": engines}).encode()

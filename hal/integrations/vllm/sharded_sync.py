@@ -22,8 +22,8 @@ Each of those steps ends with an agreement over `g` (`GroupChannel.agree` of eve
 `RankReport`, the failure's class kept: `hal.sync.errors.rebuild`), bounded, so that a
 failure on one rank (an engine refusing, a port taken, a rendezvous nobody came to) fails
 every rank at once with the same error, instead of leaving the others waiting for their
-timeout. `WeightSync` (hal.integrations.vllm_weight_sync) holds this driver
-(hal.integrations.vllm_drivers has the others).
+timeout. `WeightSync` (hal.integrations.vllm.weight_sync) holds this driver
+(hal.integrations.vllm.drivers has the others).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import json
 from typing import Any, Callable
 
 import hal
-from hal.integrations import vllm_internals
+from hal.integrations.vllm import internals as vllm_internals
 from hal.integrations._shared import in_daemon_thread, result_within
-from hal.integrations.vllm_drivers import EngineCalls, Settings, fold_engine_errors, release_group
-from hal.integrations.vllm_info import check_rendezvous
+from hal.integrations.vllm.drivers import EngineCalls, Settings, fold_engine_errors, release_group
+from hal.integrations.vllm.info import check_rendezvous
 from hal.procs import free_port
 from hal.sync import Sender, ShardedSender, SyncError, SyncMetrics
 from hal.sync import errors as sync_errors

@@ -2,7 +2,7 @@
 
 vLLM parses both from the dicts its API carries (`init_weight_transfer_engine({"init_info":
 ...})`, `update_weights({"update_info": ...})`) with the engine's `init_info_cls` /
-`update_info_cls`; the trainer side (hal.integrations.vllm_weight_sync) builds them. Also
+`update_info_cls`; the trainer side (hal.integrations.vllm.weight_sync) builds them. Also
 which of hal's transports (`hal.sync.TRANSPORTS`) `HalInitInfo.transport` takes, and the
 dtype names as they travel (the names a sync's header gives them, hal.sync.header_json).
 hal.integrations.vllm re-exports every name here.

@@ -5,13 +5,13 @@ A `WeightSync` holds one driver, by which trainer ranks send (hal.sync.endpoints
 - `OneSender` ("one"): this process joins one group with every engine worker and sends;
 - `GatherThenSend` ("gather"): the same group, and the trainer's other ranks gather in
   lockstep with this one (they call `TrainerSync(transport=None, ...)`);
-- `EveryRankSends` ("all", hal.integrations.vllm_sharded_sync): every trainer rank joins a
+- `EveryRankSends` ("all", hal.integrations.vllm.sharded_sync): every trainer rank joins a
   group of its own with every engine worker and sends its own rows.
 
 Each driver has its `init` (groups, the engines' init) and its `attempt` (one try of one
 sync: the engines' start / update / finish around the sender). `WeightSync.sync` owns the
 one resend loop around `attempt`; `fold_engine_errors` is the one place an engine's failed
-call is joined to the sync's error. Imports vLLM only through hal.integrations.vllm_info.
+call is joined to the sync's error. Imports vLLM only through hal.integrations.vllm.info.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 import hal
 from hal import env
-from hal.integrations import vllm_internals
+from hal.integrations.vllm import internals as vllm_internals
 from hal.integrations._shared import in_daemon_thread, result_within
-from hal.integrations.vllm_engines import Engine
-from hal.integrations.vllm_info import HalInitInfo, dtype_name
+from hal.integrations.vllm.engines import Engine
+from hal.integrations.vllm.info import HalInitInfo, dtype_name
 from hal.procs import free_port
 from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics, TrainerSync
 from hal.sync.auth import init_proof
@@ -37,7 +37,7 @@ from hal.sync.errors import PeerError
 from hal.sync.group import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group
 from hal.sync.protocol import GroupChannel
 
-logger = logging.getLogger("hal.integrations.vllm_weight_sync")
+logger = logging.getLogger("hal.integrations.vllm.weight_sync")
 
 # What an engine holding some tensors of a failed sync and old ones for the rest reports
 # as its weight version, followed by the last version it held completely.

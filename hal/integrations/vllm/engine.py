@@ -1,7 +1,7 @@
 """A vLLM weight-transfer engine backed by hal: `WeightTransferConfig(backend="hal")`.
 
     llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="hal"))
-    sync = hal.integrations.vllm_client.WeightSync([OfflineEngine(llm)])
+    sync = hal.integrations.vllm.client.WeightSync([OfflineEngine(llm)])
     sync.init(); sync.sync(trainer_model, version=step)
 
 vLLM loads `register()` in every process through the `vllm.general_plugins` entry point
@@ -17,7 +17,7 @@ the device group, which vllm-ascend's `NPUPlatform` cannot build (docs/ascend.md
 engine waits for device work through `hal.current().synchronize()` rather than
 `torch.accelerator.synchronize()` (which raises on a machine without an accelerator).
 What the trainer sends, `HalInitInfo` and `HalUpdateInfo`, lives in
-hal.integrations.vllm_info and is importable from here.
+hal.integrations.vllm.info and is importable from here.
 
 vLLM 0.29-0.31 have no way to shut a weight-transfer engine down (0.32 added it): there, a
 trainer that connects again initialises the engine again, which leaves the earlier
@@ -39,7 +39,7 @@ The engine is a hal `Sink`: the receiver hands it complete tensors per bucket an
 holds its old or its new weights. It reports `version` and `consistent` (see
 `HalWorkerExtension.hal_state`). Engines started with `VERL_HAL_SYNC_TOKEN` accept a
 trainer only if it proves the same token, at init and in every sync (docs/security.md).
-Every private vLLM name used here goes through `hal.integrations.vllm_internals`.
+Every private vLLM name used here goes through `hal.integrations.vllm.internals`.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 import hal
 from hal import env
-from hal.integrations import vllm_internals
-from hal.integrations._reload import CarryArena, kernel_changes, kernel_tensors
-from hal.integrations.vllm_info import ENGINE_TRANSPORTS, HalInitInfo, HalUpdateInfo, dtype_from_name, dtype_name  # noqa: F401 - re-exported
+from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm._reload import CarryArena, kernel_changes, kernel_tensors
+from hal.integrations.vllm.info import ENGINE_TRANSPORTS, HalInitInfo, HalUpdateInfo, dtype_from_name, dtype_name  # noqa: F401 - re-exported
 from hal.sync import SinkPolicy, SpecMismatchError, SyncMetrics, SyncReceiver, TensorSpec
 from hal.sync.endpoints import ALL, ONE, make_receiver, open_transport
 from hal.sync.auth import check_init_proof
@@ -109,7 +109,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         return pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
 
     def init_transfer_engine(self, init_info: HalInitInfo) -> None:
-        from hal.integrations._specs import checkpoint_specs, layer_groups, resolve_model_dir
+        from hal.integrations.vllm._specs import checkpoint_specs, layer_groups, resolve_model_dir
 
         replace = self._group is not None and not vllm_internals.engines_can_be_shut_down()
         if self._group is not None and not replace:
@@ -373,12 +373,12 @@ def register() -> None:
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    register_engine(WeightTransferEngineFactory, BACKEND_NAME, "hal.integrations.vllm", "HalWeightTransferEngine")
+    register_engine(WeightTransferEngineFactory, BACKEND_NAME, "hal.integrations.vllm.engine", "HalWeightTransferEngine")
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     except ImportError:  # vLLM without trainer-side engines
         return
-    register_engine(WeightTransferTrainerFactory, BACKEND_NAME, "hal.integrations.vllm_client", "HalTrainerWeightTransferEngine")
+    register_engine(WeightTransferTrainerFactory, BACKEND_NAME, "hal.integrations.vllm.client", "HalTrainerWeightTransferEngine")
 
 
 def register_engine(factory: Any, name: str, module: str, cls_name: str) -> None:
@@ -394,7 +394,7 @@ def register_engine(factory: Any, name: str, module: str, cls_name: str) -> None
 
 # Importing this module registers "hal" in both factories, as importing vLLM's factory
 # module registers its own engines: a trainer that talks to `vllm serve` over HTTP never
-# runs vLLM's general plugins, and `from hal.integrations.vllm_client import
+# runs vLLM's general plugins, and `from hal.integrations.vllm.client import
 # HalTrainerInitInfo` (which imports this module) must be enough for
 # `WeightTransferTrainerFactory.trainer_init`. Idempotent.
 register()

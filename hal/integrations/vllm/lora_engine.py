@@ -3,7 +3,7 @@
 `HalLoraWeightTransferEngine`, a subclass of the "hal" engine: base tensors go through its
 layerwise reload; the adapter's tensors are built into a vLLM `LoRAModel` while the sync
 runs (checked as vLLM's own loader checks it), then published in peft's layout for vLLM's
-LoRA loader once every rank completed the sync. hal.integrations.vllm_lora says why.
+LoRA loader once every rank completed the sync. hal.integrations.vllm.lora says why.
 
 With `HalInitInfo.rendezvous` (every trainer rank sends its rows: `LoraWeightSync(...,
 senders="all")`) the "hal" engine joins one group per trainer rank and receives base and
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from hal.integrations import vllm_internals
-from hal.integrations.vllm import HalInitInfo, HalUpdateInfo, HalWeightTransferEngine, dtype_from_name
+from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm.engine import HalInitInfo, HalUpdateInfo, HalWeightTransferEngine, dtype_from_name
 from hal.sync import SpecMismatchError, TensorSpec
 from hal.sync.lora import adapter_specs
 

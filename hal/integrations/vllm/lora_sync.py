@@ -29,9 +29,9 @@ from typing import Any, Sequence
 
 import torch
 
-from hal.integrations.vllm_engines import Engine, as_engine
-from hal.integrations.vllm_lora_engine import DEFAULT_LORA_ID, DEFAULT_LORA_NAME, HalLoraInitInfo
-from hal.integrations.vllm_weight_sync import SyncResult, WeightSync
+from hal.integrations.vllm.engines import Engine, as_engine
+from hal.integrations.vllm.lora_engine import DEFAULT_LORA_ID, DEFAULT_LORA_NAME, HalLoraInitInfo
+from hal.integrations.vllm.weight_sync import SyncResult, WeightSync
 from hal.sync import SyncConfig, TensorSource
 from hal.sync.lora import BaseWeightTracker, LoraSyncDecision, MergedSource, adapter_tensors, base_tensors
 from hal.sync import errors

@@ -1,7 +1,7 @@
 """`WeightSync`: push a trainer's weights into one or more live vLLM engines through hal.
 
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
     sync = WeightSync([OfflineEngine(llm), HTTPVLLMWeightSyncClient("http://127.0.0.1:8000")])
     sync.init()                                   # once: the group is reused by every sync
     result = sync.sync(model, version=step)       # start / update (+ send) / finish / reset cache
@@ -9,7 +9,7 @@
 
 Each engine is driven through vLLM's native weight-update API: through vLLM's own clients
 (`HTTPVLLMWeightSyncClient`, `RayVLLMWeightSyncClient`, or any `VLLMWeightSyncClient`)
-or, where vLLM has none, hal's adapters (hal.integrations.vllm_engines). The engine-side
+or, where vLLM has none, hal's adapters (hal.integrations.vllm.engines). The engine-side
 `update_weights` call blocks until the workers have received and applied everything, so it
 runs in a background thread while this thread runs the hal `Sender`; both are bounded by a
 timeout and any failure on either side fails the sync with an error that names the engine.
@@ -36,10 +36,10 @@ from typing import Any, Sequence
 
 from hal import env
 from hal.integrations._shared import SyncResult, keep_stdout
-from hal.integrations.vllm_drivers import INCONSISTENT_PREFIX, EngineCalls, GatherThenSend, OneSender, Settings
-from hal.integrations.vllm_engines import Engine, as_engine
-from hal.integrations.vllm_info import ENGINE_TRANSPORTS
-from hal.integrations.vllm_sharded_sync import EveryRankSends
+from hal.integrations.vllm.drivers import INCONSISTENT_PREFIX, EngineCalls, GatherThenSend, OneSender, Settings
+from hal.integrations.vllm.engines import Engine, as_engine
+from hal.integrations.vllm.info import ENGINE_TRANSPORTS
+from hal.integrations.vllm.sharded_sync import EveryRankSends
 from hal.sync import Sender, SyncConfig, SyncError
 from hal.sync.errors import check_version
 from hal.sync.protocol import GroupChannel
