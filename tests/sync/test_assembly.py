@@ -149,3 +149,15 @@ def test_a_bad_budget_is_refused_by_name(budget):
 
     with pytest.raises(ValueError, match="budget_bytes must be a non-negative int"):
         ShardedReceiver([object()], None, budget_bytes=budget)
+
+
+def test_the_engines_sink_hears_of_a_failed_sync_once_whichever_part_concludes_first():
+    """Each sender's receive concludes itself (`IncomingSync.settle`) and tells its part sink;
+    the engine's sink is aborted once, not once per sender."""
+    aborted = []
+    sink = Recorder()
+    sink.abort = lambda: aborted.append(True)
+    assembler = assembler_of(1 << 20, timeout_s=20, sink=sink)
+    for sender in (0, 1):
+        assembler.part_sink(sender).abort()
+    assert aborted == [True]
