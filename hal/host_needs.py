@@ -1,6 +1,6 @@
 """What hal relies on in a host package it may not be able to import (vLLM's CUDA builds,
 torch_npu): one `Need` per name, call, message or base class, declared beside the code
-that relies on it (`VLLM_NEEDS` in hal.integrations.vllm_needs, beside the fence;
+that relies on it (`VLLM_NEEDS` in hal.integrations.vllm.needs, beside the fence;
 `TORCH_NPU_NEEDS` in hal.backends.npu). tests/hosts/ reads the host's Python sources with `ast` (never
 importing them) and checks every table; docs/ci.md records the reads.
 

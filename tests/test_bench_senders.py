@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hal import cli
-from hal.sync.layout import chunk_rows as layout_chunk_rows
+from hal.sync.shard_plan import chunk_rows as layout_chunk_rows
 from hal.tools.bench import buffers, presets, record, senders, senders_rank
 from tests.test_bench import _gone
 

@@ -56,7 +56,7 @@ def test_importing_the_library_loads_no_tool():
         "    importlib.import_module(name)\n"
         "import hal.integrations, hal.sync\n"
         "for pkg in (hal.integrations, hal.sync):\n"
-        "    for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + '.'):\n"
+        "    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
         "        try:\n"
         "            importlib.import_module(info.name)\n"
         "        except ImportError:\n"
@@ -88,3 +88,86 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert not cycles, cycles
+
+
+# ---- one module's insides are its own (issue 26) ----------------------------------------------
+# A private name (one leading underscore) is read only where it is defined: no module imports
+# another's, imports another package's private module, or reads a private attribute that
+# another module of hal defines (`other._group`). Reads of other libraries' private names are
+# not hal's to police here; the fenced modules (`vllm_internals`, `verl_internals`) hold those.
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_privates(tree: ast.AST) -> set[str]:
+    """Private names a module defines: functions, classes, assignments, `self._x = ...`."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Name) and _private(sub.id):
+                        names.add(sub.id)
+                    elif isinstance(sub, ast.Attribute) and _private(sub.attr):
+                        names.add(sub.attr)
+        elif isinstance(node, ast.arg) and _private(node.arg):
+            names.add(node.arg)
+    return names
+
+
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def test_no_module_reads_another_modules_private_names():
+    modules = _modules()
+    trees = {m: ast.parse(p.read_text()) for m, p in modules.items()}
+    defined = {m: _defined_privates(t) for m, t in trees.items()}
+    offences = []
+    for name, tree in trees.items():
+        package = _package_of(name, modules[name])
+        others = set().union(*(d for m, d in defined.items() if m != name)) - defined[name]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hal"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    if _private(alias.name) and full not in modules:
+                        offences.append(f"{name}:{node.lineno} imports {alias.name} from {node.module}")
+                    target = full if full in modules else node.module
+                    private_module = next((part for part in target.split(".") if _private(part)), None)
+                    if private_module is not None:
+                        owner = target[: target.index(private_module) - 1]
+                        if not (package == owner or package.startswith(owner + ".")):
+                            offences.append(f"{name}:{node.lineno} imports {target}, private to {owner}")
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in others:
+                base = node.value
+                if not (isinstance(base, ast.Name) and base.id in ("self", "cls")):
+                    offences.append(f"{name}:{node.lineno} reads .{node.attr}, another module's private name")
+    assert not offences, "\n".join(offences)
+
+
+# ---- a receiver or a source is used through its declared protocol, never probed ---------------
+_PROBED = ("receiver", "source")
+
+
+def _last_name(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ""
+
+
+def test_no_getattr_probe_of_a_receiver_or_a_source():
+    offences = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and node.args:
+                probed = _last_name(node.args[0]).lower()
+                if any(word in probed for word in _PROBED):
+                    offences.append(f"{name}:{node.lineno} {node.func.id}({_last_name(node.args[0])}, ...)")
+    assert not offences, "\n".join(offences)

@@ -326,7 +326,7 @@ def offloaded_sync_worker(rank: int, world_size: int):
     import io
 
     from hal.sync import BroadcastTransport, ModuleSource, Receiver, Sender, SyncConfig
-    from hal.sync.rollout import allocate, copy_into
+    from hal.sync.engine_specs import allocate, copy_into
 
     config = SyncConfig(bucket_bytes=8192, timeout_s=30.0)
     transport = BroadcastTransport(src=0)

@@ -27,10 +27,11 @@ class ImmediateEvent:
 
     def __init__(self, timing: bool = False) -> None:
         self.timing = timing
-        self._time: float | None = None
+        self.recorded_at: float | None = None
+        """When the event completed (`time.perf_counter()`), None before."""
 
     def record(self, stream: Stream | None = None) -> None:
-        self._time = time.perf_counter()
+        self.recorded_at = time.perf_counter()
 
     def wait(self, stream: Stream | None = None) -> None:
         pass
@@ -43,15 +44,17 @@ class ImmediateEvent:
 
     def elapsed_time(self, end_event: "ImmediateEvent") -> float:
         """Milliseconds from this event to `end_event`, as torch.cuda.Event reports it."""
-        _check_timing(self, end_event)
-        return (end_event._time - self._time) * 1000.0
+        return elapsed_ms(self, end_event)
 
 
-def _check_timing(start: Any, end: Any) -> None:
+def elapsed_ms(start: Any, end: Any) -> float:
+    """Milliseconds between two completed host-timed events (`timing`, `recorded_at`), with
+    torch.cuda.Event's errors: this backend's and the simulated one's `elapsed_time`."""
     if not (start.timing and end.timing):  # ValueError, as torch.cuda.Event says it (torch >= 2.11)
         raise ValueError("elapsed_time needs both events created with timing=True")
-    if start._time is None or end._time is None:
+    if start.recorded_at is None or end.recorded_at is None:
         raise RuntimeError("elapsed_time: both events must have been recorded and completed")
+    return (end.recorded_at - start.recorded_at) * 1000.0
 
 
 class ImmediateStream:

@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Callable
 
 from hal import env
-from hal.backends.cpu import CpuBackend, _check_timing
+from hal.backends.cpu import CpuBackend, elapsed_ms
 
 
 class SimEvent:
@@ -28,7 +28,8 @@ class SimEvent:
     def __init__(self, timing: bool = False, current_stream: Callable[[], "SimStream"] | None = None) -> None:
         self.timing = timing
         self._current_stream = current_stream
-        self._time: float | None = None
+        self.recorded_at: float | None = None
+        """When the stream reached this event (`time.perf_counter()`), None before."""
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._done.set()  # like CUDA: an event never recorded counts as complete
@@ -44,7 +45,7 @@ class SimEvent:
         # returns an earlier kernel's error (taken off the stream: reported once).
         with stream._idle:
             self._error, stream._error = stream._error, None
-        self._time = time.perf_counter()
+        self.recorded_at = time.perf_counter()
         done.set()
 
     def wait(self, stream: "SimStream | None" = None) -> None:
@@ -67,8 +68,7 @@ class SimEvent:
     def elapsed_time(self, end_event: "SimEvent") -> float:
         self.synchronize()
         end_event.synchronize()
-        _check_timing(self, end_event)
-        return (end_event._time - self._time) * 1000.0
+        return elapsed_ms(self, end_event)
 
 
 # Streams with queued work or an unreported error. As on CUDA, dropping the last handle

@@ -8,7 +8,7 @@ A trainer written against verl changes its device layer by changing one import:
 Matched against verl 0.9.1's `verl/utils/device.py` (docs/verl-compat.md has the table;
 tests/compat/test_verl.py compares the names with the installed verl where there is one).
 verl 0.9.1 itself answers through its platform registry, where verl-hal is the platform
-"hal" (`VERL_PLATFORM=hal`, hal.integrations.verl_platform); this module gives the same
+"hal" (`VERL_PLATFORM=hal`, hal.integrations.verl.platform); this module gives the same
 answers without verl installed. verl decides with module-level probes of
 the device modules at import time; here every answer comes from the backend
 VERL_DEVICE resolved, so `VERL_DEVICE=cpu` on a GPU host makes every answer "cpu".

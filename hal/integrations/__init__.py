@@ -1,25 +1,23 @@
-"""Integrations with inference engines.
+"""Integrations with the hosts a weight sync runs in, one package per host.
 
-What importing each module does (`import hal` and `import hal.integrations` import none
-of them, and no engine):
+What importing each does (`import hal` and `import hal.integrations` import none of them,
+and no host):
 
-- `hal.integrations.vllm`: the vLLM weight-transfer engine `backend="hal"` (worker side),
-  with `vllm_info` (its init and update info, transports, dtype names) and `_reload`.
-  Imports vLLM's weight-transfer base classes at import time (it subclasses them).
-  vLLM calls its `register()` in every process through the `vllm.general_plugins` entry
-  point `hal_weight_transfer` that pyproject.toml declares; importing it registers nothing.
-- `hal.integrations.vllm_lora`: the LoRA engine `backend="hal-lora"`. Importing it
-  registers the backend (also declared as the entry point `hal_lora_weight_transfer`).
-- `hal.integrations.vllm_client`: the trainer side (`WeightSync`), driving vLLM's own
-  weight-sync clients (HTTP servers, Ray actors), offline `LLM`s, and vLLM's trainer
-  factory; it gathers the names of vllm_weight_sync, vllm_engines and
-  vllm_trainer_engine. Imports vLLM's trainer base classes and clients at import time.
-- `hal.integrations.ray`: Ray placement and tear-down (ray_placement, ray_scope). Imports
-  no Ray until called.
-- `hal.integrations.verl_plugin`: verl's platform and checkpoint engine "hal"
-  (verl_platform, verl_checkpoint with verl_settings, verl_weights and verl_topology: the
-  sync groups of one update, one per sending trainer rank with `senders: all`). Imports verl.
-- `hal.integrations.vllm_internals`: every private vLLM name verl-hal uses, behind a
-  version check; `vllm_needs` lists them with how hal calls them and in which releases
-  (tests/hosts/ reads them against real vLLM sources). Imports vLLM only inside its functions.
+- `hal.integrations.vllm`: vLLM's weight-transfer engines `backend="hal"` and "hal-lora"
+  (worker side) and the trainer side that drives them (`vllm.client`: `WeightSync`, over
+  vLLM's own HTTP and Ray clients). Importing the package imports no vLLM; its modules say
+  what they import. vLLM calls `register()` in every process through the
+  `vllm.general_plugins` entry points pyproject.toml declares.
+- `hal.integrations.verl`: verl's platform and checkpoint engine "hal"; `verl.plugin` is
+  the `verl.plugins` entry point (imports verl).
+- `hal.integrations.ray`: Ray placement and tear-down. Imports no Ray until called.
+- `_shared`: small helpers the hosts' packages share (threads, results, version strings).
+
+Every private vLLM or verl name verl-hal uses is behind one fenced module per host
+(`vllm.internals`, `verl.internals`), version-checked.
+
+The flat modules of before the split by host (`hal.integrations.vllm_client`,
+`vllm_engines`, `vllm_internals`, `vllm_lora`, `verl_checkpoint`, `verl_internals`,
+`verl_platform`, `verl_plugin`, `ray_placement`, `ray_scope`) are still importable, each
+as the very module it moved to, for the code, configs and entry points that name them.
 """

@@ -1,43 +1,9 @@
-"""Trainer side: push a trainer's weights into one or more live vLLM engines through hal.
+"""The former path of hal.integrations.vllm.client, kept for the code, configs and entry
+points written against it: importing it gives that very module (one module object, so a
+patch or an `isinstance` through either path is the same)."""
 
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+import sys
 
-    sync = WeightSync([OfflineEngine(llm), HTTPVLLMWeightSyncClient("http://127.0.0.1:8000")])
-    sync.init()                                   # once: the group is reused by every sync
-    result = sync.sync(model, version=step)       # start / update (+ send) / finish / reset cache
-    sync.close()
+from hal.integrations.vllm import client as _moved
 
-The names a trainer uses, from the modules that hold them:
-
-- hal.integrations.vllm_weight_sync: `WeightSync` (one group, every sync), `SyncResult`,
-  `INCONSISTENT_PREFIX`;
-- hal.integrations.vllm_engines: what a sync drives. vLLM's own clients
-  (`HTTPVLLMWeightSyncClient`, `RayVLLMWeightSyncClient`, any `VLLMWeightSyncClient`),
-  completed by `ClientEngine` with version read-back and the prefix-cache reset; hal's
-  adapters where vLLM has no client: `OfflineEngine` (an offline `LLM` here) and
-  `ExtensionEngine` (through hal's worker extension); the `Engine` protocol;
-- hal.integrations.vllm_trainer_engine: `HalTrainerInitInfo` and
-  `HalTrainerWeightTransferEngine`, hal behind vLLM's `WeightTransferTrainerFactory`.
-
-Importing this module registers "hal" in vLLM's engine and trainer factories.
-"""
-
-from __future__ import annotations
-
-from hal.integrations.vllm_engines import ClientEngine, Engine, ExtensionEngine, OfflineEngine, as_engine
-from hal.integrations.vllm_trainer_engine import HalTrainerInitInfo, HalTrainerWeightTransferEngine
-from hal.integrations.vllm_weight_sync import INCONSISTENT_PREFIX, SyncResult, WeightSync
-
-__all__ = [
-    "INCONSISTENT_PREFIX",
-    "ClientEngine",
-    "Engine",
-    "ExtensionEngine",
-    "HalTrainerInitInfo",
-    "HalTrainerWeightTransferEngine",
-    "OfflineEngine",
-    "SyncResult",
-    "WeightSync",
-    "as_engine",
-]
+sys.modules[__name__] = _moved

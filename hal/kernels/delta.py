@@ -6,6 +6,8 @@ when to use them.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from hal.kernels.layout import align_up
@@ -17,7 +19,16 @@ from hal.kernels.layout import align_up
 # is one or more whole words). Payload layouts (all offsets 8-aligned):
 #   INDICES: [count int64][count int32 word indices, padded to 8][count values]
 #   BITMASK: [count int64][ceil(words / 8) bytes, bit i = word i changed, padded to 8][count values]
-DENSE, INDICES, BITMASK = 0, 1, 2
+class Encoding(enum.IntEnum):
+    """How a segment's bytes travel: the one list of encodings (the segment's status on the
+    wire carries it: hal.sync.protocol.SegmentStatus)."""
+
+    DENSE = 0  # the segment's bytes as packed
+    INDICES = 1  # the words that changed, by index
+    BITMASK = 2  # the words that changed, by bitmask
+
+
+DENSE, INDICES, BITMASK = Encoding.DENSE, Encoding.INDICES, Encoding.BITMASK
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 # Entry v: the 8 bytes (0 or 1) that mask byte v stands for, bit i in byte i, held as one

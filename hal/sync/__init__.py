@@ -14,7 +14,8 @@ engine tensor with its old or its new bytes, and the receiver says whether it is
 `consistent` (docs/design.md, "Failures").
 """
 
-from hal.sync.config import DeltaConfig, SyncConfig, default_bucket_bytes, wire_dtype_for
+from hal.sync.config import DeltaConfig, SyncConfig, WaitBounds, default_bucket_bytes, wire_dtype_for
+from hal.sync.endpoints import SENDING, TRANSPORTS, SyncReceiver, make_receiver, make_sender, open_transport
 from hal.sync.errors import (
     AuthError,
     ChecksumMismatchError,
@@ -25,13 +26,14 @@ from hal.sync.errors import (
     SpecMismatchError,
     StaleVersionError,
     SyncError,
+    VersionError,
 )
 from hal.sync.header import SyncHeader
 from hal.sync.hierarchy import HierarchicalTransport
 from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import BucketPlan, PlanCache, TensorSpec, build_plan
 from hal.sync.receiver import Receiver
-from hal.sync.rollout import CopyInto, copy_into
+from hal.sync.sink import CopyInto, copy_into
 from hal.sync.sender import Sender
 from hal.sync.sharded import ShardedReceiver, ShardedSender
 from hal.sync.sink import Sink, SinkPolicy, as_sink
@@ -55,6 +57,7 @@ __all__ = [
     "ModuleSource",
     "PeerError",
     "PlanCache",
+    "SENDING",
     "Receiver",
     "SegmentStatus",
     "Sender",
@@ -69,15 +72,22 @@ __all__ = [
     "SyncError",
     "SyncHeader",
     "SyncMetrics",
+    "SyncReceiver",
+    "TRANSPORTS",
     "TensorSource",
     "TensorSpec",
     "TrainerSync",
     "Transport",
+    "VersionError",
+    "WaitBounds",
     "WeightSource",
     "as_sink",
     "as_source",
     "build_plan",
     "copy_into",
     "default_bucket_bytes",
+    "make_receiver",
+    "make_sender",
+    "open_transport",
     "wire_dtype_for",
 ]

@@ -92,15 +92,18 @@ class PartSink:
         self.assembler.take(self.sender, pairs)
 
     def abort(self) -> None:
-        pass  # the assembler's owner aborts the engine's sink once
+        self.assembler.abort()  # the engine's sink hears it once, from whichever part concludes first
 
 
 class Assembler:
     """One sync's assembly (see the module doc); made by `ShardedReceiver.receive`."""
 
-    def __init__(self, pool: BufferPool, streams: list[Any], budget_bytes: int, timeout_s: float) -> None:
-        """`streams`: one per sender's thread, then one for handing over (kept across syncs)."""
+    def __init__(self, pool: BufferPool, streams: list[Any], budget_bytes: int, timeout_s: float, sink: Sink) -> None:
+        """`streams`: one per sender's thread, then one for handing over (kept across syncs);
+        `sink`: the engine's."""
         self.pool = pool
+        self.sink = sink
+        self._aborted = False
         self.backend = pool.backend
         self.streams = streams
         senders = len(streams) - 1
@@ -180,8 +183,8 @@ class Assembler:
             self._cond.notify_all()
 
     # ---- the caller's thread ------------------------------------------------------------
-    def drain(self, sink: Sink) -> None:
-        """Hand every tensor to `sink` as it completes, until every sender's thread ended."""
+    def drain(self) -> None:
+        """Hand every tensor to the sink as it completes, until every sender's thread ended."""
         while True:
             with self._cond:
                 while not self._ready and self._running:
@@ -191,7 +194,7 @@ class Assembler:
                     return
             if not self.discard:
                 try:
-                    self._hand_over(sink, batch)
+                    self._hand_over(self.sink, batch)
                 except Exception as exc:  # noqa: BLE001 - reported at the agreement; the others keep receiving
                     self.error = exc
                     self.discard = True
@@ -219,6 +222,12 @@ class Assembler:
             stream.wait_stream(self.backend.current_stream())
         self.backend.copy_many_(dsts, srcs, stream=stream, shapes_checked=True)
         stream.synchronize()
+
+    def abort(self) -> None:
+        """The sync failed: tell the engine's sink, once (every part's conclusion calls this)."""
+        if not self._aborted:
+            self._aborted = True
+            self.sink.abort()
 
     def stop(self) -> None:
         """The sync failed: take what still arrives and keep none of it."""

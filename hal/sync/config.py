@@ -41,6 +41,26 @@ class DeltaConfig:
             raise ValueError(f"DeltaConfig.choose must be 'time' or 'bytes', got {self.choose!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class WaitBounds:
+    """Every bound a sync's waits derive from one timeout setting, computed here and nowhere
+    else (`SyncConfig.bounds` for a sender, a receiver's from its own `timeout_s`)."""
+
+    timeout_s: float
+
+    @property
+    def step_s(self) -> float:
+        """One wait for a peer: one transfer, one agreement."""
+        return self.timeout_s
+
+    @property
+    def behind_s(self) -> float:
+        """A wait for a peer that may itself be waiting out a step on another group first
+        (a trainer rank while the sending rank waits on the sync group; a sender of several
+        at its final agreement, while the receivers wait for the other senders' bytes)."""
+        return 2 * self.timeout_s
+
+
 @dataclass(kw_only=True, slots=True)
 class SyncConfig:
     """How a sync moves weights: the sending side's settings.
@@ -83,6 +103,11 @@ class SyncConfig:
     """Delta sync (`DeltaConfig`): after a complete sync, later ones send per segment only
     the words that changed, when that is smaller. None: every sync sends everything."""
 
+    @property
+    def bounds(self) -> WaitBounds:
+        """The waits of a sync, derived from `timeout_s`."""
+        return WaitBounds(self.timeout_s)
+
     def __post_init__(self) -> None:
         if self.bucket_bytes is not None and (not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 4096):
             raise ValueError(f"SyncConfig.bucket_bytes must be an int of at least 4096 bytes, got {self.bucket_bytes!r}")
@@ -105,11 +130,11 @@ def wire_dtype_for(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.
     return wire_dtype
 
 
-def default_bucket_bytes(backend: Backend, largest_tensor_bytes: int = 0, senders: int = 1) -> int:
+def default_bucket_bytes(backend: Backend, largest_tensor_bytes: int = 0, sender_count: int = 1) -> int:
     """1/64 of free device memory, between 32 MiB and 256 MiB, rounded to whole MiB;
     raised to hold the largest tensor whole when two such buckets take at most 1/8 of
     free memory. With several senders into the same receivers (every trainer rank sends,
-    hal.sync.sharded) each takes 1/`senders` of that (at least 1 MiB): a receiver holds two
+    hal.sync.sharded) each takes 1/`sender_count` of that (at least 1 MiB): a receiver holds two
     buckets per sender, and all of them add up to what one sender's would.
 
     Two buckets per side must fit beside the model and the engine's KV cache; past a few
@@ -119,7 +144,7 @@ def default_bucket_bytes(backend: Backend, largest_tensor_bytes: int = 0, sender
     """
     free = backend.memory_info().free
     size = max(32 * MIB, min(256 * MIB, free // 64 // MIB * MIB))
-    size = max(MIB, size // max(1, senders) // MIB * MIB)
+    size = max(MIB, size // max(1, sender_count) // MIB * MIB)
     whole = -(-(largest_tensor_bytes + 64 * 1024) // MIB) * MIB  # room for alignment and checksums
     if whole > size and 2 * whole <= free // 8:
         size = whole

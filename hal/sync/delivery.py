@@ -30,6 +30,15 @@ from hal.sync.sink import Pairs, Sink
 _MAX_REPORTED = 5
 
 
+def destination_problem(spec: TensorSpec, dest: Any) -> str | None:
+    """What is wrong with `dest` as the destination of a tensor of `spec` (a destination must
+    be a tensor of the sync's shape; its dtype may differ: the copy casts), or None."""
+    if isinstance(dest, torch.Tensor) and tuple(dest.shape) == spec.shape:
+        return None
+    got = tuple(dest.shape) if isinstance(dest, torch.Tensor) else type(dest).__name__
+    return f"parameter {spec.name!r}: the engine's destination has shape {got}, the sync carries {spec.shape}"
+
+
 @dataclass(frozen=True, slots=True)
 class Destinations:
     """The sink's destinations for one sync, as the header check asked it for them."""
@@ -178,7 +187,7 @@ class Delivery:
         """
         if not is_solo(bucket, segment):
             return None
-        index, lo, hi = segment.parts[0]
+        index, lo, hi = segment.ranges[0]
         piece = bucket.pieces[index]
         name = piece.spec.name
         dest = self.exact.get(name)
@@ -223,7 +232,7 @@ class Delivery:
     def _arrived_plain(self, bucket: Bucket, j: int, segment: Segment, landed: bool) -> Pairs | Handover:
         """What segment j completes on the plain path: a cached handover when it is packed
         whole tensors in the transport's buffer (the case of thousands of small tensors)."""
-        if landed or not segment.parts:
+        if landed or not segment.ranges:
             return self.arrived(bucket, segment, landed)
         buffer = self.transport.buffer(bucket.index)
         key = (buffer.data_ptr(), buffer.numel(), bucket.index, j)
@@ -231,7 +240,7 @@ class Delivery:
         if found is not None:
             return found  # (only a segment of whole tensors is ever kept)
         pieces = bucket.pieces
-        if not all(pieces[i].is_whole for i, _, _ in segment.parts):
+        if not all(pieces[i].is_whole for i, _, _ in segment.ranges):
             return self.arrived(bucket, segment, landed)
         return self.kept.keep_handover(key, make_handover(self.arrived(bucket, segment, False, buffer), self.destinations))
 
@@ -240,7 +249,7 @@ class Delivery:
         the destination when landed, else `buffer`, by default the bucket's image)."""
         out: Pairs = []
         if landed:
-            index, _, hi = segment.parts[0]
+            index, _, hi = segment.ranges[0]
             piece = bucket.pieces[index]
             if hi == piece.nbytes and piece.is_last:
                 self.landing.discard(piece.spec.name)
@@ -250,7 +259,7 @@ class Delivery:
             buffer = self.image(bucket.index)
         views = self.kept.views.of(self.plan, buffer, bucket)
         stream, copied = self.kept.stream, False
-        for index, _, hi in segment.parts:
+        for index, _, hi in segment.ranges:
             piece = bucket.pieces[index]
             spec = piece.spec
             if hi != piece.nbytes:

@@ -46,6 +46,19 @@ class SyncError(RuntimeError):
         return any(rep.sender and rep.error for rep in self.reports.values())
 
 
+class VersionError(ValueError, TypeError):
+    """A weight version that is not an int in 0 <= version < 2**63 (the trainer's step).
+    Both a ValueError and a TypeError: callers of either era catch it (`check_version`)."""
+
+
+def check_version(version: object) -> int:
+    """`version` as a sync's weight version; `VersionError` naming it otherwise (the one
+    check every sending side makes before anything is sent)."""
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
+        raise VersionError(f"version must be a non-negative int below 2**63 (e.g. the global step), got {version!r}")
+    return version
+
+
 class HeaderError(SyncError, ValueError):
     """A sync header that is malformed, truncated, oversize or not of this protocol (nothing was applied)."""
 
@@ -80,7 +93,7 @@ class PeerError(SyncError):
     """Another rank failed, died or did not answer within the timeout."""
 
 
-# Errors cross ranks as small JSON reports (Transport.agree); every rank then raises the
+# Errors cross ranks as small JSON reports (GroupChannel.agree); every rank then raises the
 # same class, so a test on any rank sees what went wrong where.
 _KINDS: dict[str, type[SyncError]] = {
     "header": HeaderError,
@@ -92,7 +105,22 @@ _KINDS: dict[str, type[SyncError]] = {
     "source": SourceError,
     "peer": PeerError,
 }
+# Failures that are not a sync's own but that every rank of a composite must raise alike
+# (a trainer rank's ValueError at init, a LoRA part it cannot read): told with
+# `keep_class=True` they keep their class (`rebuild`); any other class comes back a
+# RuntimeError with the same message. A sync's own agreement never raises these
+# (`raise_if_any` raises a `SyncError` for them), whatever a peer says.
+_PLAIN: dict[str, type[Exception]] = {
+    "value": ValueError,
+    "type": TypeError,
+    "key": KeyError,
+    "not_implemented": NotImplementedError,
+    "runtime": RuntimeError,
+    "timeout": TimeoutError,
+}
 _MAX_MESSAGE = 2000
+_FAILED_BIT = 8  # in `RankReport.told`: that rank reported an error
+_MAX_TOLD = 512  # ranks a retold failure names (flags beyond these are dropped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +137,11 @@ class RankReport:
     inconsistent: bool = False
     resend: bool = False
     """From the sending trainer rank to the others (`TrainerSync`): the same sync follows again."""
+    told: tuple[tuple[int, int], ...] = ()
+    """For an error that is itself the outcome of another group's agreement (a `SyncError`
+    retold over the trainer's group, `report_exception(..., keep_class=True)`): the ranks
+    of that agreement that said something, as (rank, flags; `_FAILED_BIT` where it failed),
+    so that every rank rebuilds the same `reports` (`rebuild`)."""
 
     @property
     def flags(self) -> int:
@@ -118,7 +151,10 @@ class RankReport:
         """The error as JSON, or "" for none."""
         if self.error is None:
             return ""
-        return json.dumps({"e": self.error[:_MAX_MESSAGE], "k": self.kind}, separators=(",", ":"))
+        word: dict = {"e": self.error[:_MAX_MESSAGE], "k": self.kind}
+        if self.told:
+            word["r"] = [list(pair) for pair in self.told[:_MAX_TOLD]]
+        return json.dumps(word, separators=(",", ":"))
 
     @classmethod
     def decode(cls, text: str | None, flags: int = 0) -> "RankReport":
@@ -128,14 +164,33 @@ class RankReport:
             return cls(sender=sender, inconsistent=inconsistent, resend=resend)
         try:
             raw = json.loads(text)
-            if not isinstance(raw, dict) or set(raw) != {"e", "k"}:
-                raise ValueError("not an object with keys e, k")
-            error, kind = raw["e"], raw["k"]
+            if not isinstance(raw, dict) or not {"e", "k"} <= set(raw) <= {"e", "k", "r"}:
+                raise ValueError("not an object with keys e, k (and r)")
+            error, kind, told = raw["e"], raw["k"], raw.get("r", [])
             if not isinstance(error, str) or not isinstance(kind, str):
                 raise ValueError("bad field types")
+            told = tuple(_told_pair(pair) for pair in told[:_MAX_TOLD]) if isinstance(told, list) else _told_pair(told)
         except (ValueError, RecursionError) as exc:
             return cls(error=f"unreadable status report ({exc}): {text[:200]!r}", kind="peer", sender=sender, inconsistent=inconsistent, resend=resend)
-        return cls(error=error[:_MAX_MESSAGE], kind=kind if kind in _KINDS else "error", sender=sender, inconsistent=inconsistent, resend=resend)
+        kind = kind if kind in _KINDS or kind in _PLAIN else "error"
+        return cls(error=error[:_MAX_MESSAGE], kind=kind, sender=sender, inconsistent=inconsistent, resend=resend, told=told)
+
+    @property
+    def told_reports(self) -> "dict[int, RankReport]":
+        """`told` as the reports of the agreement it came from (an error says only "failed")."""
+        return {
+            rank: RankReport(error="failed" if flags & _FAILED_BIT else None, sender=bool(flags & 1), inconsistent=bool(flags & 2))
+            for rank, flags in self.told
+        }
+
+
+def _told_pair(pair: object) -> tuple[int, int]:
+    if (
+        not isinstance(pair, list) or len(pair) != 2 or not all(type(x) is int for x in pair)
+        or not 0 <= pair[0] < 2**31 or not 0 <= pair[1] < 16
+    ):
+        raise ValueError(f"r: expected a list of [rank, flags], got {pair!r}"[:200])
+    return pair[0], pair[1]
 
 
 MAX_REPORTED = 5  # problems named in one refusal; the rest are counted
@@ -153,16 +208,53 @@ def error_class(kind: str) -> type[SyncError]:
     return _KINDS.get(kind, SyncError)
 
 
-def kind_of(exc: BaseException) -> str:
+def kind_of(exc: BaseException, *, keep_class: bool = False) -> str:
+    """A report's kind for `exc`: its `SyncError` class, else "error" (or, with
+    `keep_class`, its plain class: "value", "type", ..., else "runtime")."""
     for kind, cls in _KINDS.items():
         if isinstance(exc, cls):
             return kind
-    return "error"
+    if isinstance(exc, SyncError) or not keep_class:
+        return "error"
+    return next((kind for kind, cls in _PLAIN.items() if isinstance(exc, cls)), "runtime")
 
 
-def report_exception(exc: BaseException, *, sender: bool, inconsistent: bool = False, resend: bool = False) -> RankReport:
-    message = str(exc) if isinstance(exc, SyncError) else f"{type(exc).__name__}: {exc}"
-    return RankReport(error=message, kind=kind_of(exc), sender=sender, inconsistent=inconsistent, resend=resend)
+def report_exception(
+    exc: BaseException, *, sender: bool, inconsistent: bool = False, resend: bool = False, keep_class: bool = False
+) -> RankReport:
+    """This rank's report of `exc`. A sync's own reports name any other class in the
+    message (`"KeyError: ..."`) and come back a `SyncError`; with `keep_class` (a composite
+    of ranks telling its members one failure, `rebuild`) the class itself travels, and a
+    `SyncError` brings the reports of the agreement it came from (`RankReport.told`)."""
+    if isinstance(exc, SyncError) or keep_class:
+        message = str(exc)
+    else:
+        message = f"{type(exc).__name__}: {exc}"
+    told: tuple[tuple[int, int], ...] = ()
+    if keep_class and isinstance(exc, SyncError):
+        told = tuple(
+            (rank, rep.flags | (_FAILED_BIT if rep.error else 0))
+            for rank, rep in sorted(exc.reports.items())
+            if rep.error or rep.flags
+        )
+    kind = kind_of(exc, keep_class=keep_class)
+    return RankReport(error=message, kind=kind, sender=sender, inconsistent=inconsistent, resend=resend, told=told)
+
+
+def rebuild(report: RankReport, prefix: str = "", *, reports: "dict[int, RankReport] | None" = None, my_rank: int | None = None) -> Exception:
+    """The error `report` tells (it has one), as its own class with its message after
+    `prefix`: a `SyncError` subclass with `reports` (default: those it retells,
+    `RankReport.told`), or the plain class `report_exception(..., keep_class=True)` kept."""
+    plain = _PLAIN.get(report.kind)
+    if plain is not None:
+        return plain(prefix + (report.error or ""))
+    told = report.told_reports if reports is None else reports
+    return error_class(report.kind)(prefix + (report.error or ""), reports=told, my_rank=my_rank)
+
+
+def first_failure(reports: "list[RankReport]") -> "tuple[int, RankReport] | None":
+    """(rank, report) of the lowest rank that reported an error, or None."""
+    return next(((rank, rep) for rank, rep in enumerate(reports) if rep.error), None)
 
 
 def raise_if_any(reports: "list[RankReport]", my_rank: int, what: str) -> None:

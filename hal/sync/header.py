@@ -6,7 +6,7 @@ its input as hostile: anything malformed, truncated, oversize or of another prot
 raises `HeaderError` naming what is wrong, in time and memory bounded by
 `MAX_HEADER_BYTES`, and no other exception gets out.
 
-    challenge = transport.challenge()                                      # every rank
+    challenge = transport.channel.challenge()                              # every rank
     data = SyncHeader.from_plan(plan, version=step, token=token, challenge=challenge).encode()  # trainer
     header = SyncHeader.decode(data)                                       # each engine worker
     check_auth(header, engine_token, challenge)                            # hal.sync.auth
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from hal.sync.auth import auth_proof
 from hal.sync.errors import HeaderError
 from hal.sync.header_json import (  # noqa: F401 - the wire's limits and names, re-exported
-    _ITEMSIZE, _KEYS, _NAME_OF, _SPECS_AT, _SPECS_END, AUTH_CHARS, DIGEST_CHARS, HEADER_PROTOCOL, MAX_BUCKET_BYTES, MAX_DIM, MAX_DIMS,
+    ITEMSIZE, KEYS, NAME_OF, SPECS_AT, SPECS_END, AUTH_CHARS, DIGEST_CHARS, HEADER_PROTOCOL, MAX_BUCKET_BYTES, MAX_DIM, MAX_DIMS,
     MAX_HEADER_BYTES, MAX_HEADER_COUNTS, MAX_NAME_CHARS, MAX_SPECS, MAX_TENSOR_BYTES, MAX_VERSION, MIN_BUCKET_BYTES,
-    WIRE_DTYPES, _check_hex, _check_int, _check_spec, _decode_specs, _describe, _dumps, _parse_float, _parse_int,
-    _protocol_message, _quote, _reason, _refuse_constant, _specs_text, _unique_keys, _validated, char_counts, check_counts,
+    WIRE_DTYPES, check_hex, check_int, check_spec, decode_specs, describe, dumps, parse_float, parse_int,
+    protocol_message, quote, reason, refuse_constant, specs_text, unique_keys, validated, char_counts, check_counts,
     dtype_from_name, dtype_name, remember_checked, specs_checked,
 )
 from hal.sync.plan import BucketPlan, TensorSpec
@@ -74,38 +74,38 @@ class SyncHeader:
     """HMAC proof that the sender knows the engine's token (see `auth_proof`), or None."""
 
     def __post_init__(self) -> None:
-        _check_int("protocol", self.protocol)
+        check_int("protocol", self.protocol)
         if self.protocol != HEADER_PROTOCOL:
-            raise HeaderError(_protocol_message(self.protocol))
-        _check_int("version", self.version, 0, MAX_VERSION - 1)
+            raise HeaderError(protocol_message(self.protocol))
+        check_int("version", self.version, 0, MAX_VERSION - 1)
         if type(self.specs) is not tuple:
-            raise HeaderError(f"header field 'specs': expected a tuple of TensorSpec, got {_describe(self.specs)}")
+            raise HeaderError(f"header field 'specs': expected a tuple of TensorSpec, got {describe(self.specs)}")
         if len(self.specs) > MAX_SPECS:
             raise HeaderError(f"header field 'specs': {len(self.specs)} tensors, at most {MAX_SPECS} are allowed")
         if not specs_checked(self.specs):  # every sync of a job sends the same tensors: check them once
             seen: set[str] = set()
             for i, spec in enumerate(self.specs):
                 if not isinstance(spec, TensorSpec):
-                    raise HeaderError(f"header field 'specs[{i}]': expected a TensorSpec, got {_describe(spec)}")
-                _check_spec(i, spec.name, spec.shape, spec.dtype)
+                    raise HeaderError(f"header field 'specs[{i}]': expected a TensorSpec, got {describe(spec)}")
+                check_spec(i, spec.name, spec.shape, spec.dtype)
                 if spec.name in seen:
-                    raise HeaderError(f"header field 'specs[{i}]': name {_quote(spec.name)} appears twice")
+                    raise HeaderError(f"header field 'specs[{i}]': name {quote(spec.name)} appears twice")
                 seen.add(spec.name)
             remember_checked(self.specs)
-        _check_int("bucket_bytes", self.bucket_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES)
+        check_int("bucket_bytes", self.bucket_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES)
         if self.segment_bytes is not None:
-            _check_int("segment_bytes", self.segment_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES, "an int or null")
+            check_int("segment_bytes", self.segment_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES, "an int or null")
         if type(self.verify) is not bool:
-            raise HeaderError(f"header field 'verify': expected a bool, got {_describe(self.verify)}")
-        _check_hex("digest", self.digest, DIGEST_CHARS)
+            raise HeaderError(f"header field 'verify': expected a bool, got {describe(self.verify)}")
+        check_hex("digest", self.digest, DIGEST_CHARS)
         if type(self.delta) is not bool:
-            raise HeaderError(f"header field 'delta': expected a bool, got {_describe(self.delta)}")
+            raise HeaderError(f"header field 'delta': expected a bool, got {describe(self.delta)}")
         if self.delta_base is not None:
-            _check_int("delta_base", self.delta_base, 0, MAX_VERSION - 1, "an int or null")
+            check_int("delta_base", self.delta_base, 0, MAX_VERSION - 1, "an int or null")
             if not self.delta:
                 raise HeaderError("header field 'delta_base': set although 'delta' is false")
         if self.auth is not None:
-            _check_hex("auth", self.auth, AUTH_CHARS, " or null")
+            check_hex("auth", self.auth, AUTH_CHARS, " or null")
 
     @classmethod
     def from_plan(
@@ -152,8 +152,8 @@ class SyncHeader:
         }
         # ensure_ascii=False: names travel as UTF-8, not \u escapes; __post_init__ refused
         # names that are not valid Unicode, so this always encodes.
-        specs, specs_counts = _specs_text(self.specs)
-        around = _dumps(head)[:-1] + ',"specs":', "," + _dumps(rest)[1:]
+        specs, specs_counts = specs_text(self.specs)
+        around = dumps(head)[:-1] + ',"specs":', "," + dumps(rest)[1:]
         data = (around[0] + specs + around[1]).encode("utf-8")
         if len(data) > MAX_HEADER_BYTES:
             raise HeaderError(
@@ -177,7 +177,7 @@ class SyncHeader:
             raise
         except (ValueError, TypeError, RecursionError, OverflowError, MemoryError) as exc:
             # ValueError covers json.JSONDecodeError and UnicodeDecodeError
-            raise HeaderError(f"unreadable sync header: {_reason(exc)}") from None
+            raise HeaderError(f"unreadable sync header: {reason(exc)}") from None
 
     @classmethod
     def _decode(cls, data: bytes | bytearray | memoryview) -> SyncHeader:
@@ -197,11 +197,11 @@ class SyncHeader:
         except UnicodeDecodeError as exc:
             bad = exc.object[exc.start : exc.start + 1]
             raise HeaderError(f"header is not valid UTF-8: byte {exc.start} ({bad!r}): {exc.reason}") from None
-        known = _validated.specs if _validated.text is not None else None
-        prefix = _SPECS_AT.match(text)
-        if known is not None and prefix is not None and text.startswith(_validated.text, prefix.end()):
+        known = validated.specs if validated.text is not None else None
+        prefix = SPECS_AT.match(text)
+        if known is not None and prefix is not None and text.startswith(validated.text, prefix.end()):
             # the same specs text as the last one checked: parse the rest only
-            end = prefix.end() + len(_validated.text)
+            end = prefix.end() + len(validated.text)
             text = text[: prefix.end()] + "null" + text[end:]
         else:
             known = None
@@ -209,28 +209,28 @@ class SyncHeader:
         try:
             obj = json.loads(
                 text,
-                object_pairs_hook=_unique_keys,
-                parse_constant=_refuse_constant,
-                parse_int=_parse_int,
-                parse_float=_parse_float,
+                object_pairs_hook=unique_keys,
+                parse_constant=refuse_constant,
+                parse_int=parse_int,
+                parse_float=parse_float,
             )
         except json.JSONDecodeError as exc:
             raise HeaderError(f"header is not JSON: {exc.msg} at character {exc.pos}") from None
         except RecursionError:
             raise HeaderError("header nests arrays or objects too deeply to be a sync header") from None
         if not isinstance(obj, dict):
-            raise HeaderError(f"header must be one JSON object, got {_describe(obj)}")
+            raise HeaderError(f"header must be one JSON object, got {describe(obj)}")
         # protocol first: a peer of another protocol may have other keys, and this is what to tell the user
         if "protocol" not in obj:
             raise HeaderError("header has no 'protocol' key: not a verl-hal sync header, or mismatched verl-hal versions?")
-        _check_int("protocol", obj["protocol"])
+        check_int("protocol", obj["protocol"])
         if obj["protocol"] != HEADER_PROTOCOL:
-            raise HeaderError(_protocol_message(obj["protocol"]))
-        unknown = [k for k in obj if k not in _KEYS]
+            raise HeaderError(protocol_message(obj["protocol"]))
+        unknown = [k for k in obj if k not in KEYS]
         if unknown:
-            shown = ", ".join(_quote(k) for k in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            shown = ", ".join(quote(k) for k in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
             raise HeaderError(f"header has unknown key(s) {shown}")
-        missing = [k for k in _KEYS if k not in obj]
+        missing = [k for k in KEYS if k not in obj]
         if missing:
             raise HeaderError(f"header is missing key(s) {', '.join(repr(k) for k in missing)}")
         if known is not None:
@@ -238,16 +238,16 @@ class SyncHeader:
                 raise HeaderError("header field 'specs': unreadable")
             obj["specs"] = known
             return cls(**obj)
-        obj["specs"] = _decode_specs(obj["specs"])
+        obj["specs"] = decode_specs(obj["specs"])
         header = cls(**obj)
-        if prefix is not None and _validated.specs is header.specs:
+        if prefix is not None and validated.specs is header.specs:
             # remember the specs' text as it came, for the next sync's header (`encode` puts
             # bucket_bytes after them). Where it ends: a `],"bucket_bytes":` reads so only
             # there, in a header whose every field passed: inside a string each quote is
             # escaped, and no field after the specs holds an array.
-            end = text.find(_SPECS_END, prefix.end())
+            end = text.find(SPECS_END, prefix.end())
             if end >= 0:
-                _validated.text = text[prefix.end() : end + 1]
+                validated.text = text[prefix.end() : end + 1]
         return header
 
 

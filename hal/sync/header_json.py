@@ -89,25 +89,25 @@ WIRE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 """Wire name -> dtype of every dtype a sync may carry (those this torch lacks are left out)."""
 
 _DTYPE_OF: dict[str, torch.dtype] = dict(WIRE_DTYPES)  # a plain dict: looked up once per spec
-_NAME_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
-_ITEMSIZE: dict[torch.dtype, int] = {dtype: dtype.itemsize for dtype in WIRE_DTYPES.values()}
+NAME_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+ITEMSIZE: dict[torch.dtype, int] = {dtype: dtype.itemsize for dtype in WIRE_DTYPES.values()}
 _HEX = {n: re.compile(f"[0-9a-f]{{{n}}}") for n in (DIGEST_CHARS, AUTH_CHARS)}
-_KEYS = ("protocol", "version", "specs", "bucket_bytes", "segment_bytes", "verify", "digest", "delta", "delta_base", "auth")
+KEYS = ("protocol", "version", "specs", "bucket_bytes", "segment_bytes", "verify", "digest", "delta", "delta_base", "auth")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of `dtype` (its torch attribute name, e.g. "bfloat16")."""
     try:
-        return _NAME_OF[dtype]
+        return NAME_OF[dtype]
     except (KeyError, TypeError):  # TypeError: not hashable, so not a dtype either
-        raise ValueError(f"dtype {_quote(dtype)} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}") from None
+        raise ValueError(f"dtype {quote(dtype)} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     """The dtype whose wire name is `name`."""
     dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
-        raise ValueError(f"unknown dtype name {_quote(name)}; valid names: {', '.join(WIRE_DTYPES)}")
+        raise ValueError(f"unknown dtype name {quote(name)}; valid names: {', '.join(WIRE_DTYPES)}")
     return dtype
 
 
@@ -134,20 +134,20 @@ def check_counts(found: Mapping[str, int]) -> None:
             )
 
 
-def _check_int(field: str, value: Any, lo: int | None = None, hi: int | None = None, expected: str = "an int") -> None:
+def check_int(field: str, value: Any, lo: int | None = None, hi: int | None = None, expected: str = "an int") -> None:
     if type(value) is not int:  # exactly int: a bool or a float is a different value on the wire
-        raise HeaderError(f"header field {field!r}: expected {expected}, got {_describe(value)}")
+        raise HeaderError(f"header field {field!r}: expected {expected}, got {describe(value)}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise HeaderError(f"header field {field!r}: {_quote(value)} is outside [{_bound(lo)}, {_bound(hi)}]")
+        raise HeaderError(f"header field {field!r}: {quote(value)} is outside [{_bound(lo)}, {_bound(hi)}]")
 
 
-def _check_hex(field: str, value: Any, chars: int, alternative: str = "") -> None:
+def check_hex(field: str, value: Any, chars: int, alternative: str = "") -> None:
     if not isinstance(value, str) or not _HEX[chars].fullmatch(value):
         expected = f"{chars} lowercase hex characters{alternative}"
-        raise HeaderError(f"header field {field!r}: expected {expected}, got {_describe(value)}")
+        raise HeaderError(f"header field {field!r}: expected {expected}, got {describe(value)}")
 
 
-def _check_spec(i: int, name: Any, shape: Any, dtype: Any) -> None:
+def check_spec(i: int, name: Any, shape: Any, dtype: Any) -> None:
     # Runs once per tensor on every sync, up to a million times: messages are built only on failure.
     problem = _spec_problem(name, shape, dtype)
     if problem is not None:
@@ -155,12 +155,12 @@ def _check_spec(i: int, name: Any, shape: Any, dtype: Any) -> None:
 
 
 def _where(i: int, name: Any) -> str:
-    return f"header field 'specs[{i}]'" + (f" ({_quote(name)})" if isinstance(name, str) and name else "")
+    return f"header field 'specs[{i}]'" + (f" ({quote(name)})" if isinstance(name, str) and name else "")
 
 
 def _spec_problem(name: Any, shape: Any, dtype: Any) -> str | None:
     if not isinstance(name, str) or not name:
-        return f"name must be a non-empty string, got {_describe(name)}"
+        return f"name must be a non-empty string, got {describe(name)}"
     if len(name) > MAX_NAME_CHARS:
         return f"name of {len(name)} characters, at most {MAX_NAME_CHARS} are allowed"
     if "\0" in name:
@@ -171,17 +171,17 @@ def _spec_problem(name: Any, shape: Any, dtype: Any) -> str | None:
         except UnicodeEncodeError:  # lone surrogates: not text, cannot travel as UTF-8
             return "name is not valid Unicode (it holds a lone surrogate)"
     if type(shape) is not tuple:
-        return f"shape must be a sequence of ints, got {_describe(shape)}"
+        return f"shape must be a sequence of ints, got {describe(shape)}"
     if len(shape) > MAX_DIMS:
         return f"shape has {len(shape)} dimensions, at most {MAX_DIMS} are allowed"
     for d in shape:
         if type(d) is not int or d < 0 or d > MAX_DIM:
-            return f"shape dimensions must be ints in [0, 2**48], got {_describe(d)}"
-    itemsize = _ITEMSIZE.get(dtype) if isinstance(dtype, torch.dtype) else None
+            return f"shape dimensions must be ints in [0, 2**48], got {describe(d)}"
+    itemsize = ITEMSIZE.get(dtype) if isinstance(dtype, torch.dtype) else None
     if itemsize is None:
-        return f"dtype {_quote(dtype)} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}"
+        return f"dtype {quote(dtype)} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}"
     if math.prod(shape) * itemsize > MAX_TENSOR_BYTES:  # at most 32 dims of 2**48: a small bignum
-        return f"shape {_quote(shape)} of {_NAME_OF[dtype]} holds more than {MAX_TENSOR_BYTES} bytes"
+        return f"shape {quote(shape)} of {NAME_OF[dtype]} holds more than {MAX_TENSOR_BYTES} bytes"
     return None
 
 
@@ -205,7 +205,7 @@ class _LastSpecs:
         self.specs = specs
 
 
-_validated = _LastSpecs()
+validated = _LastSpecs()
 
 # Spec tuples that passed every check, by identity (a plan's tuple is the same object every
 # sync of a layout), the tuple kept so its id stays its own: the last few, so that senders
@@ -224,8 +224,8 @@ def remember_checked(specs: tuple[TensorSpec, ...]) -> None:
     _checked[id(specs)] = specs
 # Where the specs start in a header this module encoded: `{"protocol":P,"version":V,"specs":`.
 # JSON strings cannot hold an unescaped quote, so this prefix is the structure it looks like.
-_SPECS_AT = re.compile(r'\{"protocol":[0-9]+,"version":[0-9]+,"specs":')
-_SPECS_END = '],"bucket_bytes":'  # and where they end (hal.sync.header.SyncHeader._decode)
+SPECS_AT = re.compile(r'\{"protocol":[0-9]+,"version":[0-9]+,"specs":')
+SPECS_END = '],"bucket_bytes":'  # and where they end (hal.sync.header.SyncHeader._decode)
 # The JSON text of the last few spec tuples encoded, by the tuple's identity (a plan's, so
 # the same object every sync of a layout): (tuple, text), kept with the tuple so its id
 # stays its own. More than one: a process may run senders of two layouts (a transport that
@@ -234,27 +234,27 @@ _encoded: dict[int, tuple[tuple, str, dict[str, int]]] = {}  # with the text's `
 _ENCODED_KEPT = 8
 
 
-def _dumps(value: Any) -> str:
+def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def _specs_text(specs: tuple[TensorSpec, ...]) -> tuple[str, dict[str, int]]:
+def specs_text(specs: tuple[TensorSpec, ...]) -> tuple[str, dict[str, int]]:
     """The specs' JSON text and its `char_counts`, made once per tuple."""
     kept = _encoded.get(id(specs))
     if kept is not None and kept[0] is specs:
         return kept[1], kept[2]
-    text = _dumps([[s.name, list(s.shape), _NAME_OF[s.dtype]] for s in specs])
+    text = dumps([[s.name, list(s.shape), NAME_OF[s.dtype]] for s in specs])
     if len(_encoded) >= _ENCODED_KEPT:
         _encoded.pop(next(iter(_encoded)))  # the oldest
     _encoded[id(specs)] = (specs, text, char_counts(text))
     return text, _encoded[id(specs)][2]
 
 
-def _decode_specs(raw: Any) -> tuple[TensorSpec, ...]:
-    if _validated.raw is not None and type(raw) is list and raw == _validated.raw and _same_types(raw, _validated.raw):
-        return _validated.specs  # type: ignore[return-value]
+def decode_specs(raw: Any) -> tuple[TensorSpec, ...]:
+    if validated.raw is not None and type(raw) is list and raw == validated.raw and _same_types(raw, validated.raw):
+        return validated.specs  # type: ignore[return-value]
     specs = _decode_new_specs(raw)
-    _validated.remember(raw, specs)
+    validated.remember(raw, specs)
     remember_checked(specs)
     return specs
 
@@ -271,7 +271,7 @@ def _same_types(a: list, b: list) -> bool:
 
 def _decode_new_specs(raw: Any) -> tuple[TensorSpec, ...]:
     if not isinstance(raw, list):
-        raise HeaderError(f"header field 'specs': expected a list of [name, shape, dtype], got {_describe(raw)}")
+        raise HeaderError(f"header field 'specs': expected a list of [name, shape, dtype], got {describe(raw)}")
     if len(raw) > MAX_SPECS:
         raise HeaderError(f"header field 'specs': {len(raw)} tensors, at most {MAX_SPECS} are allowed")
     specs = []
@@ -279,18 +279,18 @@ def _decode_new_specs(raw: Any) -> tuple[TensorSpec, ...]:
     trusted = TensorSpec.trusted
     for i, entry in enumerate(raw):
         if not isinstance(entry, list) or len(entry) != 3:
-            raise HeaderError(f"header field 'specs[{i}]': expected [name, shape, dtype], got {_describe(entry)}")
+            raise HeaderError(f"header field 'specs[{i}]': expected [name, shape, dtype], got {describe(entry)}")
         name, shape, dtype = entry
         torch_dtype = _DTYPE_OF.get(dtype) if isinstance(dtype, str) else None
         if torch_dtype is None:
-            raise HeaderError(f"{_where(i, name)}: dtype {_quote(dtype)} is not one of {', '.join(WIRE_DTYPES)}")
+            raise HeaderError(f"{_where(i, name)}: dtype {quote(dtype)} is not one of {', '.join(WIRE_DTYPES)}")
         if isinstance(shape, list):
             shape = tuple(shape)
         # checked here, more strictly than TensorSpec would (it coerces true to 1 and 2.5 to
         # 2), so the spec is built without its checks: a header may hold MAX_SPECS of them
-        _check_spec(i, name, shape, torch_dtype)
+        check_spec(i, name, shape, torch_dtype)
         if name in seen:
-            raise HeaderError(f"header field 'specs[{i}]': name {_quote(name)} appears twice")
+            raise HeaderError(f"header field 'specs[{i}]': name {quote(name)} appears twice")
         seen.add(name)
         specs.append(trusted(name, shape, torch_dtype))
     return tuple(specs)
@@ -299,41 +299,41 @@ def _decode_new_specs(raw: Any) -> tuple[TensorSpec, ...]:
 # -- json hooks: refuse while parsing, before a hostile value is ever built ----------------
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise HeaderError(f"header repeats the key {_quote(key)}")
+                raise HeaderError(f"header repeats the key {quote(key)}")
             seen.add(key)
     return obj
 
 
-def _refuse_constant(name: str) -> Any:
+def refuse_constant(name: str) -> Any:
     raise HeaderError(f"header holds {name}, which is not a JSON number (no header field takes it)")
 
 
-def _parse_int(literal: str) -> int:
+def parse_int(literal: str) -> int:
     if len(literal) > _MAX_NUMBER_CHARS:
         raise HeaderError(
-            f"header holds an integer of {len(literal)} characters ({_quote(literal)}): no header field takes one that large"
+            f"header holds an integer of {len(literal)} characters ({quote(literal)}): no header field takes one that large"
         )
     return int(literal)
 
 
-def _parse_float(literal: str) -> float:
+def parse_float(literal: str) -> float:
     if len(literal) > _MAX_NUMBER_CHARS:
-        raise HeaderError(f"header holds a number of {len(literal)} characters ({_quote(literal)}): no header field takes one")
+        raise HeaderError(f"header holds a number of {len(literal)} characters ({quote(literal)}): no header field takes one")
     return float(literal)  # kept so the field that holds it is named in the error
 
 
 # -- messages ---------------------------------------------------------------------------
 
 
-def _protocol_message(protocol: int) -> str:
+def protocol_message(protocol: int) -> str:
     return (
-        f"header protocol {_quote(protocol)}; this verl-hal speaks {HEADER_PROTOCOL}: "
+        f"header protocol {quote(protocol)}; this verl-hal speaks {HEADER_PROTOCOL}: "
         "mismatched verl-hal versions on trainer and engine?"
     )
 
@@ -347,7 +347,7 @@ for _attr in ("maxtuple", "maxlist", "maxdict", "maxset", "maxfrozenset"):
     setattr(_repr, _attr, 6)
 
 
-def _quote(value: Any) -> str:
+def quote(value: Any) -> str:
     """repr of `value`, at most about _MAX_QUOTE characters, whatever its size."""
     if type(value) is int and value.bit_length() > 128:
         return f"<int of {value.bit_length()} bits>"  # repr of a huge int is slow, or refused past the digit limit
@@ -358,10 +358,10 @@ def _quote(value: Any) -> str:
     return text if len(text) <= _MAX_QUOTE else text[: _MAX_QUOTE - 3] + "..."
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
     if value is None:
         return "null"
-    return f"{type(value).__name__} {_quote(value)}"
+    return f"{type(value).__name__} {quote(value)}"
 
 
 def _bound(value: int | None) -> str:
@@ -373,7 +373,7 @@ def _bound(value: int | None) -> str:
     return str(value)
 
 
-def _reason(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
     text = str(exc)
     text = text if len(text) <= _MAX_QUOTE else text[: _MAX_QUOTE - 3] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -43,7 +43,7 @@ _MAPPED = -1  # what a node's rank answers once it mapped its leader's new buffe
 
 
 @dataclass(frozen=True, slots=True)
-class NodeLayout:
+class NodeMap:
     """Who is where: every rank's node, each node's leader, and the sender."""
 
     nodes: tuple[str, ...]
@@ -85,31 +85,18 @@ class HierarchicalTransport(Transport):
         if not isinstance(key, str) or not key or len(key.encode()) > MAX_NODE_KEY_BYTES:
             raise ValueError(f"node key must be a non-empty string of at most {MAX_NODE_KEY_BYTES} bytes, got {key!r}")
         with self.bounded(timeout_s):
-            keys = self._gather_bytes(key.encode(), MAX_NODE_KEY_BYTES, "node keys")
-        self.layout = NodeLayout(tuple(k.decode() for k in keys), self.src)
-        self.leader = self.layout.leader_of(self.rank)
-        self.serves = self.layout.served_by(self.rank) if self.leader == self.rank else []
-        self.remote_leaders = self.layout.remote_leaders if self.is_sender else []
+            keys = self.channel.all_gather_bytes(key.encode(), "node keys", limit=MAX_NODE_KEY_BYTES)
+        if not all(keys):
+            raise PeerError(f"{self.name}: node keys: rank(s) {[r for r, k in enumerate(keys) if not k]} announced an empty one")
+        self.nodes = NodeMap(tuple(k.decode() for k in keys), self.src)
+        self.leader = self.nodes.leader_of(self.rank)
+        self.serves = self.nodes.served_by(self.rank) if self.leader == self.rank else []
+        self.remote_leaders = self.nodes.remote_leaders if self.is_sender else []
         self.network_bytes = 0
         self._sends: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # by bucket: works and the memory they read
         self._held: tuple[int, int, torch.Tensor] | None = None  # the bytes behind the next status, to remote leaders
         self._forwarded: list[int] = []  # buckets this rank told its node about and whose release it awaits
         self._told: list[tuple[int, Any, torch.Tensor]] = []  # (bucket, work, status) sent to the node, not yet waited
-
-    def _gather_bytes(self, payload: bytes, limit: int, what: str) -> list[bytes]:
-        """Every rank's `payload` (at most `limit` bytes), on every rank."""
-        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.control_device)
-        sizes[self.rank] = len(payload)
-        self.allreduce(sizes, f"{what} lengths")
-        lengths = [int(n) for n in sizes.cpu().tolist()]
-        if any(not 0 < n <= limit for n in lengths):
-            raise PeerError(f"{self.name}: {what}: a rank announced a length outside 1..{limit}: {lengths}")
-        rows = torch.zeros(self.world_size, max(lengths), dtype=torch.uint8)
-        rows[self.rank, : len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        rows = rows.to(self.control_device)
-        self.allreduce(rows, what)
-        rows = rows.cpu()
-        return [rows[r, :n].numpy().tobytes() for r, n in enumerate(lengths)]
 
     # ---- buffers: shared with the node when this rank serves it --------------------------
     def prepare(self, backend: Backend, plan: BucketPlan) -> None:
@@ -126,19 +113,19 @@ class HierarchicalTransport(Transport):
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.control_device)
             works = [w for peer in self.serves for w in (self._send_p2p(size, peer, TAG_HANDLES, "buffer handles"), self._send_p2p(data, peer, TAG_HANDLES, "buffer handles"))]
             for w in works:
-                self._wait(w, "buffer handles")
+                self.channel.wait(w, "buffer handles")
             for peer in self.serves:  # every rank of the node mapped the new buffers before the old go
                 self._expect_release(peer, _MAPPED, "buffer mapping")
             for s in old:
                 backend.release_shared(s)
         elif self.leader != self.rank:
             size = torch.zeros(1, dtype=torch.int64, device=self.control_device)
-            self._wait(self._recv_p2p(size, self.leader, TAG_HANDLES, "buffer handles"), "buffer handles")
+            self.channel.wait(self._recv_p2p(size, self.leader, TAG_HANDLES, "buffer handles"), "buffer handles")
             n = int(size.item())
             if not 0 < n <= MAX_HANDLES_BYTES:
                 raise HeaderError(f"{self.name}: rank {self.leader} announced buffer handles of {n} bytes")
             data = torch.empty(n, dtype=torch.uint8, device=self.control_device)
-            self._wait(self._recv_p2p(data, self.leader, TAG_HANDLES, "buffer handles"), "buffer handles")
+            self.channel.wait(self._recv_p2p(data, self.leader, TAG_HANDLES, "buffer handles"), "buffer handles")
             try:
                 handles = json.loads(data.cpu().numpy().tobytes())
                 if not isinstance(handles, list) or len(handles) != 2:
@@ -152,11 +139,11 @@ class HierarchicalTransport(Transport):
 
     def _send_release(self, k: int) -> None:
         word = torch.tensor([k], dtype=torch.int64, device=self.control_device)
-        self._wait(self._send_p2p(word, self.leader, TAG_RELEASE, f"bucket {k} release"), f"bucket {k} release")
+        self.channel.wait(self._send_p2p(word, self.leader, TAG_RELEASE, f"bucket {k} release"), f"bucket {k} release")
 
     def _expect_release(self, peer: int, k: int, what: str) -> None:
         word = torch.zeros(1, dtype=torch.int64, device=self.control_device)
-        self._wait(self._recv_p2p(word, peer, TAG_RELEASE, what), what)
+        self.channel.wait(self._recv_p2p(word, peer, TAG_RELEASE, what), what)
         if int(word.item()) != k:
             raise PeerError(f"{self.name}: expected rank {peer} to release bucket {k}, it released {int(word.item())}: out of step")
 
@@ -169,7 +156,7 @@ class HierarchicalTransport(Transport):
                 return
             while self._told and self._told[0][0] == k:
                 _, work, _status = self._told.pop(0)
-                self._wait(work, f"bucket {k} status to the node")
+                self.channel.wait(work, f"bucket {k} status to the node")
             if self._forwarded and self._forwarded[0] == k:
                 self._forwarded.pop(0)
                 for peer in self.serves:
@@ -226,7 +213,7 @@ class HierarchicalTransport(Transport):
         if self._held is not None and self._held[0] == k:
             self._flush()
         for work, _memory in self._sends.pop(k, ()):
-            self._wait(work, f"bucket {k}")
+            self.channel.wait(work, f"bucket {k}")
         self._collect_releases(k)
 
     # ---- receivers -------------------------------------------------------------------------
@@ -245,7 +232,7 @@ class HierarchicalTransport(Transport):
 
         def finish(p: tuple[int, int, bool, Any, SegmentStatus]) -> None:
             k, j, landed, work, status = p
-            self._wait(work, f"bucket {k} segment {j}")
+            self.channel.wait(work, f"bucket {k} segment {j}")
             # the node reads while this rank applies (a DIRECT tensor lands in this rank's buffer: plain OK there)
             code = status.code if status.code != SegmentStatus.DIRECT else SegmentStatus.OK
             self._tell_node(code, k, j, status.nbytes)
@@ -277,7 +264,7 @@ class HierarchicalTransport(Transport):
         started: int | None = None  # the bucket read from and not yet released
         for k, j, _, nbytes in self._order:
             words = torch.zeros(4, dtype=torch.int64, device=self.control_device)
-            self._wait(self._recv_p2p(words, self.leader, TAG_NODE, f"bucket {k} segment {j} status"), f"bucket {k} segment {j} status")
+            self.channel.wait(self._recv_p2p(words, self.leader, TAG_NODE, f"bucket {k} segment {j} status"), f"bucket {k} segment {j} status")
             status = SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
             if status.failed:
                 if started is not None:
@@ -294,7 +281,7 @@ class HierarchicalTransport(Transport):
         self._flush()
         for k in sorted(self._sends):
             for work, _memory in self._sends.pop(k):
-                self._wait(work, f"bucket {k}")
+                self.channel.wait(work, f"bucket {k}")
         self._collect_releases(max([-1, *self._forwarded, *(k for k, _, _ in self._told)]))
 
     def close(self) -> None:

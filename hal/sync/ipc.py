@@ -3,7 +3,8 @@
 Both bucket buffers are shared memory (anonymous memory files on the CPU, device IPC
 handles on CUDA/NPU), so no byte moves: the sender packs into a shared buffer and announces
 it, the receivers read it in place, and it is packed again only once every receiver said
-it is done with it. Control messages are tiny host collectives on the same group.
+it is done with it. Control messages are tiny host collectives on the same group (the
+transport's channel).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class IpcTransport(Transport):
         if self.is_sender:
             self._slots = [backend.empty_shared(nbytes) for _ in range(2)]
             payload = json.dumps([backend.export_ipc(s) for s in self._slots]).encode()
-        raw = self._broadcast_bytes(payload, MAX_HANDLES_BYTES, "ipc handles")
+        raw = self.channel.broadcast_bytes(payload, MAX_HANDLES_BYTES, "ipc handles")
         if not self.is_sender:
             try:
                 handles = json.loads(raw)
@@ -60,12 +61,12 @@ class IpcTransport(Transport):
             except (ValueError, TypeError, RecursionError, OSError) as exc:
                 raise PeerError(f"ipc transport: rank {self.rank} could not map the sender's buffers: {exc}") from None
         # every rank has mapped the new buffers before the old files go away
-        self.allreduce(torch.zeros(1, device=self.control_device), "ipc handle exchange")
+        self.channel.allreduce(torch.zeros(1, device=self.control_device), "ipc handle exchange")
         for s in old:
             backend.release_shared(s)
 
     def _signal(self, status: torch.Tensor, what: str) -> None:
-        self._wait(self._broadcast(status, what), what)
+        self.channel.wait(self.channel.broadcast(status, what), what)
 
     def send_segment(
         self, k: int, j: int, start: int, data: torch.Tensor, *, ready: Event, direct: bool, encoding: int = 0
@@ -109,7 +110,7 @@ class IpcTransport(Transport):
         return False
 
     def _release(self, k: int) -> None:
-        self.allreduce(torch.zeros(1, device=self.control_device), f"bucket {k} released")
+        self.channel.allreduce(torch.zeros(1, device=self.control_device), f"bucket {k} released")
 
     def finish(self) -> None:
         if self.is_sender:

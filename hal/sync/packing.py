@@ -16,7 +16,7 @@ from hal import kernels
 from hal.backend import Backend
 from hal.sync import errors
 from hal.sync.config import SyncConfig
-from hal.sync.delta import WHOLE
+from hal.sync.delta import NO_DELTA
 from hal.sync.metrics import PhaseTimer
 from hal.sync.plan import Bucket, BucketPlan, Segment, TensorSpec
 from hal.sync.transport import Transport
@@ -43,7 +43,7 @@ class SegmentPacker:
 
     def pack(
         self, packing: "SourceCursor", bucket: Bucket, segment: Segment, keep: list[torch.Tensor], timer: PhaseTimer,
-        segments: Any = WHOLE, into: torch.Tensor | None = None,
+        segments: Any = NO_DELTA, into: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, bool]:
         """Pack one segment; returns the bytes to send (a range of the bucket buffer, of
         `into` when given (the delta baseline), or a tensor's own bytes) and whether they
@@ -54,13 +54,13 @@ class SegmentPacker:
         if into is not None:
             target = buffer = into
         segments.clear_gaps(target, bucket, segment, stream)
-        parts = segment.parts
-        if len(parts) > 1:
+        ranges = segment.ranges
+        if len(ranges) > 1:
             # Several pieces, so none of them goes straight from its own memory (`_direct`):
             # the whole ones are gathered, then packed by one multi-tensor copy into views of
             # the target cached with the plan; chunks of larger tensors go the way below.
-            parts = self._pack_whole(packing, bucket, segment, target, keep, timer)
-        for index, lo, hi in parts:
+            ranges = self._pack_whole(packing, bucket, segment, target, keep, timer)
+        for index, lo, hi in ranges:
             piece = bucket.pieces[index]
             spec = piece.spec
             if piece.is_first and lo == 0:
@@ -103,7 +103,7 @@ class SegmentPacker:
     ) -> list[tuple[int, int, int]]:
         """Gather the whole pieces of a segment and pack them with one multi-tensor copy:
         one stream wait and one launch per segment, whatever its tensor count. Returns the
-        segment's other parts (chunks of larger tensors), for the caller to pack."""
+        segment's other ranges (chunks of larger tensors), for the caller to pack."""
         key = (packing.plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start)
         packs = self._packs.get(key)
         if packs is None:
@@ -122,12 +122,12 @@ class SegmentPacker:
     def _segment_packs(self, plan: BucketPlan, bucket: Bucket, segment: Segment, target: torch.Tensor) -> "_SegmentPack":
         """What packing a segment of several pieces needs, made once per plan and target
         (kept in `_packs` by the caller): per whole piece its spec and whether it has bytes, their views in
-        order, and the other parts."""
+        order, and the other ranges."""
         if len(self._packs) >= 4 * sum(len(b.segments) for b in plan.buckets) + 8:
             self._packs.clear()  # buffers were reallocated or the layout changed: the old keys are stale
         views = self._views.of(plan, target, bucket)
         whole, dsts, others = [], [], []
-        for index, lo, hi in segment.parts:
+        for index, lo, hi in segment.ranges:
             piece = bucket.pieces[index]
             if piece.is_whole:
                 whole.append((piece.spec, hi > 0))
@@ -152,7 +152,7 @@ class SegmentPacker:
         )
 
 
-# Per whole piece its spec and whether it has bytes; the views they pack into; the other parts.
+# Per whole piece its spec and whether it has bytes; the views they pack into; the other ranges.
 _SegmentPack = tuple[list[tuple[TensorSpec, bool]], list[torch.Tensor], list[tuple[int, int, int]]]
 
 

@@ -122,14 +122,14 @@ class Piece:
 class Segment:
     """Bytes `[start, stop)` of a bucket, sent as one transfer (none when empty).
 
-    `parts` are the ranges of pieces it carries, as (piece index, first byte, end byte)
-    relative to the piece; a part with `end == piece.nbytes` completes its piece (an
-    empty piece has one part (i, 0, 0)). A segment of checksums has no parts.
+    `ranges` are the ranges of pieces it carries, as (piece index, first byte, end byte)
+    relative to the piece; a range with `end == piece.nbytes` completes its piece (an
+    empty piece has one range (i, 0, 0)). A segment of checksums has no ranges.
     """
 
     start: int
     stop: int
-    parts: tuple[tuple[int, int, int], ...]
+    ranges: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,9 +244,9 @@ def build_plan(
 
 def is_solo(bucket: Bucket, segment: Segment) -> bool:
     """The segment is exactly one non-empty range of one piece: nothing else travels with it."""
-    if len(segment.parts) != 1:
+    if len(segment.ranges) != 1:
         return False
-    _, lo, hi = segment.parts[0]
+    _, lo, hi = segment.ranges[0]
     return hi > lo and segment.stop - segment.start == hi - lo
 
 
@@ -255,7 +255,7 @@ def _solo_tensors(buckets: Sequence[Bucket]) -> frozenset[str]:
     for bucket in buckets:
         for segment in bucket.segments:
             alone = is_solo(bucket, segment)
-            for index, _, _ in segment.parts:
+            for index, _, _ in segment.ranges:
                 name = bucket.pieces[index].spec.name
                 solo[name] = solo.get(name, True) and alone
     return frozenset(name for name, ok in solo.items() if ok)
@@ -275,14 +275,14 @@ def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, s
         return (Segment(0, nbytes, tuple((i, 0, p.nbytes) for i, p in enumerate(pieces))),)
     limit = max(ALIGNMENT, segment_bytes // ALIGNMENT * ALIGNMENT)
     segments: list[Segment] = []
-    parts: list[tuple[int, int, int]] = []
+    ranges: list[tuple[int, int, int]] = []
     start = end = 0
 
     def close() -> None:
-        nonlocal parts
-        if parts:
-            segments.append(Segment(start, end, tuple(parts)))
-            parts = []
+        nonlocal ranges
+        if ranges:
+            segments.append(Segment(start, end, tuple(ranges)))
+            ranges = []
 
     for i, piece in enumerate(pieces):
         if piece.nbytes >= limit // 4:  # its own segments
@@ -291,11 +291,11 @@ def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, s
                 hi = min(piece.nbytes, lo + limit)
                 segments.append(Segment(piece.offset + lo, piece.offset + hi, ((i, lo, hi),)))
             continue
-        if parts and piece.offset + piece.nbytes - start > limit:
+        if ranges and piece.offset + piece.nbytes - start > limit:
             close()
-        if not parts:
+        if not ranges:
             start = piece.offset
-        parts.append((i, 0, piece.nbytes))
+        ranges.append((i, 0, piece.nbytes))
         end = piece.offset + piece.nbytes
     close()
     if nbytes > checksum_offset:
@@ -307,7 +307,7 @@ def segment_word(bucket: Bucket, segment: Segment) -> int:
     """The word size a segment is compared in for delta sync: the smallest element size of
     the pieces it carries (every piece starts on an ALIGNMENT boundary and holds whole
     elements, so this divides every offset and length); 8 for a segment of checksums."""
-    sizes = [bucket.pieces[i].spec.dtype.itemsize for i, _, _ in segment.parts]
+    sizes = [bucket.pieces[i].spec.dtype.itemsize for i, _, _ in segment.ranges]
     return min(sizes) if sizes else 8
 
 

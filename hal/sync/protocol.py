@@ -1,11 +1,17 @@
-"""What the ranks of a sync say to each other, apart from the weights' bytes.
+"""The control plane: what the ranks of a sync say to each other about the weights,
+never the weights' bytes (those are a transport's, hal.sync.transport).
 
 One sync reads: every rank draws the header's challenge (`GroupChannel.challenge`), the
 sender broadcasts its header (`SyncChannel.exchange_header`; the format and its checks are
 hal.sync.header) with a proof of the token over that challenge (`auth_proof`), every rank
 checks it and all agree on the verdict (`GroupChannel.agree`); then each segment travels
-after its status (`SegmentStatus`), through a transport (hal.sync.transport); then all
-agree on how the sync ended. Every wait is bounded and names the rank and the step.
+after its status (`SegmentStatus`), through a transport, which has a `SyncChannel` for
+these messages; then all agree on how the sync ended. Every wait is bounded and names the
+rank and the step.
+
+The trainer's own group speaks the same way (`trainer_channel`): the agreements of a
+sharded trainer's ranks (`TrainerSync`, `ShardedSender`, the integrations' init and
+outcome) are `GroupChannel.agree` over it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 import torch.distributed as dist
 
+import hal
 from hal.backend import Backend
+from hal.kernels.delta import Encoding
 from hal.sync.errors import AuthError, HeaderError, PeerError, RankReport
 from hal.sync.header import MAX_HEADER_BYTES
 
@@ -30,21 +38,25 @@ from hal.sync.header import MAX_HEADER_BYTES
 MAX_REPORT_BYTES = 8192
 
 
-def _default_group() -> Any:
+def default_group(argument: str = "group") -> Any:
+    """torch.distributed's default group, for a caller given none (`argument` names the
+    parameter it left out, for the error when there is no default group either)."""
     if not dist.is_initialized():
-        raise PeerError("no process group: pass group= or call torch.distributed.init_process_group first")
+        raise PeerError(f"no process group: pass {argument}= or call torch.distributed.init_process_group first")
     return dist.group.WORLD
 
 
 @dataclass(frozen=True, slots=True)
 class SegmentStatus:
-    """What the sender says about segment `segment` of bucket `bucket` before its bytes."""
+    """What the sender says about segment `segment` of bucket `bucket` before its bytes.
+
+    The code on the wire: FAILED, OK, DIRECT, or for an encoded (delta) segment
+    `ENCODED + encoding` (hal.kernels.Encoding: INDICES 3, BITMASK 4)."""
 
     FAILED: ClassVar[int] = -1
     OK: ClassVar[int] = 1
     DIRECT: ClassVar[int] = 2  # OK, and every later range of this tensor is sent from its own memory
-    DELTA_INDICES: ClassVar[int] = 3  # OK, the bytes are the words that changed, by index (hal.kernels)
-    DELTA_BITMASK: ClassVar[int] = 4  # OK, the bytes are the words that changed, by bitmask
+    ENCODED: ClassVar[int] = 2  # plus an `Encoding` other than DENSE: the bytes are the words that changed
 
     code: int
     bucket: int
@@ -60,17 +72,15 @@ class SegmentStatus:
         return self.code == self.DIRECT
 
     @property
-    def encoding(self) -> int:
-        """How the bytes are encoded: hal.kernels.DENSE, INDICES or BITMASK."""
-        from hal import kernels
-
-        return {self.DELTA_INDICES: kernels.INDICES, self.DELTA_BITMASK: kernels.BITMASK}.get(self.code, kernels.DENSE)
+    def encoding(self) -> Encoding:
+        """How the bytes are encoded (hal.kernels.Encoding)."""
+        return Encoding(self.code - self.ENCODED) if self.code > self.ENCODED else Encoding.DENSE
 
     @classmethod
     def code_of(cls, encoding: int, direct: bool) -> int:
-        from hal import kernels
-
-        return {kernels.INDICES: cls.DELTA_INDICES, kernels.BITMASK: cls.DELTA_BITMASK}.get(encoding, cls.DIRECT if direct else cls.OK)
+        if encoding != Encoding.DENSE:
+            return cls.ENCODED + Encoding(encoding)
+        return cls.DIRECT if direct else cls.OK
 
     def tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor([self.code, self.bucket, self.segment, self.nbytes], dtype=torch.int64, device=device)
@@ -79,14 +89,15 @@ class SegmentStatus:
     def parse(cls, words: torch.Tensor, bucket: int, segment: int, nbytes: int, where: str) -> "SegmentStatus":
         code, got_bucket, got_segment, got_nbytes = (int(w) for w in words.cpu().tolist())
         status = cls(code, got_bucket, got_segment, got_nbytes)
-        known = (cls.FAILED, cls.OK, cls.DIRECT, cls.DELTA_INDICES, cls.DELTA_BITMASK)
-        if code not in known or (got_bucket, got_segment) != (bucket, segment):
+        encoded = code - cls.ENCODED in _ENCODED
+        if not (encoded or code in (cls.FAILED, cls.OK, cls.DIRECT)) or (got_bucket, got_segment) != (bucket, segment):
             raise PeerError(f"{where}: expected the status of bucket {bucket} segment {segment}, got {status}: the ranks are out of step")
-        encoded = code in (cls.DELTA_INDICES, cls.DELTA_BITMASK)
         if not status.failed and (got_nbytes != nbytes if not encoded else not 0 < got_nbytes <= nbytes):
             raise PeerError(f"{where}: bucket {bucket} segment {segment} announced {got_nbytes} bytes, the plan says {nbytes}")
         return status
 
+
+_ENCODED = frozenset(int(e) for e in Encoding if e != Encoding.DENSE)
 
 # land(bucket, segment, status) -> where its bytes should go, or None for the transport's buffer
 Land = Callable[[int, int, SegmentStatus], "torch.Tensor | None"]
@@ -127,7 +138,7 @@ class GroupChannel:
     name: ClassVar[str] = "group"
 
     def __init__(self, group: Any = None, *, control_device: str | torch.device = "cpu") -> None:
-        self.group = group if group is not None else _default_group()
+        self.group = group if group is not None else default_group()
         self.rank = self.group.rank()
         self.world_size = self.group.size()
         self.control_device = torch.device(control_device)
@@ -143,7 +154,9 @@ class GroupChannel:
         # few, because a staged transfer's work holds its host copy of a segment.
         self._recent: collections.deque = collections.deque(maxlen=4)
 
-    def _keep(self, work: Any) -> Any:
+    def keep(self, work: Any) -> Any:
+        """Hold `work` (a collective's work object) among the last few (see `__init__`);
+        returns it. Whoever issues a collective on this channel's group calls this."""
         self._recent.append(work)
         return work
 
@@ -169,12 +182,14 @@ class GroupChannel:
             )
         return self._bound_s
 
-    def _timeout(self) -> datetime.timedelta:
+    def collective_timeout(self) -> datetime.timedelta:
+        """The bound in force, as a collective's options take it."""
         return datetime.timedelta(seconds=self.timeout_s)
 
-    def _wait(self, work: Any, what: str) -> None:
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for `work` within the bound in force; `PeerError` naming `what` otherwise."""
         try:
-            ok = work.wait(self._timeout())
+            ok = work.wait(self.collective_timeout())
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank} (a peer died or did not answer within {self.timeout_s} s): {exc}") from exc
         if ok is False:
@@ -182,12 +197,12 @@ class GroupChannel:
 
     def allreduce(self, tensor: torch.Tensor, what: str) -> None:
         opts = dist.AllreduceOptions()
-        opts.timeout = self._timeout()
+        opts.timeout = self.collective_timeout()
         try:
-            work = self._keep(self.group.allreduce([tensor], opts))
+            work = self.keep(self.group.allreduce([tensor], opts))
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
-        self._wait(work, what)
+        self.wait(work, what)
 
     def agree(self, report: RankReport, what: str = "status") -> list[RankReport]:
         """Every rank's report, on every rank, so that all stop together.
@@ -221,13 +236,16 @@ class GroupChannel:
         rows = rows.cpu()
         return [RankReport.decode(rows[r, :n].numpy().tobytes().decode(errors="replace"), flags[r]) for r, n in enumerate(sizes)]
 
-    def all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
+    def all_gather_bytes(self, payload: bytes, what: str, *, limit: int | None = None) -> list[bytes]:
         """Every rank's bytes (JSON, never pickles), through two all-reduces: the lengths,
-        then one zero-padded row per rank."""
+        then one zero-padded row per rank. With `limit`, a length outside 0..limit fails
+        every rank alike (each sees the same lengths) before any payload moves."""
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.control_device)
         sizes[self.rank] = len(payload)
         self.allreduce(sizes, f"{what} lengths")
         lengths = [int(n) for n in sizes.cpu().tolist()]
+        if limit is not None and any(not 0 <= n <= limit for n in lengths):
+            raise PeerError(f"{self.name}: {what}: a rank announced a length outside 0..{limit}: {lengths}")
         rows = torch.zeros(self.world_size, max(max(lengths, default=0), 1), dtype=torch.uint8)
         if payload:
             rows[self.rank, : len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -281,7 +299,8 @@ class GroupChannel:
 
 class SyncChannel(GroupChannel):
     """The control plane of one sync group whose rank `src` sends: the header's exchange and
-    the broadcasts of small payloads, on top of the agreement. Transports add the bytes."""
+    the broadcasts of small control payloads, on top of the agreement. A transport has one
+    (`Transport.channel`) and adds the bytes."""
 
     name: ClassVar[str] = "sync channel"
 
@@ -292,35 +311,27 @@ class SyncChannel(GroupChannel):
         if self.world_size < 2:
             raise ValueError(f"a sync group needs the sender and at least one receiver; this group has {self.world_size} rank")
         self.src = src
-        self._backend: Backend | None = None
-        self._host_only = False  # the group's library takes no tensor of the device: all goes through host memory
 
     @property
     def is_sender(self) -> bool:
         return self.rank == self.src
 
-    def _broadcast(self, tensor: torch.Tensor, what: str) -> Any:
+    def broadcast(self, tensor: torch.Tensor, what: str) -> Any:
+        """Post the broadcast of a control tensor (on `control_device`) from the sender; its work."""
         opts = dist.BroadcastOptions()
         opts.rootRank = self.src
-        opts.timeout = self._timeout()
-        # a device the group's library has no backend for (an NPU tensor in a gloo group)
-        # goes through host memory: the sender's copy, the receivers' landing copied after
-        staged = self._host_only and tensor.device.type != "cpu"
-        target = None if self.is_sender or not staged else tensor
-        if staged:
-            tensor = tensor.to("cpu") if self.is_sender else torch.empty(tensor.shape, dtype=tensor.dtype)
+        opts.timeout = self.collective_timeout()
         try:
-            work = self._keep(self.group.broadcast([tensor], opts))
+            return self.keep(self.group.broadcast([tensor], opts))
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
-        return _StagedWork(work, tensor, target, self._backend) if staged else work
 
-    def _broadcast_bytes(self, payload: bytes | None, limit: int, what: str) -> bytes:
+    def broadcast_bytes(self, payload: bytes | None, limit: int, what: str) -> bytes:
         """The sender's `payload` on every rank. Its length travels first; a length over
         `limit` fails every rank alike (each sees the same length) before the payload moves."""
         n = len(payload) if self.is_sender and payload is not None else 0
         size = torch.tensor([n], dtype=torch.int64, device=self.control_device)
-        self._wait(self._broadcast(size, f"{what} size"), f"{what} size")
+        self.wait(self.broadcast(size, f"{what} size"), f"{what} size")
         n = int(size.item())
         if not 0 <= n <= limit:
             raise HeaderError(f"{what} of {n} bytes announced by rank {self.src}; the limit is {limit} bytes")
@@ -329,28 +340,22 @@ class SyncChannel(GroupChannel):
         else:
             data = torch.empty(n, dtype=torch.uint8, device=self.control_device)
         if n:
-            self._wait(self._broadcast(data, what), what)
+            self.wait(self.broadcast(data, what), what)
         return bytes(payload or b"") if self.is_sender else data.cpu().numpy().tobytes()
 
     def exchange_header(self, payload: bytes | None) -> bytes:
         """The sender's encoded header on every rank (the receivers decode it themselves:
         nothing that came over the wire is unpickled)."""
-        return self._broadcast_bytes(payload, MAX_HEADER_BYTES, "header")
+        return self.broadcast_bytes(payload, MAX_HEADER_BYTES, "header")
 
 
-class _StagedWork:
-    """A transfer through host memory (`host`), for a library that cannot touch the device's
-    memory (gloo's send/recv on CUDA; anything of gloo on a PrivateUse1 device such as the
-    NPU): keeps the host copy alive, and for a receive copies it into the device tensor
-    `target` once it has arrived, before `wait` returns."""
-
-    def __init__(self, work: Any, host: torch.Tensor, target: torch.Tensor | None, backend: Backend | None) -> None:
-        self.work, self.host, self.target, self.backend = work, host, target, backend
-
-    def wait(self, timeout: Any = None) -> Any:
-        ok = self.work.wait(timeout) if timeout is not None else self.work.wait()
-        if ok is not False and self.target is not None:
-            target, self.target = self.target, None
-            self.backend.copy_(target, self.host)
-            self.backend.current_stream().synchronize()  # landed before anyone is told it has
-        return ok
+def trainer_channel(trainer_group: Any = None, backend: Backend | None = None) -> GroupChannel:
+    """The channel of a sharded trainer's own group (default: torch.distributed's default
+    group), named "trainer group" in its errors, its control messages where that group's
+    collective library keeps them. Every composite of trainer ranks (`TrainerSync`,
+    `ShardedSender`, the integrations' init and outcome agreements) makes its channel here."""
+    backend = backend or hal.current()
+    group = trainer_group if trainer_group is not None else default_group("trainer_group")
+    channel = GroupChannel(group, control_device=control_device_of(group, backend))
+    channel.name = "trainer group"
+    return channel

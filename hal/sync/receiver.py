@@ -1,4 +1,6 @@
-"""The receiving side of a weight sync: built from engine-side specs alone.
+"""The receiving side of a weight sync from one sender: `Receiver`, and `IncomingSync`,
+the one place a receive is checked, delivered and concluded (a receiver of several
+senders, hal.sync.sharded_receiver, runs one per sender).
 
 A receiver knows the names, shapes and dtypes it accepts (`TensorSpec`s, e.g. from the
 engine's own model), never the trainer's model. Everything else about a sync (bucket and
@@ -25,8 +27,8 @@ import hal
 from hal.backend import Backend
 from hal.sync import errors
 from hal.sync.auth import check_auth
-from hal.sync.delivery import Delivery, Destinations, Kept
-from hal.sync.delta import DeltaReceiver, scatter_key
+from hal.sync.delivery import Delivery, Destinations, Kept, destination_problem
+from hal.sync.delta import DeltaReceiver, agree_or_go_whole, scatter_key
 from hal.sync.errors import RankReport
 from hal.sync.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
@@ -49,7 +51,9 @@ class Receiver:
     `version` is the weight version this side holds, set after a sync that every rank
     completed, never after a failed one; `consistent` is False while the weights mix two
     versions (a failed sync applied part of itself); `torn` names tensors whose bytes may
-    be neither old nor new (a connection broke in the middle of an in-place transfer).
+    be neither old nor new (a connection broke in the middle of an in-place transfer);
+    `abort_error` says why the sink's `abort()` failed after the last failed sync (the
+    sync's own error is the one raised). A `SyncReceiver` (hal.sync.endpoints).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class Receiver:
         self.version = version
         self.consistent = True
         self.torn: tuple[str, ...] = ()
+        self.abort_error: str | None = None
         self.plans = PlanCache()
         self._accepted: tuple[TensorSpec, ...] | None = None  # the last spec tuple `_check_specs` passed
         self.kept = Kept(self.backend)
@@ -150,9 +155,9 @@ class Receiver:
                     continue
             if dest is None:
                 continue
-            if not isinstance(dest, torch.Tensor) or dest.shape != spec.shape:
-                got = tuple(dest.shape) if isinstance(dest, torch.Tensor) else type(dest).__name__
-                problems.append(f"parameter {spec.name!r}: the engine's destination has shape {got}, the sync carries {spec.shape}")
+            problem = destination_problem(spec, dest)
+            if problem is not None:
+                problems.append(problem)
                 continue
             every[spec.name] = dest
             # only a destination matching the wire spec exactly (dtype, contiguous, on the
@@ -167,21 +172,10 @@ class Receiver:
     def receive(self, sink: Any) -> SyncMetrics:
         """Take one sync into `sink` (a `Sink`, or a callable `apply(pairs)`); see the class doc."""
         with self.transport.bounded(self.timeout_s):
-            return self._receive(as_sink(sink))
-
-    def _receive(self, sink: Sink) -> SyncMetrics:
-        incoming = IncomingSync(self, sink)
-        while True:
-            report = incoming.check()
-            try:
-                incoming.agree_header(report)
-                break
-            except errors.SyncError as exc:
-                if incoming.header is not None and incoming.header.delta_base is not None and exc.only_delta_base:
-                    continue  # the sender sends the same sync whole right away
-                raise
-        incoming.deliver()
-        return incoming.conclude(incoming.report())
+            incoming = IncomingSync(self, as_sink(sink))
+            incoming.agree_header(incoming.check())
+            incoming.deliver()
+            return incoming.conclude()
 
     @property
     def baseline_bytes(self) -> int:
@@ -190,22 +184,18 @@ class Receiver:
         (0 without delta)."""
         return self.delta.baseline_bytes
 
-    def _failed(self, delivery: Delivery, sink: Sink) -> None:
-        self.delta.lost()
-        if delivery.touched:
-            self.consistent = False
-        try:
-            sink.abort()
-        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to raise
-            delivery.notes.append(f"abort() failed: {type(exc).__name__}: {exc}")
+    def close(self) -> None:
+        """Free the transport's buffers (the group is its owner's)."""
+        self.transport.close()
 
 
 class IncomingSync:
     """One sync on the receiving side, in its phases: `check` the header (this rank's
     verdict), `agree_header` (every rank's), `deliver` the segments into the sink, and
     `conclude` (every rank's outcome; the version). `Receiver.receive` runs them in
-    order; a receiver of several senders at once (hal.sync.sharded) interleaves the
-    phases of one `IncomingSync` per sender. Used once."""
+    order; a receiver of several senders at once (hal.sync.sharded_receiver) interleaves
+    the phases of one `IncomingSync` per sender and ends each with `settle`, the one place
+    a receive's outcome lands on its receiver. Used once."""
 
     def __init__(self, receiver: Receiver, sink: Sink) -> None:
         self.receiver = receiver
@@ -217,62 +207,128 @@ class IncomingSync:
         self.plan: BucketPlan | None = None
         self.destinations: Destinations | None = None
         self.delivery: Delivery | None = None
-        self.kept_in: Any = None
+        self._kept_in: Any = None  # where a delta of this sync lands (hal.sync.delta.scatter_key)
         self.where = "sync"
-        self.lost: BaseException | None = None  # why `deliver` ended early, for a caller that runs it in a thread
+        self.lost: BaseException | None = None
+        """Why `deliver` ended early (a broken group: `PeerError`), or None."""
+
+    @property
+    def channel(self) -> Any:
+        return self.receiver.transport.channel
 
     def check(self) -> RankReport:
         """Draw the challenge, take the sender's header and check it; this rank's verdict."""
-        receiver, transport = self.receiver, self.receiver.transport
+        receiver, channel = self.receiver, self.channel
         try:
-            challenge = transport.challenge()
+            challenge = channel.challenge()
         except errors.AuthError as exc:  # forged by a member: still take the header, to stay in step
-            transport.exchange_header(None)
+            channel.exchange_header(None)
             return errors.report_exception(exc, sender=False)
-        payload = transport.exchange_header(None)
+        payload = channel.exchange_header(None)
         self.header, self.plan, self.destinations, report = receiver._check_header(payload, self.sink, challenge)
         self.where = f"sync of version {self.header.version}" if self.header is not None else "sync"
         return report
 
-    def agree_header(self, report: RankReport) -> None:
-        """Every rank's verdict on the header; raises the `SyncError` every rank raises."""
-        transport = self.receiver.transport
-        errors.raise_if_any(transport.agree(report, "header check"), transport.rank, self.where)
+    def agree_header(self, report: RankReport, shared: RankReport | None = None) -> None:
+        """Every rank's verdict on the header (this rank's: `report`); raises the `SyncError`
+        every rank raises. A delta refused only for its base comes again whole at once: that
+        header is checked (`shared`, when given, is this rank's verdict on it unless the
+        header itself is refused: a receiver of several senders judges them together) and
+        agreed on in its place."""
+        channel, verdict = self.channel, [report]
+
+        def agree() -> None:
+            errors.raise_if_any(channel.agree(verdict[0], "header check"), channel.rank, self.where)
+
+        def go_whole() -> None:
+            again = self.check()
+            verdict[0] = shared if again.error is None and shared is not None else again
+
+        agree_or_go_whole(agree, lambda: self.header is not None and self.header.delta_base is not None, go_whole)
         if self.header is None or self.plan is None or self.destinations is None:  # every rank agreed there was no error
-            raise errors.SyncError(f"rank {transport.rank}: the header check passed on every rank but this one kept no plan")
+            raise errors.SyncError(f"rank {channel.rank}: the header check passed on every rank but this one kept no plan")
 
     def deliver(self) -> None:
-        """Receive every segment into the sink; raises `PeerError` when the group broke (the
-        sink has been told: `Sink.abort`)."""
+        """Receive every segment into the sink. A group that broke (`PeerError`) or any other
+        failure ends it early and is kept in `lost`: `conclude` (or the caller's `settle`)
+        tells the sink (`Sink.abort`) and the receiver."""
         receiver, plan = self.receiver, self.plan
-        receiver.transport.prepare(receiver.backend, plan)
-        self.kept_in = scatter_key(plan, self.sink, receiver.backend.device()) if self.header.delta else None
-        delivery = self.delivery = Delivery(receiver.kept, receiver.transport, plan, self.sink, self.destinations, self.timer)
-        delivery.applier = receiver.delta.begin(self.header, plan, self.kept_in, delivery)
         try:
+            receiver.transport.prepare(receiver.backend, plan)
+            self._kept_in = scatter_key(plan, self.sink, receiver.backend.device()) if self.header.delta else None
+            delivery = self.delivery = Delivery(receiver.kept, receiver.transport, plan, self.sink, self.destinations, self.timer)
+            delivery.applier = receiver.delta.begin(self.header, plan, self._kept_in, delivery)
             delivery.run()
-        except errors.PeerError:
-            receiver._failed(delivery, self.sink)
-            receiver.torn = tuple(sorted(delivery.landing))
-            raise
+        except Exception as exc:  # noqa: BLE001 - concluded by `conclude` / `settle`
+            self.lost = exc
+
+    @property
+    def touched(self) -> bool:
+        """Whether this receive wrote a destination or handed its sink a tensor."""
+        return self.delivery is not None and self.delivery.touched
+
+    @property
+    def sender_failed(self) -> bool:
+        """The sender announced that its source or a pack failed (it says why at the agreement)."""
+        return self.delivery is not None and self.delivery.sender_failed
 
     def report(self) -> RankReport:
-        """This rank's word on how the delivery went."""
-        return self.delivery.report()
+        """This rank's word on how the delivery went (an error that ended it early first)."""
+        if self.lost is not None:
+            return errors.report_exception(self.lost, sender=False, inconsistent=self.touched)
+        return self.delivery.report() if self.delivery is not None else RankReport()
 
-    def conclude(self, report: RankReport) -> SyncMetrics:
+    def agree_outcome(self, report: RankReport, what: str = "sync status", *, bound_s: float | None = None) -> list[RankReport]:
+        """One agreement on how the sync ended, in this sender's group: every rank's report
+        (`bound_s`: a wait longer than the receive's own, for a receiver of several senders)."""
+        channel = self.channel
+        if bound_s is None:
+            return channel.agree(report, what)
+        with channel.bounded(bound_s):
+            return channel.agree(report, what)
+
+    def conclude(self) -> SyncMetrics:
         """Every rank's outcome: the version advances only if every rank completed;
-        otherwise raises the `SyncError` every rank raises."""
-        receiver, transport, plan, header = self.receiver, self.receiver.transport, self.plan, self.header
+        otherwise raises the `SyncError` every rank raises (a broken group: this rank's
+        `PeerError`, since nobody can agree any more)."""
+        if isinstance(self.lost, errors.PeerError):
+            self.settle(self.lost, touched=self.touched)
+            raise self.lost
         try:
-            errors.raise_if_any(transport.agree(report, "sync status"), transport.rank, self.where)
-        except errors.SyncError:
-            receiver._failed(self.delivery, self.sink)
+            errors.raise_if_any(self.agree_outcome(self.report()), self.channel.rank, self.where)
+        except errors.SyncError as exc:
+            self.settle(exc, touched=self.touched)
             raise
-        receiver.version = header.version
-        receiver.consistent = True
-        receiver.torn = ()
-        receiver.delta.completed(header, plan, self.kept_in)
+        self.settle(None, touched=self.touched)
+        return self.metrics()
+
+    def settle(self, error: BaseException | None, *, touched: bool) -> None:
+        """The outcome every rank agreed on (`error`, None when every rank completed) lands on
+        the receiver: a complete sync sets its version, makes it consistent and untorn, and
+        keeps what a delta lands on next; a failed one drops that, marks the receiver
+        inconsistent if this sync `touched` its weights, names what a broken group tore
+        (`Receiver.torn`), and tells the sink (`abort`, whose own failure is recorded in
+        `Receiver.abort_error`)."""
+        receiver = self.receiver
+        if error is None:
+            receiver.version = self.header.version
+            receiver.consistent = True
+            receiver.torn = ()
+            receiver.delta.completed(self.header, self.plan, self._kept_in)
+            return
+        receiver.delta.lost()
+        if touched:
+            receiver.consistent = False
+        if isinstance(error, errors.PeerError) and self.delivery is not None:
+            receiver.torn = tuple(sorted(self.delivery.landing))
+        try:
+            self.sink.abort()
+            receiver.abort_error = None
+        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to raise
+            receiver.abort_error = f"{type(exc).__name__}: {exc}"
+
+    def metrics(self) -> SyncMetrics:
+        receiver, plan, header = self.receiver, self.plan, self.header
         return SyncMetrics(
             version=header.version,
             bytes=plan.total_bytes,

@@ -24,7 +24,7 @@ from hal import kernels
 from hal.backend import Backend
 from hal.sync import errors
 from hal.sync.config import SyncConfig, default_bucket_bytes, wire_dtype_for
-from hal.sync.delta import WHOLE, DeltaSender
+from hal.sync.delta import NO_DELTA, DeltaSender, agree_or_go_whole
 from hal.sync.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
 from hal.sync.packing import SegmentPacker, SourceCursor
@@ -38,8 +38,9 @@ class Sender:
 
     `config` is used as given. `token`, when the engines were started with one, proves
     to them that this trainer may push weights (it never travels itself). Reused across
-    syncs: it keeps the bucket layout (while metadata is unchanged), the pack stream and
-    the pinned staging buffer, and nothing else.
+    syncs: it keeps the bucket layout (while metadata is unchanged), the pack stream, the
+    pinned staging buffer and, with delta sync, the baseline the next delta is computed
+    against (`delta`); nothing of one sync's data otherwise.
     """
 
     def __init__(
@@ -60,7 +61,7 @@ class Sender:
         self.packer = SegmentPacker(transport, self.config, self.backend)
         """Packs each segment (hal.sync.packing): the pack stream, views and staging buffer."""
         self._sized_for = 0
-        self.senders = 1
+        self.sender_count = 1
         """How many senders send into the same receivers at once (hal.sync.sharded sets it):
         buckets sized from free memory take that share of it."""
         self._last_wire: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])  # (metadata, its wire specs) of the last sync
@@ -105,8 +106,7 @@ class Sender:
         under way and its caller either sends it (`OutgoingSync.send`) or cancels it
         (`OutgoingSync.cancel`): the receivers wait for one or the other. `TrainerSync`
         tells the other trainer ranks between the two whether to gather."""
-        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
-            raise ValueError(f"version must be a non-negative int below 2**63 (e.g. the global step), got {version!r}")
+        errors.check_version(version)
         outgoing = OutgoingSync(self, as_source(source), version)
         outgoing.offer()
         return outgoing
@@ -118,11 +118,11 @@ class Sender:
             return
         largest = max((s.nbytes for s in specs), default=0)
         if self.bucket_bytes is None or largest > self._sized_for:
-            self.bucket_bytes = default_bucket_bytes(self.backend, largest, self.senders)
+            self.bucket_bytes = default_bucket_bytes(self.backend, largest, self.sender_count)
             self._sized_for = largest
 
     def _send_buckets(
-        self, plan: BucketPlan, it: Iterator[tuple[str, torch.Tensor]], timer: PhaseTimer, segments: Any = WHOLE
+        self, plan: BucketPlan, it: Iterator[tuple[str, torch.Tensor]], timer: PhaseTimer, segments: Any = NO_DELTA
     ) -> BaseException | None:
         """Send every segment, or stop at the first one whose source or pack failed, after
         announcing that failure in its place. Returns that failure; a transport failure
@@ -182,7 +182,7 @@ class OutgoingSync:
         self.host_start = time.thread_time()
         self.timer = PhaseTimer()
         self.plan: BucketPlan | None = None
-        self.segments: Any = WHOLE
+        self.segments: Any = NO_DELTA
         self._builds = sender.plans.builds
         self._state = "new"
         self.end_bound_s: float | None = None
@@ -200,28 +200,32 @@ class OutgoingSync:
         segment_bytes = transport.segment_bytes(sender.config.segment_bytes)
         plan = self.plan = sender.plans.get(wire_specs, sender.bucket_bytes, sender.config.verify, segment_bytes)
         delta = sender.delta
-        base, choice, sample = delta.base(plan) if delta is not None else (None, None, False)
-        while True:
+        offer = [*(delta.base(plan) if delta is not None else (None, None, False))]  # (base, choice, sample)
+        channel = transport.channel
+
+        def agree() -> None:
             try:
-                try:
-                    challenge, report = transport.challenge(), errors.RankReport(sender=True)
-                except errors.AuthError as exc:
-                    # forged by a member: prove nothing over it, but send the header and
-                    # agree as ever, so that every rank refuses this sync in step
-                    challenge, report = None, errors.report_exception(exc, sender=True)
-                header = SyncHeader.from_plan(
-                    plan, version=self.version, token=sender.token if challenge is not None else None, challenge=challenge,
-                    delta=delta is not None, delta_base=base,
-                )
-                transport.exchange_header(header.encode())
-                errors.raise_if_any(transport.agree(report, "header check"), transport.rank, self.where)
-                break
-            except errors.SyncError as exc:
-                if base is not None and exc.only_delta_base:
-                    base, choice, sample = delta.refused()  # the same sync, whole, at once
-                    continue
-                self._state = "done"
-                raise
+                challenge, report = channel.challenge(), errors.RankReport(sender=True)
+            except errors.AuthError as exc:
+                # forged by a member: prove nothing over it, but send the header and agree
+                # as ever, so that every rank refuses this sync in step
+                challenge, report = None, errors.report_exception(exc, sender=True)
+            header = SyncHeader.from_plan(
+                plan, version=self.version, token=sender.token if challenge is not None else None, challenge=challenge,
+                delta=delta is not None, delta_base=offer[0],
+            )
+            channel.exchange_header(header.encode())
+            errors.raise_if_any(channel.agree(report, "header check"), channel.rank, self.where)
+
+        def go_whole() -> None:
+            offer[:] = delta.refused()  # the same sync, whole, at once
+
+        try:
+            agree_or_go_whole(agree, lambda: offer[0] is not None, go_whole)
+        except errors.SyncError:
+            self._state = "done"
+            raise
+        base, choice, sample = offer
         transport.prepare(sender.backend, plan)
         if not sender.config.bypass_cpu:
             sender.packer.ensure_staging(plan.max_bucket_nbytes)
@@ -263,7 +267,7 @@ class OutgoingSync:
             failure = errors.SourceError(f"{type(failure).__name__}: {failure}") if not isinstance(failure, errors.SyncError) else failure
             report = errors.report_exception(failure, sender=True)
         with transport.bounded(self.end_bound_s or sender.config.timeout_s):
-            errors.raise_if_any(transport.agree(report, "sync status"), transport.rank, self.where)
+            errors.raise_if_any(transport.channel.agree(report, "sync status"), transport.rank, self.where)
         sender.version = self.version
         total_s = time.perf_counter() - self.start
         if sender.delta is not None:

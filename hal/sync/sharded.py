@@ -1,6 +1,6 @@
 """Every trainer rank sends: an M-to-N sync from a sharded trainer, with no gather.
 
-Each trainer rank sends only the rows it holds (`hal.sync.layout`: FSDP2 `Shard(0)`
+Each trainer rank sends only the rows it holds (`hal.sync.shard_plan`: FSDP2 `Shard(0)`
 shards as they are, replicated tensors split between the ranks that hold them), over a
 sync group of its own with every engine worker; each engine worker receives from all M
 senders at once and hands its engine whole tensors (`hal.sync.assembly`):
@@ -17,7 +17,8 @@ A sync of M senders is M syncs of the core (hal.sync.sender / receiver: headers,
 versions, verify, delta against each sender's own baseline), run at once and bound
 together by the receivers:
 
-1. The trainer ranks agree on the layout (`LayoutExchange`: a digest per sync).
+1. The trainer ranks agree on who sends which rows (`ShardedSender.agree_shares`, through
+   `ShardPlanExchange`: a digest per sync).
 2. Each sender offers its header; each receiver checks all M (and that the shares cover
    every row of every tensor exactly once) and answers in every group with the verdict
    on all of them, so a refusal anywhere fails every rank before any byte moves.
@@ -32,6 +33,7 @@ groups end with that error, and no tensor it had a share of reaches any engine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -41,14 +43,13 @@ from hal.backend import Backend
 from hal.sync import errors
 from hal.sync.config import SyncConfig, wire_dtype_for
 from hal.sync.errors import RankReport
-from hal.sync.layout import SHARD0, LayoutExchange, ShardPlan, declare
+from hal.sync.shard_plan import SHARD0, ShardPlanExchange, ShardPlan, declare
 from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import TensorSpec
-from hal.sync.protocol import GroupChannel, control_device_of
+from hal.sync.protocol import trainer_channel
 from hal.sync.sender import Sender
-from hal.sync.source import TensorSource, as_source
+from hal.sync.source import LocalSource, TensorSource, as_source
 from hal.sync.sharded_receiver import ShardedReceiver
-from hal.sync.trainer import _world
 from hal.sync.transport import Transport
 
 __all__ = ["ShardedReceiver", "ShardedSender", "local_tensors"]
@@ -57,13 +58,23 @@ __all__ = ["ShardedReceiver", "ShardedSender", "local_tensors"]
 def local_tensors(source: Any) -> list[tuple[str, torch.Tensor]]:
     """A source's tensors as this rank holds them (no gather)."""
     source = as_source(source)
-    local = getattr(source, "local_tensors", None)
-    if not callable(local):
+    if not isinstance(source, LocalSource):
         raise TypeError(
             f"a sharded sync reads the tensors each rank holds: pass a module, a ModuleSource, a TensorSource, a dict or "
             f"a list of (name, tensor), not a {type(source).__name__}"
         )
-    return local()
+    return source.local_tensors()
+
+
+@dataclass(frozen=True, slots=True)
+class AgreedShares:
+    """The first phase of one M-to-N sync on one trainer rank (`ShardedSender.agree_shares`):
+    the plan every trainer rank agreed on and this rank's tensors, or why the sync is
+    refused (the same `SyncError` on every trainer rank)."""
+
+    plan: ShardPlan | None
+    tensors: dict[str, torch.Tensor]
+    refused: errors.SyncError | None = None
 
 
 class _Shares:
@@ -119,11 +130,9 @@ class ShardedSender:
         self.backend = backend or hal.current()
         self.sender = Sender(transport, config, backend=self.backend, token=token)
         self.config = self.sender.config
-        group = trainer_group if trainer_group is not None else _world()
-        self.channel = GroupChannel(group, control_device=control_device_of(group, self.backend))
-        self.channel.name = "trainer group"
-        self.layout = LayoutExchange(self.channel)
-        self.sender.senders = self.channel.world_size  # buckets from free memory: a share of them each
+        self.channel = trainer_channel(trainer_group, self.backend)
+        self.exchange = ShardPlanExchange(self.channel)
+        self.sender.sender_count = self.channel.world_size  # buckets from free memory: a share of them each
         self.version: int | None = None
         self._model_bytes_of: tuple[ShardPlan | None, int] = (None, 0)
 
@@ -134,29 +143,42 @@ class ShardedSender:
     @property
     def plan(self) -> ShardPlan | None:
         """The layout of the last sync."""
-        return self.layout.plan
+        return self.exchange.plan
 
     def sync(self, source: Any, *, version: int) -> SyncMetrics:
         """Send this rank's shares of `source` as `version`; the same call on every trainer
         rank. Returns this rank's metrics (`bytes`: what it sent; `model_bytes`: the whole
-        model). Raises the `SyncError` every rank raises when the sync fails anywhere."""
-        transport, timeout = self.sender.transport, self.config.timeout_s
+        model). Raises the `SyncError` every rank raises when the sync fails anywhere.
+        Its two phases: `agree_shares`, then `send`."""
+        return self.send(self.agree_shares(source), version=version)
+
+    def agree_shares(self, source: Any) -> AgreedShares:
+        """Declare what this rank holds of `source` (from metadata) and agree with every
+        trainer rank on who sends which rows (the plan is built once per layout). A source
+        some rank cannot declare, or declarations that do not fit, make `refused` the same
+        `SpecMismatchError` on every trainer rank; nothing is sent yet. The same call on
+        every trainer rank."""
         tensors: list[tuple[str, torch.Tensor]] = []
-        plan, refused = None, None
+        declared: list | BaseException
         try:
             tensors = local_tensors(source)
             declared = declare(tensors, self.rank, self.channel.world_size)
         except (ValueError, TypeError) as exc:  # still take part in the exchange: the others hear of it at once
-            declared, refused = None, errors.SpecMismatchError(str(exc))
-        with self.channel.bounded(timeout):
+            declared = exc
+        with self.channel.bounded(self.config.bounds.step_s):
             try:
-                plan = self.layout.agree(declared)
+                return AgreedShares(self.exchange.agree(declared), dict(tensors))
             except errors.SyncError as exc:  # the same on every trainer rank (a broken group: PeerError)
-                refused = refused or exc
-        # a refused layout still goes through an (empty) sync, so the receivers hear why
-        shares = _Shares(plan, self.rank, dict(tensors)) if refused is None else TensorSource([])
+                return AgreedShares(None, dict(tensors), exc)
+
+    def send(self, agreed: AgreedShares, *, version: int) -> SyncMetrics:
+        """Send this rank's shares as `agreed` (`agree_shares`) as `version`; a refused
+        agreement still goes through an (empty) sync, so the receivers hear why. Returns
+        and raises as `sync`."""
+        transport, bounds, plan, refused = self.sender.transport, self.config.bounds, agreed.plan, agreed.refused
+        shares = _Shares(plan, self.rank, agreed.tensors) if refused is None else TensorSource([])
         outgoing = self.sender.offer(shares, version=version)
-        outgoing.end_bound_s = 2 * timeout  # the receivers first wait for every other sender
+        outgoing.end_bound_s = bounds.behind_s  # the receivers first wait for every other sender
         metrics, own = None, None
         try:
             metrics = outgoing.send() if refused is None else outgoing.cancel(refused)
@@ -165,8 +187,8 @@ class ShardedSender:
         except errors.SyncError as exc:
             own = exc
         report = RankReport(sender=True) if own is None else errors.report_exception(own, sender=True)
-        with transport.bounded(2 * timeout):
-            reports = transport.agree(report, "every sender's status")
+        with transport.bounded(bounds.behind_s):
+            reports = transport.channel.agree(report, "every sender's status")
         if own is not None:
             raise own
         errors.raise_if_any(reports, transport.rank, f"sync of version {version}")

@@ -1,6 +1,9 @@
 """The receiving side of an M-to-N sync: an engine worker receives from every trainer
 rank at once and hands its sink whole tensors (the protocol: hal.sync.sharded; the
-assembly: hal.sync.assembly)."""
+assembly: hal.sync.assembly). It is made of one `Receiver` per sender, each receive an
+`IncomingSync` that checks, delivers and concludes that sender's part (hal.sync.receiver);
+what is its own is judging the headers together, the threads, and the agreements that
+bind the senders' groups."""
 
 from __future__ import annotations
 
@@ -11,14 +14,15 @@ import threading
 import time
 from typing import Any, Iterable, Sequence
 
-import torch
 
 import hal
 from hal.backend import Backend
 from hal.sync import errors
+from hal.sync.config import WaitBounds
 from hal.sync.assembly import Assembler, BufferPool, ShareInfo
 from hal.sync.errors import RankReport
-from hal.sync.layout import covering, parse_shard_name
+from hal.sync.delivery import destination_problem
+from hal.sync.shard_plan import covering, parse_shard_name
 from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import TensorSpec
 from hal.sync.receiver import IncomingSync, Receiver
@@ -31,7 +35,8 @@ class ShardedReceiver:
     `transports`: one per trainer rank, in trainer-rank order (each that rank's group with
     the engine workers). `specs`, `timeout_s`, `token`, `validate` as for `Receiver`,
     about whole tensors. `budget_bytes` bounds the tensors being put together at once
-    (`hal.sync.assembly`).
+    (`hal.sync.assembly`). A `SyncReceiver` (hal.sync.endpoints): `version`, `consistent`,
+    `torn` and `abort_error` are its per-sender receivers' together.
     """
 
     def __init__(
@@ -51,48 +56,71 @@ class ShardedReceiver:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"ShardedReceiver budget_bytes must be a non-negative int, got {budget_bytes!r}")
         self.backend = backend or hal.current()
-        self.parts = [Receiver(t, None, timeout_s=timeout_s, token=token, backend=self.backend) for t in transports]
+        self.per_sender = [Receiver(t, None, timeout_s=timeout_s, token=token, backend=self.backend) for t in transports]
+        """One `Receiver` per sending trainer rank, in trainer-rank order (each checks and
+        concludes its sender's part of every sync)."""
         self.timeout_s = float(timeout_s)
+        self.bounds = WaitBounds(self.timeout_s)
         self.validate = validate
         self.budget_bytes = int(budget_bytes)
         self.specs: dict[str, TensorSpec] | None = None if specs is None else {s.name: s for s in specs}
         self.version = version
-        self.consistent = True
         # (headers' spec tuples, shares, whole specs in order, destination objects, destinations) of the last sync
-        self._layout: tuple | None = None
+        self._index_kept: tuple | None = None
         self.pool = BufferPool(self.backend, self.budget_bytes)
         """Assembly buffers kept across syncs (at most `budget_bytes`)."""
-        self.streams = [self.backend.new_stream() for _ in range(len(self.parts) + 1)]
+        self.streams = [self.backend.new_stream() for _ in range(len(self.per_sender) + 1)]
         """The assembly's copies: one stream per sender's thread, one for handing over."""
 
     @property
-    def senders(self) -> int:
-        return len(self.parts)
+    def sender_count(self) -> int:
+        """How many trainer ranks send to this receiver."""
+        return len(self.per_sender)
 
     @property
     def version(self) -> int | None:
         """The weight version this side holds (as `Receiver.version`): set after a sync every
         rank completed; an older one is refused by every sender's header check."""
-        return self._version
+        return self.per_sender[0].version
 
     @version.setter
     def version(self, version: int | None) -> None:
-        self._version = version
-        for part in self.parts:
-            part.version = version
+        for receiver in self.per_sender:
+            receiver.version = version
+
+    @property
+    def consistent(self) -> bool:
+        """False while the weights mix two versions (a failed sync handed the engine part of itself)."""
+        return all(receiver.consistent for receiver in self.per_sender)
+
+    @property
+    def torn(self) -> tuple[str, ...]:
+        """Tensors a broken group may have torn (none: shares never land in the engine's
+        tensors in place; the assembly copies whole tensors)."""
+        return tuple(sorted({name for receiver in self.per_sender for name in receiver.torn}))
+
+    @property
+    def abort_error(self) -> str | None:
+        """Why the sink's `abort()` failed after the last failed sync, if it did."""
+        return next((r.abort_error for r in self.per_sender if r.abort_error is not None), None)
+
+    def close(self) -> None:
+        """Free every transport's buffers (the groups are their owner's)."""
+        for receiver in self.per_sender:
+            receiver.close()
 
     def receive(self, sink: Any) -> SyncMetrics:
         sink = as_sink(sink)
         start, host_start = time.perf_counter(), time.thread_time()
         with contextlib.ExitStack() as stack:
-            for part in self.parts:
-                stack.enter_context(part.transport.bounded(self.timeout_s))
+            for receiver in self.per_sender:
+                stack.enter_context(receiver.transport.bounded(self.timeout_s))
             return self._receive(sink, start, host_start)
 
     def _receive(self, sink: Sink, start: float, host_start: float) -> SyncMetrics:
-        assembler = Assembler(self.pool, self.streams, self.budget_bytes, self.timeout_s)
-        incoming = [IncomingSync(part, assembler.part_sink(m)) for m, part in enumerate(self.parts)]
-        live = set(range(self.senders))  # the groups still in the sync (header agreed, none broken)
+        assembler = Assembler(self.pool, self.streams, self.budget_bytes, self.timeout_s, sink)
+        incoming = [IncomingSync(receiver, assembler.part_sink(m)) for m, receiver in enumerate(self.per_sender)]
+        live = set(range(self.sender_count))  # the groups still in the sync (header agreed, none broken)
         failure = self._headers(incoming, sink, assembler, live)
         if failure is not None:
             assembler.stop()
@@ -100,7 +128,7 @@ class ShardedReceiver:
         threads = [threading.Thread(target=self._deliver, args=(m, incoming[m], assembler, live), daemon=True) for m in sorted(live)]
         for thread in threads:
             thread.start()
-        assembler.drain(sink)
+        assembler.drain()
         for thread in threads:
             thread.join()
         report = self._outcome(failure, incoming, assembler)
@@ -109,26 +137,24 @@ class ShardedReceiver:
         report = self._agree(incoming, live, report, "sync status")
         report = self._agree(incoming, live, report, "every sender's status")
         assembler.release()
-        if report.error is not None:
-            for part in self.parts:
-                part.delta.lost()
-            if assembler.touched:
-                self.consistent = False
-            with contextlib.suppress(Exception):
-                sink.abort()
+        error: errors.SyncError | None = None
+        try:
             errors.raise_if_any([report], 0, where)
-        for part, inc in zip(self.parts, incoming):
-            part.delta.completed(inc.header, inc.plan, inc.kept_in)
-        self.version, self.consistent = version, True
+        except errors.SyncError as exc:
+            error = exc
+        for inc in incoming:  # each part's outcome; the first part's abort reaches the engine's sink
+            inc.settle(error, touched=assembler.touched)
+        if error is not None:
+            raise error
         return SyncMetrics(
             version=version,
             bytes=sum(i.plan.total_bytes for i in incoming),
             buckets=sum(len(i.plan.buckets) for i in incoming),
-            tensors=len(self._layout[2]) if self._layout is not None else 0,
+            tensors=len(self._index_kept[2]) if self._index_kept is not None else 0,
             transfer_s=max((i.timer.get("transfer") or 0.0) for i in incoming),
             total_s=time.perf_counter() - start,
             host_s=time.thread_time() - host_start,
-            senders=self.senders,
+            senders=self.sender_count,
             model_bytes=sum(i.plan.total_bytes for i in incoming),
         )
 
@@ -151,21 +177,13 @@ class ShardedReceiver:
         failure: errors.SyncError | None = None
         for m in sorted(live):
             inc, report = incoming[m], reports[m] if reports[m].error else (shared or reports[m])
-            while True:
-                try:
-                    inc.agree_header(report)
-                    break
-                except errors.SyncError as exc:
-                    if inc.header is not None and inc.header.delta_base is not None and exc.only_delta_base:
-                        report = inc.check()  # that sender sends the same sync whole at once
-                        if report.error is None and shared is not None:
-                            report = shared
-                        continue
-                    live.discard(m)  # its sender stops at its offer: nothing more happens in that group
-                    failure = failure or _unwrapped(exc)
-                    break
-        if failure is None and len(live) < self.senders:
-            failure = errors.PeerError(f"sender(s) {sorted(set(range(self.senders)) - live)} did not send a header")
+            try:
+                inc.agree_header(report, shared)
+            except errors.SyncError as exc:
+                live.discard(m)  # its sender stops at its offer: nothing more happens in that group
+                failure = failure or _unwrapped(exc)
+        if failure is None and len(live) < self.sender_count:
+            failure = errors.PeerError(f"sender(s) {sorted(set(range(self.sender_count)) - live)} did not send a header")
         return failure
 
     def _index(self, incoming: list[IncomingSync], sink: Sink, assembler: Assembler) -> None:
@@ -174,11 +192,11 @@ class ShardedReceiver:
         per layout: the headers' decoded spec tuples are the same objects while nothing
         changed, and the destinations are compared by identity."""
         headers = tuple(inc.header.specs for inc in incoming)
-        cached = self._layout
+        cached = self._index_kept
         if cached is None or len(cached[0]) != len(headers) or not all(map(operator.is_, cached[0], headers)):
-            self._layout = None
+            self._index_kept = None
             shares, specs = self._shares_of(headers)
-            cached = self._layout = (headers, shares, specs, [], {})
+            cached = self._index_kept = (headers, shares, specs, [], {})
         _, shares, specs, objects, destinations = cached
         asked = [sink.destination(spec.name) for spec in specs]
         if len(asked) != len(objects) or not all(map(operator.is_, asked, objects)):
@@ -187,13 +205,13 @@ class ShardedReceiver:
             for spec, dest in zip(specs, asked):
                 if dest is None:
                     continue
-                if not isinstance(dest, torch.Tensor) or tuple(dest.shape) != spec.shape:
-                    got = tuple(dest.shape) if isinstance(dest, torch.Tensor) else type(dest).__name__
-                    problems.append(f"parameter {spec.name!r}: the engine's destination has shape {got}, the sync carries {spec.shape}")
+                problem = destination_problem(spec, dest)
+                if problem is not None:
+                    problems.append(problem)
                     continue
                 destinations[spec.name] = dest
             errors.refuse_specs(problems)
-            self._layout = (headers, shares, specs, asked, destinations)
+            self._index_kept = (headers, shares, specs, asked, destinations)
         if self.validate is not None:
             self.validate(list(specs))
         assembler.shares, assembler.destinations = shares, destinations
@@ -240,12 +258,9 @@ class ShardedReceiver:
 
     def _deliver(self, m: int, inc: IncomingSync, assembler: Assembler, live: set[int]) -> None:
         try:
-            inc.deliver()
-        except errors.PeerError as exc:
-            live.discard(m)
-            inc.lost = exc
-        except Exception as exc:  # noqa: BLE001 - reported at the agreement
-            inc.lost = exc
+            inc.deliver()  # what ends it early is kept (`IncomingSync.lost`) and reported at the agreement
+            if isinstance(inc.lost, errors.PeerError):
+                live.discard(m)  # that group broke: nobody in it can agree any more
         finally:
             assembler.sender_done(m)
 
@@ -255,13 +270,12 @@ class ShardedReceiver:
         if failure is not None:
             return errors.report_exception(failure, sender=False, inconsistent=touched)
         for inc in incoming:
-            if inc.lost is not None:
-                return errors.report_exception(inc.lost, sender=False, inconsistent=touched)
-            if inc.delivery is not None and inc.delivery.error is not None:
-                return RankReport(error=inc.delivery.error.error, kind=inc.delivery.error.kind, inconsistent=touched)
+            own = inc.report()
+            if own.error is not None:
+                return RankReport(error=own.error, kind=own.kind, inconsistent=touched)
         if assembler.error is not None:
             return errors.report_exception(assembler.error, sender=False, inconsistent=touched)
-        if any(inc.delivery is not None and inc.delivery.sender_failed for inc in incoming):
+        if any(inc.sender_failed for inc in incoming):
             return RankReport(inconsistent=touched)  # the sender says why at the agreement
         names = assembler.leftover()
         if names:
@@ -272,10 +286,8 @@ class ShardedReceiver:
         """Agree in every live group; returns this receiver's report with the first error any
         group's ranks told (so the next agreement tells it to every sender)."""
         for m in sorted(live):
-            transport = incoming[m].receiver.transport
             try:
-                with transport.bounded(2 * self.timeout_s):
-                    reports = transport.agree(report, what)
+                reports = incoming[m].agree_outcome(report, what, bound_s=self.bounds.behind_s)
             except errors.PeerError as exc:
                 live.discard(m)
                 reports = [errors.report_exception(exc, sender=False)]

@@ -51,7 +51,7 @@ A plain callable `apply(pairs)` is accepted wherever a sink is (`as_sink`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -121,3 +121,40 @@ def as_sink(target: Any) -> Sink:
     raise TypeError(
         f"cannot receive into a {type(target).__name__}: pass a Sink (policy, destination, apply, abort) or a callable apply(pairs)"
     )
+
+
+class CopyInto:
+    """A `Sink` that writes each received tensor into `tensors[name]` (an engine's weights).
+
+    Every name is a destination: the receiver writes the tensor's new bytes there (in
+    place when they travel alone and the sender vouches for the whole tensor, by a copy
+    through the backend otherwise, casting if the dtypes differ) and only then calls
+    `apply`, which records the name. `received` lists the names applied, in order, across
+    syncs; clear it between syncs to see what one sync delivered. A name the engine does
+    not hold is refused before anything is applied (the receiver asks `destination` at
+    the header check). With `in_place=False` nothing is ever received straight into a
+    tensor: every tensor goes through the receiver's buffer first, so even a connection
+    that breaks mid-transfer cannot leave a tensor torn (at the cost of one more copy).
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, in_place: bool = True) -> None:
+        self.tensors = tensors
+        self.policy = SinkPolicy(in_place=in_place)
+        self.received: list[str] = []
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        return self.tensors.get(name)
+
+    def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in pairs:
+            if name not in self.tensors:
+                raise KeyError(f"parameter {name!r}: the engine holds no tensor of that name")
+        self.received.extend(name for name, _ in pairs)
+
+    def abort(self) -> None:
+        pass
+
+
+def copy_into(tensors: Mapping[str, torch.Tensor], *, in_place: bool = True) -> CopyInto:
+    """A sink for `Receiver.receive` that writes into `tensors` (see `CopyInto`)."""
+    return CopyInto(tensors, in_place=in_place)

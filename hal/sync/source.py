@@ -21,6 +21,14 @@ class WeightSource(Protocol):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
+@runtime_checkable
+class LocalSource(Protocol):
+    """A source that can also say what this rank holds without a gather: what every trainer
+    rank sending its own rows reads (hal.sync.sharded). `ModuleSource` and `TensorSource` are."""
+
+    def local_tensors(self) -> list[tuple[str, torch.Tensor]]: ...
+
+
 def materialize(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor: FSDP DTensors gather through `full_tensor()` (a collective)."""
     if type(tensor) is torch.Tensor:  # the common case, without an attribute lookup

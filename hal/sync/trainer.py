@@ -39,7 +39,6 @@ import time
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 import hal
 from hal.backend import Backend
@@ -50,7 +49,7 @@ from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import TensorSpec
 from hal.sync.sender import Sender
 from hal.sync.source import WeightSource, as_source
-from hal.sync.protocol import GroupChannel, control_device_of
+from hal.sync.protocol import trainer_channel
 from hal.sync.transport import Transport
 
 
@@ -126,17 +125,15 @@ class TrainerSync:
     ) -> None:
         self.config = config if config is not None else SyncConfig()
         self.backend = backend or hal.current()
-        group = trainer_group if trainer_group is not None else _world()
-        self.channel = GroupChannel(group, control_device=control_device_of(group, self.backend))
-        self.channel.name = "trainer group"
+        self.channel = trainer_channel(trainer_group, self.backend)
         self.sender = Sender(transport, self.config, backend=self.backend, token=token) if transport is not None else None
         self.version: int | None = None
         with self._bounded():
             self.sender_rank = self._find_sender()
 
     def _bounded(self) -> Any:
-        # the other ranks may wait while the sender waits on the sync group: two waits' worth
-        return self.channel.bounded(2 * self.config.timeout_s)
+        # the other ranks may wait while the sender waits on the sync group
+        return self.channel.bounded(self.config.bounds.behind_s)
 
     @property
     def rank(self) -> int:
@@ -170,8 +167,7 @@ class TrainerSync:
         engine inconsistent); the other ranks learn it at the agreement and iterate again.
         On the sending rank the error is raised either way and the caller sends again.
         """
-        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
-            raise ValueError(f"version must be a non-negative int below 2**63 (e.g. the global step), got {version!r}")
+        errors.check_version(version)
         where = f"sync of version {version}"
         with self._bounded():
             if self.sender is not None:
@@ -250,8 +246,3 @@ class TrainerSync:
         tensors = len(list(lockstep.metadata()))
         return SyncMetrics(version=version, tensors=tensors, gather_s=lockstep.gather_s, total_s=time.perf_counter() - start)
 
-
-def _world() -> Any:
-    if not dist.is_initialized():
-        raise errors.PeerError("no process group: pass trainer_group= or call torch.distributed.init_process_group first")
-    return dist.group.WORLD

@@ -1,4 +1,6 @@
-"""How a sync's bytes travel: over a process group, or through same-node shared memory.
+"""How a sync's bytes travel: the `Transport` contract and `BroadcastTransport` (over a
+process group); `IpcTransport` (same-node shared memory, hal.sync.ipc) and
+`HierarchicalTransport` (the network once per node, hal.sync.hierarchy) are the others.
 
 A transport owns its data path. The sender hands it segments (`send_segment`), each
 either a range of the bucket buffer the transport gave it to pack into (`buffer(k)`) or
@@ -15,9 +17,10 @@ words): OK, OK and "the rest of this tensor comes straight from its memory" (DIR
 delta encoding, or FAILED. A sender whose source or pack fails sends FAILED in place of
 the segment and nothing after it, so no byte it did not pack ever leaves it, and a
 receiver knows before it lands or applies a segment that the sender packed it. The
-header's exchange and the agreements are the protocol's (`SyncChannel`, which a transport is).
+header's exchange and the agreements are the protocol's: a transport has a `SyncChannel`
+over the same group (`Transport.channel`) and is not one.
 
-Both transports speak to a `torch.distributed` ProcessGroup object directly (its
+The transports speak to a `torch.distributed` ProcessGroup object directly (its
 `broadcast` / `send` / `recv` / `allreduce` methods), so they work with the default group
 and equally with a group created outside c10d's registry, such as vLLM's
 `stateless_init_torch_distributed_process_group` joining a trainer and engine workers.
@@ -31,7 +34,8 @@ send/recv pairs are traits of the collective library, looked up by its name
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import contextlib
+from typing import Any, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,10 +43,12 @@ import torch.distributed as dist
 from hal.backend import Backend, Event
 from hal.sync.errors import PeerError
 from hal.sync.plan import BucketPlan
-from hal.sync.protocol import Complete, Land, SegmentStatus, SyncChannel, _StagedWork
+from hal.sync.protocol import Complete, Land, SegmentStatus, SyncChannel
 
-class Transport(SyncChannel):
-    """Control messages plus bucket buffers, over one process group (see the module doc)."""
+
+class Transport:
+    """Bucket buffers and the bytes' path over one process group, with a control channel
+    over the same group (`channel`; see the module doc)."""
 
     name: ClassVar[str] = "transport"
 
@@ -54,7 +60,11 @@ class Transport(SyncChannel):
         control_device: str | torch.device = "cpu",
         dist_backend: str | None = None,
     ) -> None:
-        super().__init__(group, src=src, control_device=control_device)
+        self.channel = SyncChannel(group, src=src, control_device=control_device)
+        """The header's exchange, the agreements and the challenge (hal.sync.protocol)."""
+        self.channel.name = self.name  # a wait of either kind names this transport
+        self._backend: Backend | None = None
+        self._host_only = False  # the group's library takes no tensor of the device: all goes through host memory
         self.dist_backend = dist_backend
         """The group's collective library ("gloo", ...); None: the device backend's `dist_backend`."""
         self._traits: Any = None
@@ -65,7 +75,49 @@ class Transport(SyncChannel):
         self._status_ahead: tuple[Any, torch.Tensor] | None = None  # the next status's receive: (work, words)
         self._cursor = 0  # the next status to receive, as an index into _order
 
-    # ---- point to point with deadlines ---------------------------------------------------
+    # ---- the group, as its channel knows it --------------------------------------------
+    @property
+    def group(self) -> Any:
+        return self.channel.group
+
+    @property
+    def rank(self) -> int:
+        return self.channel.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.channel.world_size
+
+    @property
+    def src(self) -> int:
+        return self.channel.src
+
+    @property
+    def is_sender(self) -> bool:
+        return self.channel.is_sender
+
+    @property
+    def control_device(self) -> torch.device:
+        return self.channel.control_device
+
+    @contextlib.contextmanager
+    def bounded(self, timeout_s: float) -> Iterator[None]:
+        """Bound every wait inside, of the bytes and of the control messages alike (`GroupChannel.bounded`)."""
+        with self.channel.bounded(timeout_s):
+            yield
+
+    # ---- the bytes' collectives, with deadlines ---------------------------------------------
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> Any:
+        """Post the broadcast of `tensor` from the sender. A device the group's library has
+        no backend for (an NPU tensor in a gloo group) goes through host memory: the
+        sender's copy, the receivers' landing copied after."""
+        staged = self._host_only and tensor.device.type != "cpu"
+        target = None if self.is_sender or not staged else tensor
+        if staged:
+            tensor = tensor.to("cpu") if self.is_sender else torch.empty(tensor.shape, dtype=tensor.dtype)
+        work = self.channel.broadcast(tensor, what)
+        return StagedWork(work, tensor, target, self._backend) if staged else work
+
     def _stages(self, tensor: torch.Tensor) -> bool:
         """Whether this group's send/recv must see host memory in place of `tensor`."""
         from hal.backends.collectives import CONSERVATIVE_TRAITS
@@ -77,20 +129,20 @@ class Transport(SyncChannel):
         if staged:  # a copy on the current stream, which follows the work that wrote the tensor
             tensor = tensor.to("cpu")
         try:
-            work = self._keep(self.group.send([tensor], peer, tag))
+            work = self.channel.keep(self.group.send([tensor], peer, tag))
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} to rank {peer} failed on rank {self.rank}: {exc}") from exc
-        return _StagedWork(work, tensor, None, None) if staged else work
+        return StagedWork(work, tensor, None, None) if staged else work
 
     def _recv_p2p(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
         target = tensor if self._stages(tensor) else None
         if target is not None:
             tensor = torch.empty(target.shape, dtype=target.dtype)
         try:
-            work = self._keep(self.group.recv([tensor], peer, tag))
+            work = self.channel.keep(self.group.recv([tensor], peer, tag))
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} from rank {peer} failed on rank {self.rank}: {exc}") from exc
-        return _StagedWork(work, tensor, target, self._backend) if target is not None else work
+        return StagedWork(work, tensor, target, self._backend) if target is not None else work
 
     # ---- buffers --------------------------------------------------------------------
     def segment_bytes(self, requested: int | None) -> int | None:
@@ -144,7 +196,7 @@ class Transport(SyncChannel):
             self._post_status(self._cursor)
         work, words = self._status_ahead
         self._status_ahead = None
-        self._wait(work, f"bucket {k} segment {j} status")
+        self.channel.wait(work, f"bucket {k} segment {j} status")
         status = SegmentStatus.parse(words, k, j, nbytes, f"{self.name} on rank {self.rank}")
         self._cursor += 1
         if not status.failed and self._cursor < len(self._order):
@@ -164,7 +216,7 @@ class Transport(SyncChannel):
         a range of `buffer(k)` or a tensor's own bytes. `ready` completes when its pack
         did; if that wait fails, this raises before anything is sent. `direct` says that
         every later range of this segment's tensor is sent from the tensor's memory too.
-        `encoding` (hal.kernels.DENSE, INDICES, BITMASK): `data` is the segment's bytes, or
+        `encoding` (hal.kernels.Encoding): `data` is the segment's bytes, or
         a delta payload no longer than them."""
         raise NotImplementedError
 
@@ -197,6 +249,24 @@ class Transport(SyncChannel):
     def close(self) -> None:
         self._slots = []
         self._capacity = 0
+
+
+class StagedWork:
+    """A transfer through host memory (`host`), for a library that cannot touch the device's
+    memory (gloo's send/recv on CUDA; anything of gloo on a PrivateUse1 device such as the
+    NPU): keeps the host copy alive, and for a receive copies it into the device tensor
+    `target` once it has arrived, before `wait` returns."""
+
+    def __init__(self, work: Any, host: torch.Tensor, target: torch.Tensor | None, backend: Backend | None) -> None:
+        self.work, self.host, self.target, self.backend = work, host, target, backend
+
+    def wait(self, timeout: Any = None) -> Any:
+        ok = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        if ok is not False and self.target is not None:
+            target, self.target = self.target, None
+            self.backend.copy_(target, self.host)
+            self.backend.current_stream().synchronize()  # landed before anyone is told it has
+        return ok
 
 
 def _group_library(group: Any, device_type: str) -> str | None:
@@ -295,7 +365,7 @@ class BroadcastTransport(Transport):
         if self._held is not None and self._held[0] == k:
             self._flush()
         for work, _memory in self._pending.pop(k, ()):
-            self._wait(work, f"bucket {k}")
+            self.channel.wait(work, f"bucket {k}")
 
     # ---- receiver --------------------------------------------------------------------
     def receive_segments(self, land: Land, complete: Complete) -> bool:
@@ -320,7 +390,7 @@ class BroadcastTransport(Transport):
 
     def _complete(self, pending: tuple[int, int, bool, Any, SegmentStatus], complete: Complete) -> None:
         k, j, landed, work, status = pending
-        self._wait(work, f"bucket {k} segment {j}")
+        self.channel.wait(work, f"bucket {k} segment {j}")
         complete(k, j, landed, status)
 
     def _post_status_receive(self, words: torch.Tensor, what: str) -> Any:

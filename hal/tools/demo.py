@@ -59,7 +59,7 @@ DELTA_LR = 1e-3
 DELTA_ANCHOR_EVERY = 8
 DELTA_SEGMENT_BYTES = 64 << 10
 WIRE_DTYPES = ("float32", "bfloat16")
-TRANSPORTS = ("auto", "broadcast", "ipc")  # "auto" and hal.integrations.vllm.TRANSPORTS, without importing vLLM here
+TRANSPORTS = ("auto", "broadcast", "ipc")  # "auto" and hal.integrations.vllm.info.ENGINE_TRANSPORTS, without importing vLLM here
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -184,7 +184,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model
-    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
     from hal.sync import SyncConfig
     from hal.sync.config import DeltaConfig
 

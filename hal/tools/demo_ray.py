@@ -82,7 +82,7 @@ class EngineActor(LLM):
         return self.collective_rpc("hal_state")
 
     def stop(self) -> None:
-        from hal.integrations import vllm_internals
+        from hal.integrations.vllm import internals as vllm_internals
 
         vllm_internals.shutdown_llm(self)
 
@@ -124,7 +124,7 @@ class TrainerActor:
         import torch.distributed as dist
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
-        from hal.integrations.vllm_client import ClientEngine, WeightSync
+        from hal.integrations.vllm.client import ClientEngine, WeightSync
         from hal.sync import ModuleSource, SyncConfig
 
         self.source = ModuleSource(self.model)

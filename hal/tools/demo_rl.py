@@ -59,7 +59,7 @@ def start_engine(model_dir: Path, *, seed: int, max_model_len: int = 256):
 
 
 def shutdown_engine(llm: Any) -> None:
-    from hal.integrations import vllm_internals
+    from hal.integrations.vllm import internals as vllm_internals
 
     with contextlib.suppress(Exception):
         vllm_internals.shutdown_llm(llm)

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import hal
-from hal.integrations import vllm_internals
-from hal.integrations.vllm import HalWorkerExtension
+from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm.engine import HalWorkerExtension
 
 
 class BenchWorkerExtension(HalWorkerExtension):
@@ -50,12 +50,12 @@ class BenchWorkerExtension(HalWorkerExtension):
 
     def _native_engine(self) -> Any:
         engine = getattr(self, "weight_transfer_engine", None)
-        if engine is None or getattr(engine, "_group", None) is None:
+        if engine is None or not engine.connected:
             raise RuntimeError("bench: the native hal weight-transfer engine is not initialized on this worker")
         return engine
 
     def bench_floor_recv(self, nbytes: int, timeout_s: float = 120.0) -> float:
-        group = self._native_engine()._group
+        group = self._native_engine().trainer_groups[0]
         buf = hal.current().empty(int(nbytes))
         opts = dist.BroadcastOptions()
         opts.rootRank = 0

@@ -1,4 +1,4 @@
-"""The backend hooks verl's platform questions are answered by (hal.integrations.verl_platform,
+"""The backend hooks verl's platform questions are answered by (hal.integrations.verl.platform,
 hal.compat.verl): vendor, device product name, device-only seeding, profiler ranges."""
 
 from __future__ import annotations

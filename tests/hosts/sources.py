@@ -9,7 +9,7 @@ completes) against such sources, read with `ast` from a wheel (`zipfile`) or an
 installed package's directory. Nothing read is imported or executed.
 
 The tables live beside the code that relies on them: `VLLM_NEEDS` in
-`hal.integrations.vllm_needs` (beside the fence), `TORCH_NPU_NEEDS` in `hal.backends.npu`. tests/hosts/
+`hal.integrations.vllm.needs` (beside the fence), `TORCH_NPU_NEEDS` in `hal.backends.npu`. tests/hosts/
 checks them against the installed vLLM, vLLM's newer releases and torch_npu's wheel
 (fetched with `fetch_wheel`, cached in the virtualenv), and docs/ci.md records the reads.
 

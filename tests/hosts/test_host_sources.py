@@ -1,6 +1,6 @@
 """What verl-hal relies on in vLLM and torch_npu, read from their Python sources.
 
-`VLLM_NEEDS` (hal.integrations.vllm_needs) and `TORCH_NPU_NEEDS` (hal.backends.npu)
+`VLLM_NEEDS` (hal.integrations.vllm.needs) and `TORCH_NPU_NEEDS` (hal.backends.npu)
 are checked against the installed vLLM, the wheels of other vLLM releases and
 torch_npu's wheel, read with `ast` and never imported (a CUDA vLLM cannot be imported
 here, torch_npu cannot without CANN). The wheels are downloaded once into the
@@ -26,7 +26,7 @@ import pytest
 
 from tests.hosts.sources import FetchError, SourceTree, check, fetch_wheel, problems, signature, signature_of, summary
 from hal.backends import npu as npu_backend
-from hal.integrations import vllm_internals, vllm_needs
+from hal.integrations.vllm import internals as vllm_internals, needs as vllm_needs
 from hal.integrations._shared import release_of
 from tests.conftest import FAKE_TORCH_NPU, REPO_ROOT
 
@@ -146,7 +146,7 @@ def test_unsupported_vllm_error_is_one_line_naming_version_and_what_is_missing(m
     assert "LLM.get_weight_version" in message
     monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.28.2+cpu")  # neither run nor read: no list
     assert vllm_internals.unsupported_message("0.28.2+cpu") == (
-        f"verl-hal's vLLM integration supports vLLM {supported}; vLLM 0.28.2+cpu is installed (see hal/integrations/vllm_internals.py)"
+        f"verl-hal's vLLM integration supports vLLM {supported}; vLLM 0.28.2+cpu is installed (see hal/integrations/vllm/internals.py)"
     )
     monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.33.1")
     assert vllm_internals.require_supported_vllm() == "0.33.1"
@@ -160,11 +160,11 @@ def _validators_vllm_calls(tree: SourceTree) -> set[str]:
 
 @pytest.mark.parametrize("where", ["installed", "vllm-0.33"])
 def test_hal_runs_every_lora_check_vllms_own_loader_runs(where, installed_vllm):
-    # validate_lora_model calls what exists of `_LORA_VALIDATORS`; a check vLLM's loader
+    # validate_lora_model calls what exists of `LORA_VALIDATORS`; a check vLLM's loader
     # added or renamed (0.33 merged two into _validate_classification_head_lora) would be
     # skipped without a word, so the list must hold every one the loader calls.
     tree = installed_vllm if where == "installed" else _vllm_tree((0, 33))
-    assert _validators_vllm_calls(tree) <= set(vllm_internals._LORA_VALIDATORS)
+    assert _validators_vllm_calls(tree) <= set(vllm_internals.LORA_VALIDATORS)
 
 
 # Attribute and identifier names in the fence that are not vLLM's (torch, logging, the

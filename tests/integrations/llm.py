@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from hal.integrations import vllm_internals
+from hal.integrations.vllm import internals as vllm_internals
 
 
 @contextlib.contextmanager

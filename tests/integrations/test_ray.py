@@ -123,7 +123,7 @@ def test_actor_env():
 
 
 def test_device_indices_in_this_process_view():
-    from hal.integrations.ray_placement import _indices_in_view as view
+    from hal.integrations.ray.placement import _indices_in_view as view
 
     assert view(["3"], "3", "CUDA_VISIBLE_DEVICES") == [0]  # Ray rewrote the variable
     assert view(["3", "1"], "0,1,2,3", "CUDA_VISIBLE_DEVICES") == [3, 1]  # NOSET: the node's list

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hal.integrations._specs import checkpoint_specs, layer_groups, order_like_model
+from hal.integrations.vllm._specs import checkpoint_specs, layer_groups, order_like_model
 from hal.sync import TensorSpec
 
 pytestmark = pytest.mark.cpu

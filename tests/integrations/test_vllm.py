@@ -30,7 +30,7 @@ PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13], [1, 40, 41]]
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """(llm, WeightSync, trainer model, model dir) with the sync group initialised."""
-    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny"), TinyModelSpec(seed=1))
     with in_process_llm(model_dir, worker_extension_cls="hal.integrations.vllm.HalWorkerExtension") as llm:
@@ -75,7 +75,7 @@ def test_plugin_registers_backend_in_both_factories():
     load_general_plugins()
     register()  # idempotent
     register()
-    from hal.integrations import vllm_internals
+    from hal.integrations.vllm import internals as vllm_internals
     from hal.integrations.vllm import HalWeightTransferEngine
 
     assert vllm_internals.registered(WeightTransferEngineFactory, "hal")
@@ -155,7 +155,7 @@ def test_worker_extension_path_uses_the_same_transport(engine):
     """`worker_extension_cls` + collective_rpc: the fallback where the native API is missing
     (over the broadcast transport, while the module's native-API sync uses ipc)."""
     llm, sync, model, _ = engine
-    from hal.integrations.vllm_client import ExtensionEngine, WeightSync
+    from hal.integrations.vllm.client import ExtensionEngine, WeightSync
 
     version = current_version(llm, sync, model) + 1
 
@@ -179,7 +179,7 @@ def test_vllm_trainer_factory_drives_the_hal_engine(engine):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from hal.integrations.vllm import register
-    from hal.integrations.vllm_client import HalTrainerInitInfo, HalTrainerWeightTransferEngine, OfflineEngine
+    from hal.integrations.vllm.client import HalTrainerInitInfo, HalTrainerWeightTransferEngine, OfflineEngine
 
     register()
     version = current_version(llm, sync, model) + 1
@@ -203,8 +203,8 @@ def test_vllm_trainer_factory_drives_the_hal_engine(engine):
 
 def test_second_connection_fails_fast_naming_the_cause(engine):
     llm, sync, model, _ = engine
-    from hal.integrations import vllm_internals
-    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.integrations.vllm import internals as vllm_internals
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
 
     other = WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60)
     if vllm_internals.engines_can_be_shut_down():
@@ -263,7 +263,7 @@ def test_the_users_config_reaches_the_sender_unchanged(engine):
 
 def test_a_trainer_failure_part_way_is_reported_then_resent(engine):
     llm, sync, model, _ = engine
-    from hal.integrations.vllm_client import INCONSISTENT_PREFIX
+    from hal.integrations.vllm.client import INCONSISTENT_PREFIX
     from hal.sync import SourceError
 
     current = current_version(llm, sync, model)
@@ -308,7 +308,7 @@ def test_a_failure_at_the_first_tensor_leaves_the_engine_consistent_and_is_not_r
 
 
 def test_an_unsupported_vllm_fails_in_one_line(monkeypatch):
-    from hal.integrations import vllm_internals
+    from hal.integrations.vllm import internals as vllm_internals
 
     from hal.integrations._shared import release_of
 

@@ -96,7 +96,7 @@ def next_version(llm) -> int:
 
 
 def weight_sync(llm, **kwargs):
-    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
 
     return WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=TIMEOUT_S, **kwargs)
 
@@ -137,7 +137,7 @@ def test_a_trainer_with_the_engines_token_syncs(engine):
 def test_a_trainer_without_the_token_is_refused_before_the_engine_joins(engine, token, message):
     llm, model = engine
     assert env.sync_token() is None  # else WeightSync(token=None) would read the token from it
-    from hal.integrations import vllm_internals
+    from hal.integrations.vllm import internals as vllm_internals
 
     stranger = weight_sync(llm, token=token)
     before = llm.collective_rpc(group_of)
@@ -170,13 +170,13 @@ def test_a_sync_with_another_token_is_refused_and_the_engine_keeps_its_weights(e
         sync.init()
         sync_and_compare(llm, model, sync, seed=30)
         serving, version = engine_greedy(llm, PROMPTS, MAX_TOKENS), llm.get_weight_version()
-        sync._sender.token = "s3cret-but-wrong"
+        sync.sender.token = "s3cret-but-wrong"
         perturb(model, seed=31)
         with pytest.raises(AuthError, match=r"rank 1: the trainer's token does not match this engine's"):
             sync.sync(model, version=int(version) + 1)
         assert llm.get_weight_version() == version
         assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
-        sync._sender.token = TOKEN  # the group survived the refusal
+        sync.sender.token = TOKEN  # the group survived the refusal
         sync_and_compare(llm, model, sync, seed=32)
     finally:
         sync.close()
@@ -185,7 +185,7 @@ def test_a_sync_with_another_token_is_refused_and_the_engine_keeps_its_weights(e
 def test_an_engine_without_a_token_warns_at_init_and_accepts_any_trainer(engine):
     """The worker extension builds its hal engine at its first init, from the environment
     then (here: no token), so it stands for an engine started without one."""
-    from hal.integrations.vllm_client import ExtensionEngine, WeightSync
+    from hal.integrations.vllm.client import ExtensionEngine, WeightSync
 
     llm, model = engine
     assert env.sync_token() is None
@@ -207,7 +207,7 @@ def test_a_refusal_that_crossed_a_process_boundary_is_still_an_auth_error(token)
     message: the trainer must still raise AuthError, naming the engine."""
     import concurrent.futures
 
-    from hal.integrations.vllm_client import WeightSync
+    from hal.integrations.vllm.drivers import EngineCalls
     from hal.sync.auth import check_init_proof, init_proof
 
     fields = dict(master_address="127.0.0.1", master_port=1234, world_size=2)
@@ -218,11 +218,11 @@ def test_a_refusal_that_crossed_a_process_boundary_is_still_an_auth_error(token)
     # what vllm.v1.executor.multiproc_executor and the engine core client make of it
     call.set_exception(Exception(f"Call to collective_rpc method failed: Worker failed with error '{refused.value}', please check the stack trace above for the root cause"))
     with pytest.raises(AuthError, match=r"^llm: init_weight_transfer_engine: .*VERL_HAL_SYNC_TOKEN"):
-        WeightSync._engine_result(call, "llm: init_weight_transfer_engine")
+        EngineCalls.init_result(call, "llm: init_weight_transfer_engine")
     other: concurrent.futures.Future = concurrent.futures.Future()
     other.set_exception(RuntimeError("Worker failed with error 'hal weight transfer: already initialized'"))
     with pytest.raises(RuntimeError, match="already initialized") as kept:
-        WeightSync._engine_result(other, "llm: init_weight_transfer_engine")
+        EngineCalls.init_result(other, "llm: init_weight_transfer_engine")
     assert not isinstance(kept.value, AuthError)
 
 
@@ -260,7 +260,7 @@ def test_a_refused_init_leaves_no_rendezvous_thread_or_port():
     import subprocess
     import threading
 
-    from hal.integrations.vllm_client import WeightSync
+    from hal.integrations.vllm.client import WeightSync
     from hal.procs import free_port
 
     class Refusing:

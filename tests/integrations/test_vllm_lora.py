@@ -97,8 +97,8 @@ def base_greedy(model, prompts=PROMPTS) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """(llm, LoraWeightSync, peft trainer model) with the sync group initialised."""
-    from hal.integrations import vllm_lora
-    from hal.integrations.vllm_client import OfflineEngine
+    from hal.integrations.vllm import lora as vllm_lora
+    from hal.integrations.vllm.client import OfflineEngine
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny"), TinyModelSpec(seed=1))
     vllm_lora.register()  # done by the import already; idempotent
@@ -109,7 +109,7 @@ def engine(tmp_path_factory):
         max_lora_rank=R,
         max_loras=1,
         # how worker processes learn the backend; here it also serves the queries below
-        worker_extension_cls="hal.integrations.vllm_lora.HalLoraWorkerExtension",
+        worker_extension_cls="hal.integrations.vllm.lora.HalLoraWorkerExtension",
     ) as llm:
         model = peft_trainer(model_dir)
         sync = vllm_lora.LoraWeightSync(
@@ -142,14 +142,14 @@ def ensure_base_synced(sync, model) -> int:
 def lose_engine_weights(llm) -> None:
     """What a level-2 sleep leaves behind: the engine's base weights overwritten (here with
     noise, through vLLM's own reload, which also drops the loaded adapters)."""
-    from hal.integrations._specs import checkpoint_specs
+    from hal.integrations.vllm._specs import checkpoint_specs
 
     model_dir = llm.llm_engine.vllm_config.model_config.model
     gen = torch.Generator().manual_seed(999)
     noise = [(s.name, torch.randn(s.shape, generator=gen).to(s.dtype)) for s in checkpoint_specs(model_dir, torch.float32)]
 
     def scramble(worker) -> None:
-        from hal.integrations import vllm_internals
+        from hal.integrations.vllm import internals as vllm_internals
 
         vllm_internals.reload_weights(worker, iter(noise))
 
@@ -161,9 +161,9 @@ def test_engine_supports_lora_and_the_hal_lora_backend_is_registered(engine):
     llm, _, _ = engine
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from hal.integrations.vllm_lora import BACKEND_NAME, HalLoraWeightTransferEngine
+    from hal.integrations.vllm.lora import BACKEND_NAME, HalLoraWeightTransferEngine
 
-    from hal.integrations import vllm_internals
+    from hal.integrations.vllm import internals as vllm_internals
 
     assert vllm_internals.registered_class(WeightTransferEngineFactory, BACKEND_NAME) is HalLoraWeightTransferEngine
     assert llm.llm_engine.vllm_config.lora_config is not None
@@ -272,7 +272,7 @@ def test_partial_or_misshapen_adapter_is_refused_and_old_adapter_kept(engine):
 
 
 def test_init_info_refuses_adapters_the_engine_cannot_take():
-    from hal.integrations.vllm_lora import HalLoraInitInfo
+    from hal.integrations.vllm.lora import HalLoraInitInfo
 
     common = dict(master_address="127.0.0.1", master_port=1, adapter_dir="/tmp/hal-lora-test")
     ok = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}

@@ -53,8 +53,8 @@ NAME = "llm"
 @contextlib.contextmanager
 def served(llm: Any, adapter_dir: str) -> Iterator[tuple[str, int]]:
     """Serve `OfflineEngine(llm)`'s calls, and `check` / `scramble`, on a loopback port."""
-    from hal.integrations.vllm_client import OfflineEngine
-    from hal.integrations.vllm_lora import lora_request
+    from hal.integrations.vllm.client import OfflineEngine
+    from hal.integrations.vllm.lora import lora_request
     from tests.integrations.test_vllm_lora import PROMPTS, engine_greedy, lose_engine_weights
     from tests.integrations.test_vllm_sharded import ENGINE_CALLS, serve_calls
 
@@ -80,7 +80,7 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from hal.integrations.vllm_lora import LoraWeightSync
+    from hal.integrations.vllm.lora import LoraWeightSync
     from hal.sync import SyncConfig, SyncError, TensorSource
     from hal.sync.lora import adapter_config, adapter_tensors
     from tests.integrations.test_vllm_lora import base_greedy, peft_greedy, peft_trainer
@@ -164,7 +164,7 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
 def scenario(tmp_path_factory) -> Iterator[dict[str, Any]]:
     """The scenario of the module doc, run once: each trainer rank's record, and the
     peft model's base and adapter tensors (engine names: shapes and dtypes)."""
-    from hal.integrations import vllm_lora
+    from hal.integrations.vllm import lora as vllm_lora
     from hal.procs import PRELOAD
     from hal.sync.lora import adapter_tensors, base_tensors
     from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama
@@ -178,7 +178,7 @@ def scenario(tmp_path_factory) -> Iterator[dict[str, Any]]:
     multiprocessing.forkserver.ensure_running()
     with in_process_llm(
         model_dir, backend=vllm_lora.BACKEND_NAME, enable_lora=True, max_lora_rank=R, max_loras=1,
-        worker_extension_cls="hal.integrations.vllm_lora.HalLoraWorkerExtension",
+        worker_extension_cls="hal.integrations.vllm.lora.HalLoraWorkerExtension",
     ) as llm:
         with served(llm, adapter_dir) as address:
             ranks = run_group(
@@ -193,7 +193,7 @@ def scenario(tmp_path_factory) -> Iterator[dict[str, Any]]:
 
 def share(tensors: list[tuple[tuple[int, ...], torch.dtype]], rank: int, ranks: int = 2) -> int:
     """Bytes trainer rank `rank` sends of `tensors`: FSDP2's Shard(0) rows (torch.chunk's)."""
-    from hal.sync.layout import chunk_rows
+    from hal.sync.shard_plan import chunk_rows
 
     total = 0
     for shape, dtype in tensors:
@@ -246,7 +246,7 @@ def test_a_refused_or_unreadable_sync_raises_on_every_rank_and_the_engine_keeps_
 
 
 def test_merged_weights_are_refused_with_every_rank_sending():
-    from hal.integrations.vllm_lora import LoraWeightSync
+    from hal.integrations.vllm.lora import LoraWeightSync
 
     config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
     with pytest.raises(ValueError, match=r"adapter_merged=True, senders='all'\): merged weights \(MergedSource\)"):

@@ -192,7 +192,7 @@ def serve_calls(calls: dict[str, Any]) -> Iterator[tuple[str, int]]:
 @contextlib.contextmanager
 def served(llm: Any) -> Iterator[tuple[str, int]]:
     """Serve `OfflineEngine(llm)`'s calls, and `check` / `record`, on a loopback port."""
-    from hal.integrations.vllm_client import OfflineEngine
+    from hal.integrations.vllm.client import OfflineEngine
     from hal.tools.demo import engine_greedy
 
     engine = OfflineEngine(llm, name="tp2")
@@ -215,7 +215,7 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from hal.integrations.vllm_client import WeightSync
+    from hal.integrations.vllm.client import WeightSync
     from hal.sync import ModuleSource, SyncConfig, SyncError
     from hal.tools.demo import trainer_greedy
     from hal.tools.tiny_model import load_trainer_model
@@ -340,7 +340,7 @@ def scenario(tmp_path_factory) -> Iterator[dict[str, Any]]:
 
 def plan_share(params: dict[str, tuple[tuple[int, ...], torch.dtype]], rank: int, ranks: int = 2) -> int:
     """Bytes trainer rank `rank` holds of FSDP2's Shard(0) of every parameter (torch.chunk's rows)."""
-    from hal.sync.layout import chunk_rows
+    from hal.sync.shard_plan import chunk_rows
 
     total = 0
     for shape, dtype in params.values():
@@ -471,7 +471,7 @@ def thread_engine_rank(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from hal.integrations.vllm_client import WeightSync
+    from hal.integrations.vllm.client import WeightSync
     from hal.sync import SyncConfig, TensorSpec, sharded
     from tests.sync.test_trainer import digest, make_model, train_step
 
@@ -544,46 +544,46 @@ def test_every_rank_raises_an_engines_refusal_and_resends_a_trainer_failure_toge
 def _info(**overrides: Any) -> HalInitInfo:
     fields = dict(
         master_address="127.0.0.1", master_port=1234, rank_offset=1, world_size=3, transport="broadcast",
-        senders=[{"address": "127.0.0.1", "port": 1234}, {"address": "127.0.0.1", "port": 1235}],
+        rendezvous=[{"address": "127.0.0.1", "port": 1234}, {"address": "127.0.0.1", "port": 1235}],
     )
     return HalInitInfo(**{**fields, **overrides})
 
 
 @pytest.mark.parametrize(
-    "senders, transport, named",
+    "rendezvous, transport, named",
     [
-        ([], "broadcast", r"HalInitInfo\.senders must be a non-empty list"),
-        ([{"address": "127.0.0.1", "port": 1234}, {"address": "127.0.0.1", "port": 0}], "broadcast", r"HalInitInfo\.senders\[1\]\.port"),
-        ([{"address": "127.0.0.1", "port": 1234}, {"address": "", "port": 9}], "broadcast", r"HalInitInfo\.senders\[1\]\.address"),
-        ([{"address": "127.0.0.1", "port": 1234}, {"host": "127.0.0.1", "port": 9}], "broadcast", r"HalInitInfo\.senders\[1\] must be"),
-        ([{"address": "127.0.0.1", "port": 1234}] * 2, "broadcast", r"HalInitInfo\.senders\[1\]: 127\.0\.0\.1:1234 is listed twice"),
-        ([{"address": "127.0.0.1", "port": 1235}], "broadcast", r"HalInitInfo\.senders\[0\] is 127\.0\.0\.1:1235, but master_address:master_port"),
-        ([{"address": "127.0.0.1", "port": 1234}], "ipc", r"HalInitInfo\.senders: several sending trainer ranks need transport 'broadcast'"),
+        ([], "broadcast", r"HalInitInfo\.rendezvous must be a non-empty list"),
+        ([{"address": "127.0.0.1", "port": 1234}, {"address": "127.0.0.1", "port": 0}], "broadcast", r"HalInitInfo\.rendezvous\[1\]\.port"),
+        ([{"address": "127.0.0.1", "port": 1234}, {"address": "", "port": 9}], "broadcast", r"HalInitInfo\.rendezvous\[1\]\.address"),
+        ([{"address": "127.0.0.1", "port": 1234}, {"host": "127.0.0.1", "port": 9}], "broadcast", r"HalInitInfo\.rendezvous\[1\] must be"),
+        ([{"address": "127.0.0.1", "port": 1234}] * 2, "broadcast", r"HalInitInfo\.rendezvous\[1\]: 127\.0\.0\.1:1234 is listed twice"),
+        ([{"address": "127.0.0.1", "port": 1235}], "broadcast", r"HalInitInfo\.rendezvous\[0\] is 127\.0\.0\.1:1235, but master_address:master_port"),
+        ([{"address": "127.0.0.1", "port": 1234}], "ipc", r"HalInitInfo\.rendezvous: several sending trainer ranks need transport 'broadcast'"),
     ],
 )
-def test_bad_senders_are_refused_naming_the_field(senders, transport, named):
+def test_bad_rendezvous_are_refused_naming_the_field(rendezvous, transport, named):
     with pytest.raises(ValueError, match=named):
-        _info(senders=senders, transport=transport)
+        _info(rendezvous=rendezvous, transport=transport)
 
 
-def test_the_init_proof_covers_the_senders():
+def test_the_init_proof_covers_every_rendezvous():
     """A captured init request with another sending rank's rendezvous is refused: the
-    proof covers `senders` as every other field."""
+    proof covers `rendezvous` as every other field."""
     from hal.sync.auth import check_init_proof, init_proof
 
     info = _info()
     assert info.endpoints() == [("127.0.0.1", 1234), ("127.0.0.1", 1235)]
     info.auth = init_proof(TOKEN, **info.proven())
     check_init_proof(TOKEN, info.auth, **info.proven())
-    for senders in ([{"address": "127.0.0.1", "port": 1234}, {"address": "10.0.0.9", "port": 1235}], None,
+    for rendezvous in ([{"address": "127.0.0.1", "port": 1234}, {"address": "10.0.0.9", "port": 1235}], None,
                     [{"address": "127.0.0.1", "port": 1234}]):
-        replayed = dataclasses.replace(info, senders=senders)
+        replayed = dataclasses.replace(info, rendezvous=rendezvous)
         with pytest.raises(AuthError, match="changed on the way"):
             check_init_proof(TOKEN, replayed.auth, **replayed.proven())
 
 
 def test_every_rank_sends_only_with_a_trainer_group_over_broadcast():
-    from hal.integrations.vllm_client import WeightSync
+    from hal.integrations.vllm.client import WeightSync
 
     engine = RemoteEngine(None)
     with pytest.raises(ValueError, match="senders='all' needs trainer_group="):
@@ -597,35 +597,35 @@ def test_every_rank_sends_only_with_a_trainer_group_over_broadcast():
 
 def test_a_lora_engine_takes_every_sender():
     """The LoRA engine joins a group per sending trainer rank as the "hal" engine does
-    (tests/integrations/test_vllm_lora_sharded.py runs it); its senders are checked alike."""
-    from hal.integrations.vllm_lora_engine import HalLoraInitInfo
+    (tests/integrations/test_vllm_lora_sharded.py runs it); its rendezvous are checked alike."""
+    from hal.integrations.vllm.lora_engine import HalLoraInitInfo
 
     lora = dict(lora_config={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, adapter_dir="/tmp/adapter")
     senders = [{"address": "127.0.0.1", "port": 1234}, {"address": "127.0.0.1", "port": 1235}]
-    info = HalLoraInitInfo(master_address="127.0.0.1", master_port=1234, world_size=2, senders=senders, **lora)
+    info = HalLoraInitInfo(master_address="127.0.0.1", master_port=1234, world_size=2, rendezvous=senders, **lora)
     assert info.endpoints() == [("127.0.0.1", 1234), ("127.0.0.1", 1235)]
-    assert "senders" in info.proven()  # the init proof covers them
-    with pytest.raises(ValueError, match=r"HalInitInfo\.senders\[1\]: 127\.0\.0\.1:1234 is listed twice"):
-        HalLoraInitInfo(master_address="127.0.0.1", master_port=1234, senders=[senders[0]] * 2, **lora)
+    assert "rendezvous" in info.proven()  # the init proof covers them
+    with pytest.raises(ValueError, match=r"HalInitInfo\.rendezvous\[1\]: 127\.0\.0\.1:1234 is listed twice"):
+        HalLoraInitInfo(master_address="127.0.0.1", master_port=1234, rendezvous=[senders[0]] * 2, **lora)
 
 
 def test_the_ranks_endpoints_are_checked_alike_on_every_rank():
-    """What each trainer rank tells at init (`_senders_of`, run on every rank over the same
+    """What each trainer rank tells at init (`_rendezvous_of`, run on every rank over the same
     bytes): rank 0's engines are the ones; another rank may give the same or none."""
-    from hal.integrations.vllm_sharded_sync import _senders_of
+    from hal.integrations.vllm.sharded_sync import _rendezvous_of
 
     def told(port: int, engines: list) -> bytes:
         return json.dumps({"address": "127.0.0.1", "port": port, "engines": engines}).encode()
 
-    senders, sizes = _senders_of([told(1000, [["tp2", 2]]), told(1001, [])])
+    senders, sizes = _rendezvous_of([told(1000, [["tp2", 2]]), told(1001, [])])
     assert senders == [{"address": "127.0.0.1", "port": 1000}, {"address": "127.0.0.1", "port": 1001}]
     assert sizes == [("tp2", 2)]
-    assert _senders_of([told(1000, [["tp2", 2]]), told(1001, [["tp2", 2]])])[1] == [("tp2", 2)]
+    assert _rendezvous_of([told(1000, [["tp2", 2]]), told(1001, [["tp2", 2]])])[1] == [("tp2", 2)]
     with pytest.raises(ValueError, match="trainer rank 0 has no engines"):
-        _senders_of([told(1000, []), told(1001, [["tp2", 2]])])
+        _rendezvous_of([told(1000, []), told(1001, [["tp2", 2]])])
     with pytest.raises(ValueError, match=r"trainer rank 1 was given engines \[\('tp2', 1\)\] \(name, workers\), rank 0 \[\('tp2', 2\)\]"):
-        _senders_of([told(1000, [["tp2", 2]]), told(1001, [["tp2", 1]])])
+        _rendezvous_of([told(1000, [["tp2", 2]]), told(1001, [["tp2", 1]])])
     with pytest.raises(ValueError, match="trainer rank 1's endpoint is unreadable"):
-        _senders_of([told(1000, [["tp2", 2]]), b"{not json"])
-    with pytest.raises(ValueError, match=r"HalInitInfo\.senders\[1\]: 127\.0\.0\.1:1000 is listed twice"):
-        _senders_of([told(1000, [["tp2", 2]]), told(1000, [])])
+        _rendezvous_of([told(1000, [["tp2", 2]]), b"{not json"])
+    with pytest.raises(ValueError, match=r"HalInitInfo\.rendezvous\[1\]: 127\.0\.0\.1:1000 is listed twice"):
+        _rendezvous_of([told(1000, [["tp2", 2]]), told(1000, [])])

@@ -2,7 +2,7 @@
 
 vLLM 0.32's reload leaves a tied `lm_head` computing with a packed copy of the start-up
 weights on the CPU (docs/platform-notes.md, "Tied embeddings after a weight update");
-`hal.integrations.vllm_internals.refresh_tied_weights`, run in the worker after the reload, rebuilds
+`hal.integrations.vllm.internals.refresh_tied_weights`, run in the worker after the reload, rebuilds
 it. Each case starts its own in-process engine (fp32, where vLLM's greedy output equals
 transformers'), updates the weights three times through vLLM's own `reload_weights` and
 compares with transformers after each update. Before the refresh, a tied model must still
@@ -21,7 +21,7 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 import torch  # noqa: E402
 
 from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
-from hal.integrations.vllm_internals import refresh_tied_weights, tied_aliases, worker_model  # noqa: E402
+from hal.integrations.vllm.internals import refresh_tied_weights, tied_aliases, worker_model  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
 from tests.integrations.llm import in_process_llm  # noqa: E402
 
@@ -47,7 +47,7 @@ STALE_HEAD = 1e-2  # relative error of a head still computing with the previous 
 EXACT_HEAD = 1e-4  # a packed fp32 GEMM against F.linear on the same weight
 REMOVABLE = (
     "vLLM now rebuilds the tied lm_head itself after reload_weights: the workaround "
-    "hal.integrations.vllm_internals.refresh_tied_weights may be removable (see docs/platform-notes.md, "
+    "hal.integrations.vllm.internals.refresh_tied_weights may be removable (see docs/platform-notes.md, "
     "'Tied embeddings after a weight update'); update this test and the notes"
 )
 
@@ -180,7 +180,7 @@ def test_tiny_model_stamp_covers_architecture_and_tying(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("architecture", "tied"), CASES)
 def test_hal_engine_keeps_tied_and_untied_models_exact_over_three_syncs(tmp_path, architecture, tied):
-    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
     from hal.sync import SyncConfig
 
     spec = TinyModelSpec(architecture=architecture, tie_word_embeddings=tied, seed=7)

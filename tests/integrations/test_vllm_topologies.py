@@ -39,7 +39,7 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 import torch  # noqa: E402
 
 from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
-from hal.integrations import vllm_internals  # noqa: E402
+from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SyncConfig  # noqa: E402
 
@@ -200,7 +200,7 @@ class TestTensorParallel2:
     def test_both_workers_receive_and_load_their_shard(self, tp2, transport):
         """Group of 3 (trainer, TP rank 0, TP rank 1): each worker receives every bucket and
         `load_weights` keeps its shard; two syncs with different weights."""
-        from hal.integrations.vllm_client import OfflineEngine, WeightSync
+        from hal.integrations.vllm.client import OfflineEngine, WeightSync
 
         llm, model = tp2
         assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
@@ -228,7 +228,7 @@ class TestTensorParallel2:
         """Delta syncs into the TP=2 engine (both workers keep an image and rebuild every
         tensor from it for vLLM's layerwise reload): a whole sync, then two that change one
         layer only, so most segments carry no words at all."""
-        from hal.integrations.vllm_client import OfflineEngine, WeightSync
+        from hal.integrations.vllm.client import OfflineEngine, WeightSync
         from hal.sync import DeltaConfig
 
         llm, model = tp2
@@ -270,7 +270,7 @@ class TestTwoReplicas:
     def test_one_sync_updates_both_engines(self, replicas, transport):
         """Group of 3 (trainer, a's worker, b's worker): one send reaches both engines; each
         engine's version is set and its prefix cache reset; two syncs with different weights."""
-        from hal.integrations.vllm_client import OfflineEngine, WeightSync
+        from hal.integrations.vllm.client import OfflineEngine, WeightSync
 
         a, b, model = replicas
         want = trainer_greedy(model, PROMPTS, MAX_TOKENS)

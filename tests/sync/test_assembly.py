@@ -15,9 +15,9 @@ from hal.sync.plan import TensorSpec
 from hal.sync.sharded_receiver import sending_order
 
 
-def assembler_of(budget, timeout_s):
+def assembler_of(budget, timeout_s, sink=None):
     cpu = hal.get_backend("cpu")
-    return Assembler(BufferPool(cpu, 1 << 20), [cpu.new_stream() for _ in range(3)], budget, timeout_s)
+    return Assembler(BufferPool(cpu, 1 << 20), [cpu.new_stream() for _ in range(3)], budget, timeout_s, sink or Recorder())
 
 
 class Recorder:
@@ -52,7 +52,9 @@ def layout(tensors: int, rows: int = 4, cols: int = 8):
 
 
 def run(assembler, sink, deliveries):
-    """One thread per sender delivering its list of (wire name, rows), the caller draining."""
+    """One thread per sender delivering its list of (wire name, rows), the caller draining
+    into `sink` (the assembler's)."""
+    assert sink is assembler.sink
     failures = []
 
     def deliver(sender, items):
@@ -68,7 +70,7 @@ def run(assembler, sink, deliveries):
     threads = [threading.Thread(target=deliver, args=(s, items)) for s, items in enumerate(deliveries)]
     for t in threads:
         t.start()
-    assembler.drain(sink)
+    assembler.drain()
     for t in threads:
         t.join(30)
     return failures
@@ -81,11 +83,11 @@ def full(i, rows=4, cols=8):
 @pytest.mark.parametrize("budget", [1, 64, 1 << 20])
 def test_tensors_are_handed_whole_under_any_budget_however_far_one_sender_is_ahead(budget):
     specs, shares = layout(200)
-    assembler = assembler_of(budget, timeout_s=20)
+    sink = Recorder()
+    assembler = assembler_of(budget, timeout_s=20, sink=sink)
     assembler.shares = shares
     first = [(f"t{i}@0", full(i)[:2]) for i in range(200)]
     second = [(f"t{i}@2", full(i)[2:]) for i in range(200)]
-    sink = Recorder()
     assert run(assembler, sink, [first, second]) == []
     assert sorted(sink.handed) == sorted(s.name for s in specs)
     assert all(torch.equal(sink.handed[f"t{i}"], full(i)) for i in range(200))
@@ -94,9 +96,9 @@ def test_tensors_are_handed_whole_under_any_budget_however_far_one_sender_is_ahe
 
 def test_a_sender_that_stops_leaves_its_tensors_unhanded():
     _, shares = layout(10)
-    assembler = assembler_of(1 << 20, timeout_s=20)
-    assembler.shares = shares
     sink = Recorder()
+    assembler = assembler_of(1 << 20, timeout_s=20, sink=sink)
+    assembler.shares = shares
     run(assembler, sink, [[(f"t{i}@0", full(i)[:2]) for i in range(10)], [(f"t{i}@2", full(i)[2:]) for i in range(4)]])
     assert sorted(sink.handed) == ["t0", "t1", "t2", "t3"]  # only the tensors with both shares
     assert assembler.leftover() == [f"t{i}" for i in range(4, 10)]
@@ -104,9 +106,9 @@ def test_a_sender_that_stops_leaves_its_tensors_unhanded():
 
 def test_a_sink_that_fails_stops_the_handing_over_and_the_senders_still_finish():
     _, shares = layout(20)
-    assembler = assembler_of(1, timeout_s=20)
-    assembler.shares = shares
     sink = Recorder(fail_at=3)
+    assembler = assembler_of(1, timeout_s=20, sink=sink)
+    assembler.shares = shares
     failures = run(assembler, sink, [[(f"t{i}@0", full(i)[:2]) for i in range(20)], [(f"t{i}@2", full(i)[2:]) for i in range(20)]])
     assert failures == [] and len(sink.handed) == 3
     assert isinstance(assembler.error, RuntimeError) and assembler.discard
@@ -147,3 +149,15 @@ def test_a_bad_budget_is_refused_by_name(budget):
 
     with pytest.raises(ValueError, match="budget_bytes must be a non-negative int"):
         ShardedReceiver([object()], None, budget_bytes=budget)
+
+
+def test_the_engines_sink_hears_of_a_failed_sync_once_whichever_part_concludes_first():
+    """Each sender's receive concludes itself (`IncomingSync.settle`) and tells its part sink;
+    the engine's sink is aborted once, not once per sender."""
+    aborted = []
+    sink = Recorder()
+    sink.abort = lambda: aborted.append(True)
+    assembler = assembler_of(1 << 20, timeout_s=20, sink=sink)
+    for sender in (0, 1):
+        assembler.part_sink(sender).abort()
+    assert aborted == [True]

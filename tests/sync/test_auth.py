@@ -66,18 +66,24 @@ class CountingDataPhases:
 
 
 class Replaying:
-    """On the sender: records every header it sends; with `replay` set, sends the last one
-    recorded in place of the new one (what someone who captured a header could do)."""
+    """On the sender: records every header its channel sends; with `replay` set, sends the
+    last one recorded in place of the new one (what someone who captured a header could do)."""
 
     replay = False
     recorded: bytes | None = None
 
-    def exchange_header(self, payload):
-        if self.is_sender and self.replay:
-            payload = self.recorded
-        elif self.is_sender:
-            self.recorded = payload
-        return super().exchange_header(payload)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        exchange = self.channel.exchange_header
+
+        def replaying(payload):
+            if self.is_sender and self.replay:
+                payload = self.recorded
+            elif self.is_sender:
+                self.recorded = payload
+            return exchange(payload)
+
+        self.channel.exchange_header = replaying
 
 
 class CountingBroadcast(CountingDataPhases, Replaying, BroadcastTransport):
@@ -267,16 +273,16 @@ def challenge_worker(rank, world):
     with hal.use("cpu"):
         transport = BroadcastTransport(None, src=0)
         made: list[str] = []
-        allreduce = transport.allreduce
+        allreduce = transport.channel.allreduce
 
         def recording(tensor, what):
             made.append(what)
             return allreduce(tensor, what)
 
-        transport.allreduce = recording
+        transport.channel.allreduce = recording
         challenges = []
-        real_challenge = transport.challenge
-        transport.challenge = lambda: challenges.append(real_challenge()) or challenges[-1]
+        real_challenge = transport.channel.challenge
+        transport.channel.challenge = lambda: challenges.append(real_challenge()) or challenges[-1]
         if rank == 0:
             sender = Sender(transport, SyncConfig(bucket_bytes=BUCKET, timeout_s=TIMEOUT_S), token=TOKEN)
             for version in (1, 2, 3):
@@ -328,7 +334,7 @@ def forger(transport, world, *, record, forge, draw):
     from hal.sync import protocol
 
     me, kept, forged, draws = transport.rank, {}, [], iter(range(1, 1_000_000))
-    real_words, real_allreduce = protocol._random_words, transport.allreduce
+    real_words, real_allreduce = protocol._random_words, transport.channel.allreduce
 
     def words():  # drawn in step with the honest ranks' draws
         return kept["rows"][me].clone() if next(draws) == draw else real_words()
@@ -344,7 +350,7 @@ def forger(transport, world, *, record, forge, draw):
             kept["rows"] = tensor.cpu()[:, -2:].clone()
 
     protocol._random_words = words
-    transport.allreduce = allreduce
+    transport.channel.allreduce = allreduce
 
 
 def forged_challenge_worker(rank, world):
@@ -362,7 +368,7 @@ def forged_challenge_worker(rank, world):
         with transport.bounded(TIMEOUT_S):
             for _ in range(3):
                 try:
-                    out.append(transport.challenge())
+                    out.append(transport.channel.challenge())
                 except AuthError as exc:
                     out.append(f"AuthError: {exc}")
         return out

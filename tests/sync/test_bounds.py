@@ -24,7 +24,7 @@ def bounds_worker(rank, world):
     transport = BroadcastTransport(None, src=0)
     out: dict = {}
     try:
-        transport.agree(RankReport(), "unbounded")
+        transport.channel.agree(RankReport(), "unbounded")
     except RuntimeError as exc:
         out["outside"] = str(exc)
     for bad in (0, -1.0, True, "5"):
@@ -35,8 +35,8 @@ def bounds_worker(rank, world):
             out.setdefault("refused", []).append(str(exc))
     with transport.bounded(5):
         with transport.bounded(1.5):
-            out["inner"] = transport.timeout_s
-        out["outer"] = transport.timeout_s
+            out["inner"] = transport.channel.timeout_s
+        out["outer"] = transport.channel.timeout_s
     pairs = [("w", torch.arange(8, dtype=torch.float32))]
     if rank == 0:
         sender = Sender(transport, SyncConfig(bucket_bytes=4096, timeout_s=2.0))

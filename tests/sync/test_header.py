@@ -454,7 +454,7 @@ def _print_costs() -> None:
     from hal.tools.bench.common import PeakMemory
 
     def decode(data: bytes) -> str:
-        wire._validated.__init__()  # decode each input afresh, as a receiver meets it first
+        wire.validated.__init__()  # decode each input afresh, as a receiver meets it first
         try:
             return f"decoded {len(SyncHeader.decode(data).specs)} tensors"
         except HeaderError as exc:
@@ -610,8 +610,8 @@ def test_errors_inside_decoding_become_header_errors(monkeypatch, error):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
         raise error("boom")
 
-    monkeypatch.setattr(header_module, "_decode_specs", fail)
-    monkeypatch.setattr(header_module._validated, "text", None)  # no specs text known: they are decoded
+    monkeypatch.setattr(header_module, "decode_specs", fail)
+    monkeypatch.setattr(header_module.validated, "text", None)  # no specs text known: they are decoded
     refused(small_header().encode(), "unreadable", error.__name__)
 
 
@@ -859,7 +859,7 @@ def test_the_next_header_of_the_same_specs_parses_the_rest_only(monkeypatch):
 
     first = realistic_header(seed=3, n=40)
     decoded = SyncHeader.decode(first.encode())
-    assert header_module._validated.text == wire._specs_text(first.specs)[0]
+    assert header_module.validated.text == wire.specs_text(first.specs)[0]
     real_loads, parsed = json.loads, []
     monkeypatch.setattr(header_module.json, "loads", lambda text, **kw: parsed.append(len(text)) or real_loads(text, **kw))
     again = SyncHeader.decode(dataclasses.replace(first, version=9).encode())
@@ -867,9 +867,9 @@ def test_the_next_header_of_the_same_specs_parses_the_rest_only(monkeypatch):
     obj = wire_object(first)
     odd = {"protocol": obj["protocol"], "version": 1, "specs": obj["specs"], "segment_bytes": [1]}
     odd.update((k, v) for k, v in obj.items() if k not in odd)
-    header_module._validated.__init__()
+    header_module.validated.__init__()
     refused(json.dumps(odd, separators=(",", ":"), ensure_ascii=False).encode(), "'segment_bytes'")
-    assert header_module._validated.text is None
+    assert header_module.validated.text is None
 
 
 def test_senders_of_two_layouts_check_and_encode_each_spec_tuple_once(monkeypatch):
@@ -878,9 +878,9 @@ def test_senders_of_two_layouts_check_and_encode_each_spec_tuple_once(monkeypatc
     import hal.sync.header_json as wire
 
     checked, encoded = [], []
-    real_check, real_dumps = header_module._check_spec, wire._dumps
-    monkeypatch.setattr(header_module, "_check_spec", lambda *a: (checked.append(a[1]), real_check(*a))[1])
-    monkeypatch.setattr(wire, "_dumps", lambda v: (encoded.append(type(v)), real_dumps(v))[1])
+    real_check, real_dumps = header_module.check_spec, wire.dumps
+    monkeypatch.setattr(header_module, "check_spec", lambda *a: (checked.append(a[1]), real_check(*a))[1])
+    monkeypatch.setattr(wire, "dumps", lambda v: (encoded.append(type(v)), real_dumps(v))[1])
     first = tuple(TensorSpec(f"w.{i}", (4,), torch.float32) for i in range(3))
     second = tuple(TensorSpec(f"w.{i}", (4,), torch.float32) for i in range(3))  # equal, another tuple
     for _ in range(3):

@@ -67,18 +67,18 @@ def hostile_sender_worker(rank, world):
             start = time.monotonic()
             try:
                 with transport.bounded(TIMEOUT_S):  # as a Sender bounds a sync of its own
-                    transport.challenge()  # the protocol's first step, as a sender's: the receivers draw theirs
-                    transport.exchange_header(payload)
-                    raise_if_any(transport.agree(RankReport(sender=True), "header check"), rank, "hostile sync")
+                    transport.channel.challenge()  # the protocol's first step, as a sender's: the receivers draw theirs
+                    transport.channel.exchange_header(payload)
+                    raise_if_any(transport.channel.agree(RankReport(sender=True), "header check"), rank, "hostile sync")
                 kinds.append("accepted")
             except SyncError as exc:
                 kinds.append(type(exc).__name__)
             slowest = max(slowest, time.monotonic() - start)
         # a length far beyond any header: every rank refuses it before a payload moves
         with transport.bounded(TIMEOUT_S):
-            transport.challenge()
+            transport.channel.challenge()
             size = torch.tensor([MAX_HEADER_BYTES + 1], dtype=torch.int64)
-            transport._wait(transport._broadcast(size, "header size"), "header size")
+            transport.channel.wait(transport.channel.broadcast(size, "header size"), "header size")
         # and then a correct sync
         Sender(transport, SyncConfig(bucket_bytes=8192)).send(TensorSource(weights()), version=1)
         return kinds, slowest

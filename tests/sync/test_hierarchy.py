@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hal.sync import HierarchicalTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, build_plan, copy_into
-from hal.sync.hierarchy import NodeLayout
+from hal.sync.hierarchy import NodeMap
 from tests.multiproc import run_group
 from tests.sync.test_failures import FailingSource, KeepCopies, classify, specs, weights
 
@@ -91,7 +91,7 @@ def test_each_node_gets_the_bytes_once_and_every_worker_every_byte(nodes, remote
         assert failed == "SourceError"
     leaders = {r: res["leader"] for r, res in enumerate(results)}
     for rank, res in enumerate(results[1:], start=1):
-        assert leaders[rank] == NodeLayout(tuple(nodes), 0).leader_of(rank)
+        assert leaders[rank] == NodeMap(tuple(nodes), 0).leader_of(rank)
         for first, failed, during, consistent, after, version in res["results"]:
             assert first == {"old"}, first  # the first sync carried weights(1), which classify() calls "old"
             assert failed == "SourceError"
@@ -102,9 +102,9 @@ def test_each_node_gets_the_bytes_once_and_every_worker_every_byte(nodes, remote
 
 
 def test_node_layout_picks_leaders_and_who_they_serve():
-    layout = NodeLayout(("t", "a", "a", "b", "b", "b"), 0)
+    layout = NodeMap(("t", "a", "a", "b", "b", "b"), 0)
     assert layout.remote_leaders == [1, 3]
     assert [layout.leader_of(r) for r in range(6)] == [0, 1, 1, 3, 3, 3]
     assert layout.served_by(1) == [2] and layout.served_by(3) == [4, 5] and layout.served_by(0) == []
-    colocated = NodeLayout(("a", "a", "b"), 0)
+    colocated = NodeMap(("a", "a", "b"), 0)
     assert colocated.remote_leaders == [2] and colocated.served_by(0) == [1]

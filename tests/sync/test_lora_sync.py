@@ -237,7 +237,7 @@ def _adapter_scenario(rank: int, ckpt: str, scenario: str, config) -> list[dict]
     import hal
     from hal.sync import BroadcastTransport, Receiver, Sender, TensorSource
     from hal.sync.lora import BaseWeightTracker, adapter_specs, adapter_tensors, base_tensors
-    from hal.sync.rollout import allocate, copy_into, specs_from_safetensors
+    from hal.sync.engine_specs import allocate, copy_into, specs_from_safetensors
 
     level, free, lost_at = SCENARIOS[scenario]
     transport = BroadcastTransport(src=0)
@@ -296,7 +296,7 @@ def _adapter_scenario(rank: int, ckpt: str, scenario: str, config) -> list[dict]
 def _merged_scenario(rank: int, ckpt: str, config) -> list[dict]:
     from hal.sync import BroadcastTransport, Receiver, Sender
     from hal.sync.lora import BaseWeightTracker, MergedSource
-    from hal.sync.rollout import allocate, copy_into, specs_from_safetensors
+    from hal.sync.engine_specs import allocate, copy_into, specs_from_safetensors
 
     transport = BroadcastTransport(src=0)
     out = []

@@ -99,25 +99,25 @@ def check_segments(plan, segment_bytes):
         carried = {i: 0 for i in range(len(bucket.pieces))}
         previous_stop = 0
         for seg in bucket.segments:
-            assert previous_stop <= seg.start <= seg.stop and seg.start % (ALIGNMENT if seg.parts else 8) == 0
+            assert previous_stop <= seg.start <= seg.stop and seg.start % (ALIGNMENT if seg.ranges else 8) == 0
             previous_stop = seg.stop
-            for i, lo, hi in seg.parts:
+            for i, lo, hi in seg.ranges:
                 piece = bucket.pieces[i]
-                assert lo == carried[i], "parts of a piece out of order"
+                assert lo == carried[i], "ranges of a piece out of order"
                 assert seg.start <= piece.offset + lo <= piece.offset + hi <= seg.stop
                 carried[i] = hi
-            if len(seg.parts) == 1 and seg.parts[0][2] > seg.parts[0][1]:
-                i, lo, hi = seg.parts[0]
+            if len(seg.ranges) == 1 and seg.ranges[0][2] > seg.ranges[0][1]:
+                i, lo, hi = seg.ranges[0]
                 assert seg.stop - seg.start == hi - lo  # a single range travels without padding
-            elif seg.parts:
-                first, last = seg.parts[0], seg.parts[-1]
+            elif seg.ranges:
+                first, last = seg.ranges[0], seg.ranges[-1]
                 assert seg.start == bucket.pieces[first[0]].offset + first[1]
                 assert seg.stop == bucket.pieces[last[0]].offset + last[2]
                 assert seg.stop - seg.start <= limit
         assert carried == {i: p.nbytes for i, p in enumerate(bucket.pieces)}
         if plan.verify:
             assert (bucket.segments[-1].start, bucket.segments[-1].stop) == (bucket.checksum_offset, bucket.nbytes)
-            assert bucket.segments[-1].parts == ()
+            assert bucket.segments[-1].ranges == ()
 
 
 @pytest.mark.parametrize("verify", [False, True])
@@ -127,7 +127,7 @@ def test_segments_group_small_tensors_and_give_large_ones_their_own(verify):
     plan = build_plan(s, 64 * 1024, verify=verify, segment_bytes=seg)
     check_segments(plan, seg)
     (bucket,) = plan.buckets
-    names = [[bucket.pieces[i].spec.name for i, _, _ in segment.parts] for segment in bucket.segments if segment.parts]
+    names = [[bucket.pieces[i].spec.name for i, _, _ in segment.ranges] for segment in bucket.segments if segment.ranges]
     # p1 (12 KB) and p5 (20 KB) are at least a quarter segment: their own transfers, split at
     # the segment size; the small ones (the empty p3 included) travel together
     assert names == [["p0"], ["p1"], ["p1"], ["p2", "p3", "p4"], ["p5"], ["p5"], ["p5"], ["p6"]]
@@ -199,8 +199,8 @@ def test_default_bucket_follows_free_memory_and_holds_the_largest_tensor_when_it
     # ... and chunked rather than exhausting a small device
     assert default_bucket_bytes(_FreeMemory(2 * gib), 272 * 10**6) == 32 * mib
     # several senders into the same receivers: each a share, so a receiver's buffers add up to one sender's
-    assert default_bucket_bytes(_FreeMemory(64 * gib), senders=4) == 64 * mib
-    assert default_bucket_bytes(_FreeMemory(1 * gib), senders=3) == 10 * mib  # whole MiB
-    assert default_bucket_bytes(_FreeMemory(1 * gib), senders=64) == 1 * mib  # never below 1 MiB
+    assert default_bucket_bytes(_FreeMemory(64 * gib), sender_count=4) == 64 * mib
+    assert default_bucket_bytes(_FreeMemory(1 * gib), sender_count=3) == 10 * mib  # whole MiB
+    assert default_bucket_bytes(_FreeMemory(1 * gib), sender_count=64) == 1 * mib  # never below 1 MiB
     # the largest share still travels whole when it can
-    assert default_bucket_bytes(_FreeMemory(23 * gib), 136 * 10**6, senders=2) > 136 * 10**6
+    assert default_bucket_bytes(_FreeMemory(23 * gib), 136 * 10**6, sender_count=2) > 136 * 10**6

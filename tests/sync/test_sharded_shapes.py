@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hal.sync import SyncConfig, SyncError, TensorSpec, copy_into
-from hal.sync.layout import SHARD0, WHOLE, Declared, build_shard_plan
+from hal.sync.shard_plan import SHARD0, WHOLE, Declared, build_shard_plan
 from hal.sync.sharded import _Shares
 from tests.multiproc import run_group
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hal.sync import TensorSpec
-from hal.sync.rollout import (
+from hal.sync.engine_specs import (
     allocate,
     copy_into,
     specs_from_config,

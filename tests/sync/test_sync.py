@@ -22,7 +22,7 @@ from hal.sync import (
     TensorSource,
     TensorSpec,
 )
-from hal.sync.rollout import allocate, copy_into
+from hal.sync.engine_specs import allocate, copy_into
 from tests.multiproc import run_group
 
 pytestmark = pytest.mark.multiprocess

@@ -34,6 +34,7 @@ def test_one_entry_point_and_verls_device_code_through_hal():
     entry point, which registers the platform and the checkpoint engine and does nothing
     else; then the issue's command, and more of `verl.utils.device`, with VERL_PLATFORM=hal."""
     ours = [ep for ep in entry_points(group="verl.plugins") if ep.value.startswith("hal.")]
+    # pyproject.toml's value: the former path of hal.integrations.verl.plugin, the same module
     assert [(ep.name, ep.value) for ep in ours] == [("hal", "hal.integrations.verl_plugin")]
     proc = run_python(
         """
@@ -42,7 +43,7 @@ def test_one_entry_point_and_verls_device_code_through_hal():
         from verl.checkpoint_engine import CheckpointEngineRegistry
         from verl.plugin.platform import PlatformRegistry, get_platform
         import hal.device
-        from hal.integrations import verl_internals
+        from hal.integrations.verl import internals as verl_internals
         registered = {
             "platform": PlatformRegistry.get("hal").__qualname__,
             "engine": CheckpointEngineRegistry.get("hal").__qualname__,
@@ -108,7 +109,7 @@ def test_the_docs_check_commands_print_what_the_doc_says():
 
 
 def test_sim_answers_as_the_cpu_it_computes_on(hal_reset, monkeypatch):
-    from hal.integrations.verl_platform import HalPlatform
+    from hal.integrations.verl.platform import HalPlatform
 
     monkeypatch.setenv("VERL_DEVICE", "sim")
     platform = HalPlatform()
@@ -122,7 +123,7 @@ def test_a_driver_without_the_device_still_plans_for_it(hal_reset, monkeypatch):
     backend's class, device work raises hal's reason."""
     from hal.backend import BackendUnavailableError
     from hal.backends.cuda import CudaBackend
-    from hal.integrations.verl_platform import HalPlatform
+    from hal.integrations.verl.platform import HalPlatform
 
     if CudaBackend.is_available():
         pytest.skip("a usable GPU here: the planning-only path is not taken")
@@ -143,27 +144,27 @@ def test_a_driver_without_the_device_still_plans_for_it(hal_reset, monkeypatch):
 
 
 def test_the_installed_verl_is_one_the_plugin_was_checked_against(monkeypatch):
-    from hal.integrations import verl_internals
+    from hal.integrations.verl import internals as verl_internals
 
     assert verl_internals.unsupported_verl() is None, verl_internals.verl_version()
     monkeypatch.setattr(verl_internals, "verl_version", lambda: "0.10.0")
     assert verl_internals.unsupported_verl() == (
-        "verl-hal's verl plugin was checked against verl 0.9.x; verl 0.10.0 is installed (see hal/integrations/verl_internals.py)"
+        "verl-hal's verl plugin was checked against verl 0.9.x; verl 0.10.0 is installed (see hal/integrations/verl/internals.py)"
     )
 
 
 def test_hal_is_never_auto_detected():
-    from hal.integrations.verl_platform import HalPlatform
+    from hal.integrations.verl.platform import HalPlatform
 
     assert HalPlatform().is_platform_available(use_smi_check=True) is False
 
 
 def test_allocator_settings_and_seeds(hal_reset, monkeypatch, caplog):
-    from hal.integrations.verl_platform import HalPlatform
+    from hal.integrations.verl.platform import HalPlatform
 
     monkeypatch.setenv("VERL_DEVICE", "cpu")
     platform = HalPlatform()
-    caplog.set_level("DEBUG", logger="hal.integrations.verl_platform")
+    caplog.set_level("DEBUG", logger="hal.integrations.verl.platform")
     platform.set_allocator_settings("expandable_segments:True")
     assert "has no caching allocator" in caplog.text
     with pytest.raises(ValueError, match="allocator setting 'max_split_size_mb:128' is not supported"):
@@ -183,7 +184,7 @@ def test_allocator_settings_and_seeds(hal_reset, monkeypatch, caplog):
 def test_cuda_answers_through_the_backend_hooks(monkeypatch):
     """With a fake torch.cuda: every answer is the cuda backend's (no device branch in the plugin)."""
     from hal.backends.cuda import CudaBackend
-    from hal.integrations.verl_platform import HalPlatform
+    from hal.integrations.verl.platform import HalPlatform
 
     calls = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -231,7 +232,7 @@ def test_cuda_answers_through_the_backend_hooks(monkeypatch):
 
 # ---- the checkpoint engine's settings ---------------------------------------------------------
 def test_settings_map_onto_sync_config_by_field_name():
-    from hal.integrations.verl_checkpoint import HalCheckpointEngine, sync_config_from
+    from hal.integrations.verl.checkpoint import HalCheckpointEngine, sync_config_from
 
     default = 2048 << 20  # verl's update_weights_bucket_megabytes default: hal sizes the buckets
     assert sync_config_from(default, {}).bucket_bytes is None
@@ -260,7 +261,7 @@ def test_settings_map_onto_sync_config_by_field_name():
     ],
 )
 def test_an_unknown_or_bad_setting_is_refused_by_name(settings, message):
-    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+    from hal.integrations.verl.checkpoint import HalCheckpointEngine
 
     with pytest.raises(ValueError) as error:
         HalCheckpointEngine(bucket_size=2048 << 20, **settings)
@@ -268,12 +269,12 @@ def test_an_unknown_or_bad_setting_is_refused_by_name(settings, message):
 
 
 def test_two_bucket_sizes_that_disagree_are_refused():
-    from hal.integrations.verl_checkpoint import sync_config_from
+    from hal.integrations.verl.checkpoint import sync_config_from
 
     with pytest.raises(ValueError, match=r"update_weights_bucket_megabytes says 128 MiB .*bucket_bytes says 1048576: set one"):
         sync_config_from(128 << 20, {"bucket_bytes": 1 << 20})
     with pytest.raises(ValueError, match="transport must be one of auto, broadcast, ipc, hierarchical"):
-        from hal.integrations.verl_checkpoint import HalCheckpointEngine
+        from hal.integrations.verl.checkpoint import HalCheckpointEngine
 
         HalCheckpointEngine(bucket_size=1 << 20, transport="nccl-ish")
 
@@ -290,7 +291,7 @@ def _metadata(node: str, *, master: bool = False, group=None, rank=None, host_ip
 
 
 def test_topology_sync_ranks_transport_and_group_reuse():
-    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+    from hal.integrations.verl.checkpoint import HalCheckpointEngine
 
     build = HalCheckpointEngine.build_topology
     one_node = [_metadata("a", master=True), _metadata("a"), _metadata("a"), _metadata("a")]
@@ -320,7 +321,7 @@ def test_topology_sync_ranks_transport_and_group_reuse():
 
 
 def test_senders_is_a_setting_refused_by_name_when_invalid():
-    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+    from hal.integrations.verl.checkpoint import HalCheckpointEngine
 
     assert HalCheckpointEngine(bucket_size=1 << 20).senders == "master"  # today's default
     assert HalCheckpointEngine(bucket_size=1 << 20, senders="all").senders == "all"
@@ -342,7 +343,7 @@ def _all(trainers: int, rollouts: int, nodes: str = "a" * 8, groups=None, ranks=
 
 
 def test_topology_every_trainer_rank_its_own_group_with_every_rollout_worker():
-    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+    from hal.integrations.verl.checkpoint import HalCheckpointEngine
 
     build = HalCheckpointEngine.build_topology
     actor, rollout = build(2, 3, _all(2, 3))
@@ -373,7 +374,7 @@ def test_topology_every_trainer_rank_its_own_group_with_every_rollout_worker():
 
 
 def test_topology_refuses_workers_that_disagree_on_senders_or_a_refused_engine():
-    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+    from hal.integrations.verl.checkpoint import HalCheckpointEngine
 
     build = HalCheckpointEngine.build_topology
     mixed = _all(2, 2)
@@ -394,7 +395,7 @@ def test_prepare_reports_senders_and_refuses_an_engine_whose_shards_differ_from_
     reference) and says why its shards could not stand for verl's generator."""
     import torch.nn as nn
 
-    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+    from hal.integrations.verl.checkpoint import HalCheckpointEngine
 
     class Engine:  # what verl's FSDP engine offers: module, engine_config.strategy, get_per_tensor_param
         def __init__(self, module, strategy="fsdp"):
@@ -417,10 +418,28 @@ def test_prepare_reports_senders_and_refuses_an_engine_whose_shards_differ_from_
     assert "not FSDP-wrapped" in reports["refused"]
     assert "is not verl's FSDP engine" in Worker(Engine(nn.Linear(4, 4), strategy="megatron")).execute_checkpoint_engine("prepare")["refused"]
     alone = HalCheckpointEngine(bucket_size=1 << 20, senders="all").prepare()  # no worker holds it: nothing to check
-    from hal.integrations.verl_internals import is_training_engine
+    from hal.integrations.verl.internals import is_training_engine
 
     engine = Engine(nn.Linear(4, 4))
     assert is_training_engine(engine)  # what verl passes to send_weights of shard-operating backends
     assert not is_training_engine(iter([("w", None)])) and not is_training_engine(x for x in ())  # its generators
     assert alone["refused"] is None
     assert "refused" not in HalCheckpointEngine(bucket_size=1 << 20).prepare()
+
+
+def test_the_former_flat_paths_are_the_modules_they_moved_to():
+    """hal.integrations is split by host (issue 26); what configs and entry points named
+    before (`hal.integrations.verl_plugin`, ...) is the very module now under verl/."""
+    import importlib
+
+    for old, new in (
+        ("hal.integrations.verl_plugin", "hal.integrations.verl.plugin"),
+        ("hal.integrations.verl_checkpoint", "hal.integrations.verl.checkpoint"),
+        ("hal.integrations.verl_platform", "hal.integrations.verl.platform"),
+        ("hal.integrations.verl_internals", "hal.integrations.verl.internals"),
+    ):
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from hal.integrations.verl_checkpoint import HalCheckpointEngine
+    from hal.integrations.verl.checkpoint import HalCheckpointEngine as moved
+
+    assert HalCheckpointEngine is moved

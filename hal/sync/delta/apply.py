@@ -133,7 +133,7 @@ class ImageApplier:
     def _patch(self, bucket: Bucket, segment: Segment, landed: bool, status: SegmentStatus) -> None:
         """Bring the segment's new bytes into the baseline (a delta sync only)."""
         target = self.image(bucket.index)[segment.start : segment.stop]
-        names = [bucket.pieces[i].spec.name for i, _, _ in segment.parts]
+        names = [bucket.pieces[i].spec.name for i, _, _ in segment.ranges]
         if status.encoding == kernels.DENSE:
             if not landed:  # the transport kept them in its own (shared) buffer
                 # a torch op, as the patches and checksums that read the image next: ordered
@@ -189,13 +189,13 @@ class ScatterApplier:
             checked.append((word, count))
         out: Pairs = []
         for (segment, status), (word, count) in zip(pending, checked):
-            names = [bucket.pieces[i].spec.name for i, _, _ in segment.parts]
+            names = [bucket.pieces[i].spec.name for i, _, _ in segment.ranges]
             source, changed = buffer, True
             if status.encoding != kernels.DENSE:
                 payload = buffer[segment.start : segment.start + status.nbytes]
-                first = bucket.pieces[segment.parts[0][0]] if segment.parts else None
+                first = bucket.pieces[segment.ranges[0][0]] if segment.ranges else None
                 if first is not None and first.is_whole and is_solo(bucket, segment):
-                    _, lo, hi = segment.parts[0]
+                    _, lo, hi = segment.ranges[0]
                     self.d.touched = True
                     if kernels.delta_apply(kernels.as_bytes(self.d.exact[first.spec.name])[lo:hi], payload, status.encoding, word, checked=count):
                         self.d.changed.add(first.spec.name)
@@ -203,14 +203,14 @@ class ScatterApplier:
                         out.append((first.spec.name, self.d.exact[first.spec.name]))
                     continue
                 source = self.state.work_buffer(self.d.plan.max_bucket_nbytes)
-                for index, lo, hi in segment.parts:  # the old bytes (gaps between pieces are never patched)
+                for index, lo, hi in segment.ranges:  # the old bytes (gaps between pieces are never patched)
                     piece = bucket.pieces[index]
                     old = kernels.as_bytes(self.d.exact[piece.spec.name])[piece.tensor_offset + lo : piece.tensor_offset + hi]
                     source[piece.offset + lo : piece.offset + hi].copy_(old)
                 changed = bool(kernels.delta_apply(source[segment.start : segment.stop], payload, status.encoding, word, checked=count))
             if changed:
                 self.d.changed.update(names)
-            for index, lo, hi in segment.parts:
+            for index, lo, hi in segment.ranges:
                 piece = bucket.pieces[index]
                 spec = piece.spec
                 new = source[piece.offset + lo : piece.offset + hi]

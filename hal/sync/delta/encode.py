@@ -1,6 +1,6 @@
 """The sender's half of delta sync: what it keeps across syncs (`DeltaSender`: the wire
 bytes of the last complete sync, their version and layout, the pacer) and the per-segment
-interface the sender calls with delta on or off (`DeltaSegments`, `WHOLE`)."""
+interface the sender calls with delta on or off (`DeltaSegments`, `NO_DELTA`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hal.sync.delta.pacer import Pacer
 from hal.sync.plan import Bucket, BucketPlan, Segment, bucket_offsets, segment_word
 
 
-class WholeSegments:
+class PackedSegments:
     """Delta off: every segment goes as packed, into the transport's buffer."""
 
     def pack_target(self, bucket: Bucket, j: int) -> torch.Tensor | None:
@@ -35,7 +35,8 @@ class WholeSegments:
         return {}
 
 
-WHOLE = WholeSegments()
+NO_DELTA = PackedSegments()
+"""The per-segment interface without delta (a tensor's kind "whole" is hal.sync.shard_plan's)."""
 
 
 class DeltaSender:
@@ -143,7 +144,7 @@ class DeltaSegments:
         self.sampled_s = 0.0
         self.samples: set[tuple[int, int]] = set()  # (bucket, segment): the start of each is encoded only to time it
         if sample:
-            spots = [(b.index, j) for b in plan.buckets for j, seg in enumerate(b.segments) if seg.parts]
+            spots = [(b.index, j) for b in plan.buckets for j, seg in enumerate(b.segments) if seg.ranges]
             n, m = len(spots), Pacer.SAMPLE_SEGMENTS
             self.samples = set(spots) if n <= m else {spots[round(i * (n - 1) / (m - 1))] for i in range(m)}
 
@@ -162,7 +163,7 @@ class DeltaSegments:
     def clear_gaps(self, target: torch.Tensor, bucket: Bucket, segment: Segment, stream: Any) -> None:
         """Zero the alignment gaps between a segment's packed tensors: they hold whatever the
         buffer held before (an earlier payload), which every delta would carry as changes."""
-        if len(segment.parts) > 1:
+        if len(segment.ranges) > 1:
             gaps = _gaps(bucket, segment)
             if gaps:
                 self.backend.launch(stream, _zero, target, gaps)
@@ -180,8 +181,8 @@ class DeltaSegments:
         word = segment_word(bucket, segment)
         base = self.owner.baseline[self.offsets[k] + segment.start : self.offsets[k] + segment.stop]
         encoding, payload, changed, sampled = kernels.DENSE, None, 0, None
-        compare = compare and bool(segment.parts)
-        sample = sample and not compare and bool(segment.parts)
+        compare = compare and bool(segment.ranges)
+        sample = sample and not compare and bool(segment.ranges)
         if compare or sample:
             ready.synchronize()  # the pack is done: its bytes are read here
         began = time.perf_counter()
@@ -259,7 +260,7 @@ class DeltaSegments:
 def _gaps(bucket: Bucket, segment: Segment) -> list[tuple[int, int]]:
     """The byte ranges of a segment that belong to no piece (alignment padding)."""
     gaps, at = [], segment.start
-    for index, lo, hi in segment.parts:
+    for index, lo, hi in segment.ranges:
         piece = bucket.pieces[index]
         begin = piece.offset + lo
         if begin > at:

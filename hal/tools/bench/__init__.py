@@ -200,7 +200,7 @@ def _benchmark(args: argparse.Namespace) -> str:
 def main(args: argparse.Namespace) -> int:
     from hal.tools.bench import record
 
-    started, load_average = record.utc_now(), record._load_average()
+    started, load_average = record.utc_now(), record.load_average()
     if getattr(args, "timeout", None) is None:
         args.timeout = DEFAULT_TIMEOUT_S[_benchmark(args)]
     if getattr(args, "senders", None) is not None:

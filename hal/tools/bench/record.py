@@ -101,7 +101,7 @@ def _memory_bytes() -> int | None:
         return None
 
 
-def _load_average() -> list[float] | None:
+def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -139,7 +139,7 @@ def machine(load_average_start: list[float] | None = None) -> dict[str, Any]:
         "device_count": None,
         "runtime_versions": None,
         "load_average_start": load_average_start,
-        "load_average_end": _load_average(),
+        "load_average_end": load_average(),
     }
     try:
         backend = hal.resolution().backend

@@ -98,7 +98,7 @@ def _setup_floor_with_copy(ctx: RankContext) -> tuple[Callable[[], None], Callab
 def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Callable[[], None], Callable[[], None]]:
     from hal.device import get_backend
     from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec, as_sink
-    from hal.sync.rollout import copy_into
+    from hal.sync.engine_specs import copy_into
     import hal.sync
     from hal.sync import hierarchy
 
@@ -199,8 +199,8 @@ def _check_layout(ctx: RankContext, transport: Any) -> None:
     keys = node_keys(ctx.config.receivers, ctx.config.nodes)
     leaders = node_leaders(ctx.config.receivers, ctx.config.nodes)
     problems = []
-    if list(transport.layout.nodes) != keys:
-        problems.append(f"node keys {list(transport.layout.nodes)}, expected {keys}")
+    if list(transport.nodes.nodes) != keys:
+        problems.append(f"node keys {list(transport.nodes.nodes)}, expected {keys}")
     if ctx.is_sender and list(transport.remote_leaders) != leaders:
         problems.append(f"remote leaders {list(transport.remote_leaders)}, expected {leaders}")
     if not ctx.is_sender and transport.leader != min(r for r in range(1, len(keys)) if keys[r] == keys[ctx.rank]):

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hal.tools.bench.arg_types import comma_list
-from hal.integrations import vllm_internals
+from hal.integrations.vllm import internals as vllm_internals
 
 GIB = 1024**3
 MIB = 1024**2
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import replace
 
     from hal.tools.tiny_model import BENCH_SPEC, build_tiny_llama
-    from hal.integrations.vllm_client import OfflineEngine, WeightSync
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
     from hal.sync import SyncConfig, TensorSource
 
     tied = bool(getattr(args, "vllm_tied", False))
@@ -322,7 +322,7 @@ def _floor_once(sync: Any, llm: Any, nbytes: int, timeout_s: float) -> float:
 
     import hal
 
-    group = sync._group
+    group = sync.sender.transport.group
     buf = hal.current().empty(nbytes)
     buf.fill_(1)
     result: dict[str, Any] = {}

@@ -34,10 +34,12 @@ from typing import Any, Iterable
 import torch
 
 from hal.sync import errors
+from hal.sync.header_json import WIRE_DTYPES, dtype_from_name, dtype_name
 from hal.sync.plan import TensorSpec
 from hal.sync.protocol import GroupChannel
 
 SHARD0, WHOLE = "shard0", "whole"
+_TRAVELS = frozenset(WIRE_DTYPES.values())
 
 
 def shard_name(name: str, first_row: int) -> str:
@@ -84,6 +86,8 @@ def declare(named: Iterable[tuple[str, torch.Tensor]], rank: int, world_size: in
         kind = WHOLE
         if dtensor is not None and isinstance(tensor, dtensor[0]):
             kind = _dtensor_kind(name, tensor, rank, world_size, dtensor)
+        if tensor.dtype not in _TRAVELS:  # refused here, on every rank, by name
+            raise ValueError(f"parameter {name!r}: dtype {tensor.dtype} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}")
         out.append(Declared(name, tuple(tensor.shape), tensor.dtype, kind))
     return out
 
@@ -119,7 +123,7 @@ def _dtensor_kind(name: str, tensor: Any, rank: int, world_size: int, types: tup
 
 
 def encode_declared(declared: list[Declared]) -> bytes:
-    rows = [[d.name, list(d.shape), str(d.dtype).removeprefix("torch."), d.kind] for d in declared]
+    rows = [[d.name, list(d.shape), dtype_name(d.dtype), d.kind] for d in declared]
     return json.dumps(rows, separators=(",", ":")).encode()
 
 
@@ -129,10 +133,9 @@ def decode_declared(payload: bytes, rank: int) -> list[Declared]:
         rows = json.loads(payload)
         out = []
         for name, shape, dtype, kind in rows:
-            torch_dtype = getattr(torch, dtype)
-            if not isinstance(torch_dtype, torch.dtype) or kind not in (SHARD0, WHOLE):
-                raise ValueError(f"dtype {dtype!r} or kind {kind!r}")
-            out.append(Declared(str(name), tuple(int(d) for d in shape), torch_dtype, kind))
+            if kind not in (SHARD0, WHOLE):
+                raise ValueError(f"kind {kind!r}")
+            out.append(Declared(str(name), tuple(int(d) for d in shape), dtype_from_name(dtype), kind))
         return out
     except (ValueError, TypeError, AttributeError) as exc:
         raise errors.HeaderError(f"trainer rank {rank}'s declaration of its tensors is unreadable: {exc}") from None
@@ -224,7 +227,7 @@ def build_shard_plan(declarations: list[list[Declared]], digests: tuple[int, ...
     return ShardPlan(tuple(specs), tuple(tuple(s) for s in shares), tuple(kinds), tuple(digests))
 
 
-class LayoutExchange:
+class ShardPlanExchange:
     """Agrees the `ShardPlan` over the trainer group: a digest per rank every sync (one
     small all-reduce), the declarations only when some digest changed."""
 
@@ -233,20 +236,22 @@ class LayoutExchange:
         self.plan: ShardPlan | None = None
         self.builds = 0
 
-    def agree(self, declared: list[Declared] | None) -> ShardPlan:
-        """The plan every rank builds; `declared` None: this rank could not declare its
-        tensors (it raises its own error), and every other rank then refuses the sync
-        naming it, at once rather than at the timeout."""
+    def agree(self, declared: list[Declared] | BaseException) -> ShardPlan:
+        """The plan every rank builds. `declared` an exception: this rank could not declare
+        its tensors; then every rank raises the same `SpecMismatchError` naming each such
+        rank and its error, at once rather than at the timeout."""
         channel = self.channel
         digests = torch.zeros(channel.world_size, dtype=torch.int64, device=channel.control_device)
-        digests[channel.rank] = _UNDECLARED if declared is None else declared_digest(declared)
+        undeclared = isinstance(declared, BaseException)
+        digests[channel.rank] = _UNDECLARED if undeclared else declared_digest(declared)
         channel.allreduce(digests, "layout digests")
         theirs = tuple(int(d) for d in digests.cpu().tolist())
-        failed = [r for r, d in enumerate(theirs) if d == _UNDECLARED and r != channel.rank]
-        if failed:
-            raise errors.SpecMismatchError(f"trainer rank(s) {failed} could not declare the tensors they hold (their own error says why)")
-        if declared is None:
-            raise errors.SpecMismatchError("this trainer rank could not declare the tensors it holds")
+        failed = [r for r, d in enumerate(theirs) if d == _UNDECLARED]
+        if failed:  # only then do the messages travel
+            own = errors.report_exception(declared, sender=True, keep_class=True) if undeclared else errors.RankReport(sender=True)
+            reports = channel.agree(own, "layout declarations")
+            why = "; ".join(f"trainer rank {r}: {reports[r].error}" for r in failed if reports[r].error)
+            raise errors.SpecMismatchError(f"trainer rank(s) {failed} could not declare the tensors they hold: {why}")
         if self.plan is not None and self.plan.digests == theirs:
             return self.plan
         payloads = channel.all_gather_bytes(encode_declared(declared), "layout declarations")

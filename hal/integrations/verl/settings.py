@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from hal.sync import DeltaConfig, SyncConfig
+from hal.sync.header_json import WIRE_DTYPES, dtype_from_name
 
 # verl's default `update_weights_bucket_megabytes` (CheckpointEngineConfig, verl 0.9.1):
 # a bucket size of exactly this many MiB means the user left it alone, and hal sizes the
@@ -51,10 +50,13 @@ def sync_config_from(bucket_size: int, settings: dict[str, Any]) -> SyncConfig:
     values = dict(settings)
     wire = values.get("wire_dtype")
     if isinstance(wire, str):
-        dtype = getattr(torch, wire.strip(), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"checkpoint engine 'hal': wire_dtype {wire!r} is not a torch dtype name (e.g. 'bfloat16')")
-        values["wire_dtype"] = dtype
+        try:
+            values["wire_dtype"] = dtype_from_name(wire.strip())
+        except ValueError:
+            raise ValueError(
+                f"checkpoint engine 'hal': wire_dtype {wire!r} is not a torch dtype name (e.g. 'bfloat16'); "
+                f"valid: {', '.join(WIRE_DTYPES)}"
+            ) from None
     if "delta" in values:
         values["delta"] = delta_config(values["delta"])
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:

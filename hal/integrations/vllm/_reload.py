@@ -1,7 +1,7 @@
 """What the vLLM engine keeps around vLLM's layerwise reload (hal.integrations.vllm).
 
 - `CarryArena`: memory for received tensors that wait for the rest of their layer.
-- `kernel_layout` / `layout_changes`: the parameters the model computes with (the tensors,
+- `kernel_tensors` / `kernel_changes`: the parameters the model computes with (the tensors,
   their shapes and dtypes), taken when the engine starts and compared before each sync. The reload copies each layer's
   processed tensors back into the layer's kernel tensors, so a parameter that something
   else laid out anew in between (vllm-ascend 0.23's `NPUWorker.wake_up` transposes MoE
@@ -56,7 +56,7 @@ class CarryArena:
 Kernel = tuple[str, torch.nn.Module, str, torch.Tensor, torch.Size, torch.dtype]
 
 
-def kernel_layout(model: torch.nn.Module) -> list[Kernel]:
+def kernel_tensors(model: torch.nn.Module) -> list[Kernel]:
     """Every parameter `model` computes with, now, with the module attribute that holds it
     (a tied one once, under its first name, as `named_parameters` lists it)."""
     seen: set[int] = set()
@@ -69,14 +69,14 @@ def kernel_layout(model: torch.nn.Module) -> list[Kernel]:
     return kernels
 
 
-def layout_changes(layout: list[Kernel]) -> list[str]:
-    """Each parameter of `layout` whose module now holds another tensor, or one of another
-    shape or dtype, named with both layouts. A layerwise reload keeps each kernel tensor (it
+def kernel_changes(kernels: list[Kernel]) -> list[str]:
+    """Each parameter of `kernels` whose module now holds another tensor, or one of another
+    shape or dtype, named with both. A layerwise reload keeps each kernel tensor (it
     copies into it), so a different tensor means something else laid the weights out anew;
     by shape alone a transpose of a square matrix would pass. About half a microsecond per
     parameter (no module traversal, one lookup each): 9 ms for 16,000 here."""
     changes = []
-    for name, module, attr, kernel, shape, dtype in layout:
+    for name, module, attr, kernel, shape, dtype in kernels:
         p = module._parameters.get(attr)
         if p is kernel and p.shape == shape and p.dtype == dtype:
             continue

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import threading
 from typing import Any, AsyncIterator, Iterator
 
@@ -16,28 +17,28 @@ from hal.sync import SinkPolicy, TensorSpec
 
 
 # ---- the trainer side: verl's generator as a hal source ---------------------------------------
-class LayoutChanged(ValueError):
-    """verl's generator yielded other tensors than the layout this engine learned."""
+class SpecsChanged(ValueError):
+    """verl's generator yielded other tensors than the specs this engine learned."""
 
 
 class GeneratorSource:
     """verl's `(name, tensor)` generator (sync or async) as a hal `WeightSource`.
 
-    `layout`: the tensors of the previous sync, or None to learn them now: `metadata()`
+    `specs`: the tensors of the previous sync, or None to learn them now: `metadata()`
     then iterates the generator in full (every trainer rank's gathers run there, in
     lockstep) and, with `keep` (the sending rank), keeps each tensor in host memory for the
-    sync to send; a rank without `keep` then iterates nothing more. With a layout,
-    iteration streams and checks every tensor against it. Iterated in a worker thread: an
+    sync to send; a rank without `keep` then iterates nothing more. With specs, iteration
+    streams and checks every tensor against them. Iterated in a worker thread: an
     async generator is stepped on `loop`.
     """
 
-    def __init__(self, weights: Any, layout: list[TensorSpec] | None, loop: asyncio.AbstractEventLoop, *, keep: bool = True) -> None:
+    def __init__(self, weights: Any, specs: list[TensorSpec] | None, loop: asyncio.AbstractEventLoop, *, keep: bool = True) -> None:
         self._keep = keep
         self._loop = loop
-        self._iterator = weights.__aiter__() if hasattr(weights, "__aiter__") else iter(weights)
-        self._async = hasattr(weights, "__aiter__")
-        self.layout = layout
-        self.learned = layout is None
+        self._async = isinstance(weights, collections.abc.AsyncIterable)
+        self._iterator = weights.__aiter__() if self._async else iter(weights)
+        self.specs = specs
+        self.learned = specs is None
         self.changed = False
         self._kept: list[tuple[str, torch.Tensor]] | None = None
 
@@ -58,17 +59,17 @@ class GeneratorSource:
             yield name, tensor
 
     def metadata(self) -> list[TensorSpec]:
-        if self.layout is None:
-            layout, kept = [], []
+        if self.specs is None:
+            specs, kept = [], []
             for name, tensor in self._pairs():
-                layout.append(TensorSpec.of(name, tensor))
+                specs.append(TensorSpec.of(name, tensor))
                 if self._keep:
                     kept.append((name, tensor.detach().to("cpu")))
-            self.layout, self._kept = layout, kept
-        return self.layout
+            self.specs, self._kept = specs, kept
+        return self.specs
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        layout = self.metadata()
+        specs = self.metadata()
         if self._kept is not None:
             kept, self._kept = self._kept, None
             kept.reverse()
@@ -77,21 +78,21 @@ class GeneratorSource:
             return
         count = 0
         for name, tensor in self._pairs():
-            if count >= len(layout):
+            if count >= len(specs):
                 self.changed = True
-                raise LayoutChanged(f"verl's generator yielded {name!r} after the {len(layout)} tensors of the learned layout")
-            spec = layout[count]
+                raise SpecsChanged(f"verl's generator yielded {name!r} after the {len(specs)} tensors of the learned specs")
+            spec = specs[count]
             if (name, tuple(tensor.shape), tensor.dtype) != (spec.name, spec.shape, spec.dtype):
                 self.changed = True
-                raise LayoutChanged(
+                raise SpecsChanged(
                     f"tensor {count} of verl's generator is {name!r} {tuple(tensor.shape)} {tensor.dtype}; "
-                    f"the learned layout has {spec.name!r} {spec.shape} {spec.dtype}"
+                    f"the learned specs have {spec.name!r} {spec.shape} {spec.dtype}"
                 )
             count += 1
             yield name, tensor
-        if count != len(layout):
+        if count != len(specs):
             self.changed = True
-            raise LayoutChanged(f"verl's generator ended after {count} of the learned layout's {len(layout)} tensors")
+            raise SpecsChanged(f"verl's generator ended after {count} of the {len(specs)} tensors of the learned specs")
 
 
 # ---- the rollout side: hal's push-style receive as verl's async generator ---------------------

@@ -2,9 +2,10 @@
 
 vLLM parses both from the dicts its API carries (`init_weight_transfer_engine({"init_info":
 ...})`, `update_weights({"update_info": ...})`) with the engine's `init_info_cls` /
-`update_info_cls`; the trainer side (hal.integrations.vllm_weight_sync) builds them. Also
-the transports by the names `HalInitInfo.transport` takes, and dtype names as they
-travel. hal.integrations.vllm re-exports every name here.
+`update_info_cls`; the trainer side (hal.integrations.vllm.weight_sync) builds them. Also
+which of hal's transports (`hal.sync.TRANSPORTS`) `HalInitInfo.transport` takes, and the
+dtype names as they travel (the names a sync's header gives them, hal.sync.header_json).
+hal.integrations.vllm re-exports every name here.
 """
 
 from __future__ import annotations
@@ -16,23 +17,21 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from hal.sync import BroadcastTransport, IpcTransport
+from hal.sync import header_json
 
-TRANSPORTS = {"broadcast": BroadcastTransport, "ipc": IpcTransport}
+ENGINE_TRANSPORTS = ("broadcast", "ipc")
+"""The transports (by their name in `hal.sync.TRANSPORTS`) a vLLM engine takes."""
 
 
 def dtype_from_name(name: str | None) -> torch.dtype | None:
-    """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16; None stays None."""
-    if name is None:
-        return None
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype name {name!r}")
-    return dtype
+    """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16, a dtype a sync may carry
+    (`hal.sync.header_json.WIRE_DTYPES`; ValueError naming the valid ones otherwise); None stays None."""
+    return None if name is None else header_json.dtype_from_name(str(name).removeprefix("torch."))
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
+    """The name `dtype` travels under (`hal.sync.header_json.dtype_name`); None stays None."""
+    return None if dtype is None else header_json.dtype_name(dtype)
 
 
 @dataclass(kw_only=True)
@@ -59,7 +58,7 @@ class HalInitInfo(WeightTransferInitInfo):
     """"broadcast": each bucket is broadcast over the group (any topology). "ipc": buckets
     live in memory the trainer shares with the workers (same node only, and the backend
     must support IPC); the group only carries control messages."""
-    senders: list[dict[str, Any]] | None = None
+    rendezvous: list[dict[str, Any]] | None = None
     """Every trainer rank sends (`WeightSync(..., senders="all")`): each rank's rendezvous,
     `{"address": ..., "port": ...}`, in trainer-rank order, the first being
     `master_address:master_port`. Each worker then joins one group per trainer rank (the
@@ -67,42 +66,42 @@ class HalInitInfo(WeightTransferInitInfo):
     all of them at once (`hal.sync.ShardedReceiver`). None: trainer rank 0 alone sends,
     over the group at `master_address:master_port`. Only with `transport="broadcast"`."""
     auth: str | None = None
-    """The trainer's proof that it knows the engine's token (`hal.sync.header.init_proof`
-    over every other field, `proven()`, `senders` included); None from a trainer without one."""
+    """The trainer's proof that it knows the engine's token (`hal.sync.auth.init_proof`
+    over every other field, `proven()`, `rendezvous` included); None from a trainer without one."""
 
     def proven(self) -> dict[str, Any]:
-        """The fields `auth` proves (`hal.sync.header.init_proof`): all but the proof itself."""
+        """The fields `auth` proves (`hal.sync.auth.init_proof`): all but the proof itself."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "auth"}
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"HalInitInfo.transport must be one of {sorted(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport not in ENGINE_TRANSPORTS:
+            raise ValueError(f"HalInitInfo.transport must be one of {sorted(ENGINE_TRANSPORTS)}, got {self.transport!r}")
         if not 1 <= self.rank_offset < self.world_size:
             raise ValueError(f"HalInitInfo.rank_offset {self.rank_offset} outside 1..{self.world_size - 1} (world_size)")
         dtype_from_name(self.wire_dtype)
-        if self.senders is not None:
-            self.senders = check_senders(self.senders, self.master_address, self.master_port, self.transport)
+        if self.rendezvous is not None:
+            self.rendezvous = check_rendezvous(self.rendezvous, self.master_address, self.master_port, self.transport)
 
     def endpoints(self) -> list[tuple[str, int]]:
         """(address, port) of every sending trainer rank's group, in trainer-rank order."""
-        if self.senders is None:
+        if self.rendezvous is None:
             return [(self.master_address, self.master_port)]
-        return [(s["address"], s["port"]) for s in self.senders]
+        return [(s["address"], s["port"]) for s in self.rendezvous]
 
 
-def check_senders(senders: Any, master_address: str, master_port: int, transport: str) -> list[dict[str, Any]]:
-    """`HalInitInfo.senders` as a list of `{"address": str, "port": int}`; ValueError naming
+def check_rendezvous(rendezvous: Any, master_address: str, master_port: int, transport: str) -> list[dict[str, Any]]:
+    """`HalInitInfo.rendezvous` as a list of `{"address": str, "port": int}`; ValueError naming
     the field (and the entry) otherwise."""
-    if not isinstance(senders, (list, tuple)) or not senders:
-        raise ValueError(f"HalInitInfo.senders must be a non-empty list of {{'address', 'port'}}, got {senders!r}"[:300])
+    if not isinstance(rendezvous, (list, tuple)) or not rendezvous:
+        raise ValueError(f"HalInitInfo.rendezvous must be a non-empty list of {{'address', 'port'}}, got {rendezvous!r}"[:300])
     if transport != "broadcast":
         raise ValueError(
-            f"HalInitInfo.senders: several sending trainer ranks need transport 'broadcast', got {transport!r}"
+            f"HalInitInfo.rendezvous: several sending trainer ranks need transport 'broadcast', got {transport!r}"
         )
     out: list[dict[str, Any]] = []
     seen: set[tuple[str, int]] = set()
-    for i, entry in enumerate(senders):
-        where = f"HalInitInfo.senders[{i}]"
+    for i, entry in enumerate(rendezvous):
+        where = f"HalInitInfo.rendezvous[{i}]"
         if not isinstance(entry, dict) or set(entry) != {"address", "port"}:
             raise ValueError(f"{where} must be {{'address': str, 'port': int}}, got {entry!r}"[:300])
         address, port = entry["address"], entry["port"]
@@ -116,7 +115,7 @@ def check_senders(senders: Any, master_address: str, master_port: int, transport
         out.append({"address": address, "port": port})
     if (out[0]["address"], out[0]["port"]) != (master_address, master_port):
         raise ValueError(
-            f"HalInitInfo.senders[0] is {out[0]['address']}:{out[0]['port']}, but master_address:master_port is "
+            f"HalInitInfo.rendezvous[0] is {out[0]['address']}:{out[0]['port']}, but master_address:master_port is "
             f"{master_address}:{master_port}: trainer rank 0's rendezvous is both"
         )
     return out

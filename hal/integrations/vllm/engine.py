@@ -1,7 +1,7 @@
 """A vLLM weight-transfer engine backed by hal: `WeightTransferConfig(backend="hal")`.
 
     llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="hal"))
-    sync = hal.integrations.vllm_client.WeightSync([OfflineEngine(llm)])
+    sync = hal.integrations.vllm.client.WeightSync([OfflineEngine(llm)])
     sync.init(); sync.sync(trainer_model, version=step)
 
 vLLM loads `register()` in every process through the `vllm.general_plugins` entry point
@@ -17,7 +17,7 @@ the device group, which vllm-ascend's `NPUPlatform` cannot build (docs/ascend.md
 engine waits for device work through `hal.current().synchronize()` rather than
 `torch.accelerator.synchronize()` (which raises on a machine without an accelerator).
 What the trainer sends, `HalInitInfo` and `HalUpdateInfo`, lives in
-hal.integrations.vllm_info and is importable from here.
+hal.integrations.vllm.info and is importable from here.
 
 vLLM 0.29-0.31 have no way to shut a weight-transfer engine down (0.32 added it): there, a
 trainer that connects again initialises the engine again, which leaves the earlier
@@ -39,7 +39,7 @@ The engine is a hal `Sink`: the receiver hands it complete tensors per bucket an
 holds its old or its new weights. It reports `version` and `consistent` (see
 `HalWorkerExtension.hal_state`). Engines started with `VERL_HAL_SYNC_TOKEN` accept a
 trainer only if it proves the same token, at init and in every sync (docs/security.md).
-Every private vLLM name used here goes through `hal.integrations.vllm_internals`.
+Every private vLLM name used here goes through `hal.integrations.vllm.internals`.
 """
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 import hal
 from hal import env
-from hal.integrations import vllm_internals
-from hal.integrations._reload import CarryArena, kernel_layout, layout_changes
-from hal.integrations.vllm_info import TRANSPORTS, HalInitInfo, HalUpdateInfo, dtype_from_name, dtype_name  # noqa: F401 - re-exported
-from hal.sync import Receiver, ShardedReceiver, SinkPolicy, SpecMismatchError, SyncMetrics, TensorSpec
+from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm._reload import CarryArena, kernel_changes, kernel_tensors
+from hal.integrations.vllm.info import ENGINE_TRANSPORTS, HalInitInfo, HalUpdateInfo, dtype_from_name, dtype_name  # noqa: F401 - re-exported
+from hal.sync import SinkPolicy, SpecMismatchError, SyncMetrics, SyncReceiver, TensorSpec
+from hal.sync.endpoints import ALL, ONE, make_receiver, open_transport
 from hal.sync.auth import check_init_proof
 from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
 
@@ -91,11 +92,11 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         self._token = env.sync_token()
         self._group: Any = None  # the group of trainer rank 0 (the only one unless every trainer rank sends)
         self._groups: list[Any] = []  # one per sending trainer rank, in trainer-rank order
-        self._receiver: Receiver | ShardedReceiver | None = None
+        self._receiver: SyncReceiver | None = None
         self._layer_of: dict[str, frozenset[str]] = {}
         self._seen: set[str] = set()
         self._carry: CarryArena | None = None
-        self._layout = kernel_layout(model)  # what each reload copies processed tensors back into
+        self._kernels = kernel_tensors(model)  # what each reload copies processed tensors back into
         self._reloading = False
         self.last_metrics: SyncMetrics | None = None
         self.refreshed_tied: list[str] = []
@@ -108,7 +109,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         return pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
 
     def init_transfer_engine(self, init_info: HalInitInfo) -> None:
-        from hal.integrations._specs import checkpoint_specs, layer_groups, resolve_model_dir
+        from hal.integrations.vllm._specs import checkpoint_specs, layer_groups, resolve_model_dir
 
         replace = self._group is not None and not vllm_internals.engines_can_be_shut_down()
         if self._group is not None and not replace:
@@ -150,23 +151,34 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             raise
         self._groups, self._group = groups, groups[0]
         control = backend.control_device()
-        transports = [TRANSPORTS[init_info.transport](group, src=0, control_device=control) for group in groups]
+        transports = [open_transport(init_info.transport, group, control_device=control) for group in groups]
         self._layer_of = layer_groups([s.name for s in specs])
-        if init_info.senders is None:
-            self._receiver = Receiver(transports[0], specs, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate)
-        else:  # every trainer rank sends its rows; whole tensors reach this engine (hal.sync.sharded)
-            self._receiver = ShardedReceiver(
-                transports, specs, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate
-            )
+        try:
+            accepted = self.accepted_specs(init_info, specs)
+        except BaseException:
+            self.shutdown()  # leave no half-initialised group behind
+            raise
+        # every trainer rank sends its rows when the trainer lists their rendezvous: whole
+        # tensors reach this engine either way (hal.sync.sharded)
+        sending = ONE if init_info.rendezvous is None else ALL
+        self._receiver = make_receiver(
+            sending, transports, accepted, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate
+        )
         self._carry = CarryArena(cap_bytes=max(64 << 20, sum(s.nbytes for s in specs) // 4))
+
+    def accepted_specs(self, init_info: HalInitInfo, checkpoint: list[TensorSpec]) -> list[TensorSpec]:
+        """The tensors this engine's receiver accepts, from the checkpoint's (called once the
+        groups are joined, so that a refusal reaches the trainer at once; raising fails the
+        init). This engine: the checkpoint's own; "hal-lora" adds its adapter's."""
+        return checkpoint
 
     def validate(self, specs: list[TensorSpec]) -> None:
         """Refuse, before anything is applied, a sync that carries part of a layer:
         vLLM's layerwise reload processes a fused layer from all of its checkpoint
         tensors, and one that got only some would be processed with the rest uninitialised.
         Refuse one too when a parameter's kernel layout changed since the engine started
-        (`kernel_layout`): the reload would copy freshly processed tensors into it."""
-        moved = layout_changes(self._layout)
+        (`kernel_tensors`): the reload would copy freshly processed tensors into it."""
+        moved = kernel_changes(self._kernels)
         if moved:
             raise SpecMismatchError(
                 f"{moved[0]}{f' (+{len(moved) - 1} more)' if len(moved) > 1 else ''}: the engine's weights were laid out "
@@ -263,21 +275,29 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         return {
             "version": None if receiver is None else receiver.version,
             "consistent": self.consistent,
-            # a ShardedReceiver never lands in place: nothing of it can be torn
-            "torn": list(getattr(receiver, "torn", ())),
+            "torn": [] if receiver is None else list(receiver.torn),
         }
 
     @property
-    def senders(self) -> int:
+    def sender_count(self) -> int:
         """How many trainer ranks send to this worker (0 before init)."""
         return len(self._groups)
+
+    @property
+    def trainer_groups(self) -> list[Any]:
+        """The groups joined with the trainer, one per sending trainer rank in trainer-rank order."""
+        return list(self._groups)
+
+    @property
+    def connected(self) -> bool:
+        """Whether a trainer's groups are joined (`init_transfer_engine` completed)."""
+        return self._receiver is not None
 
     def shutdown(self) -> None:
         groups, receiver = self._groups, self._receiver
         self._group, self._groups, self._receiver = None, [], None
         if receiver is not None:
-            for part in getattr(receiver, "parts", (receiver,)):
-                part.transport.close()
+            receiver.close()
         _destroy_groups(groups)
 
 
@@ -327,7 +347,7 @@ class HalWorkerExtension:
         """The hal engine a trainer is connected to: vLLM's native one (`backend="hal"`)
         when it is initialised, else this extension's own."""
         native = getattr(self, "weight_transfer_engine", None)
-        if isinstance(native, HalWeightTransferEngine) and native._receiver is not None:
+        if isinstance(native, HalWeightTransferEngine) and native.connected:
             return native
         return self._hal_engine()
 
@@ -353,12 +373,12 @@ def register() -> None:
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    register_engine(WeightTransferEngineFactory, BACKEND_NAME, "hal.integrations.vllm", "HalWeightTransferEngine")
+    register_engine(WeightTransferEngineFactory, BACKEND_NAME, "hal.integrations.vllm.engine", "HalWeightTransferEngine")
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     except ImportError:  # vLLM without trainer-side engines
         return
-    register_engine(WeightTransferTrainerFactory, BACKEND_NAME, "hal.integrations.vllm_client", "HalTrainerWeightTransferEngine")
+    register_engine(WeightTransferTrainerFactory, BACKEND_NAME, "hal.integrations.vllm.client", "HalTrainerWeightTransferEngine")
 
 
 def register_engine(factory: Any, name: str, module: str, cls_name: str) -> None:
@@ -374,7 +394,7 @@ def register_engine(factory: Any, name: str, module: str, cls_name: str) -> None
 
 # Importing this module registers "hal" in both factories, as importing vLLM's factory
 # module registers its own engines: a trainer that talks to `vllm serve` over HTTP never
-# runs vLLM's general plugins, and `from hal.integrations.vllm_client import
+# runs vLLM's general plugins, and `from hal.integrations.vllm.client import
 # HalTrainerInitInfo` (which imports this module) must be enough for
 # `WeightTransferTrainerFactory.trainer_init`. Idempotent.
 register()

@@ -1,7 +1,7 @@
 """Every vLLM name verl-hal relies on, with how hal calls it: `VLLM_NEEDS`.
 
-Private names (used through the fence, hal.integrations.vllm_internals) and public ones
-(imported by hal.integrations.vllm, vllm_engines, vllm_trainer_engine, vllm_lora*).
+Private names (used through the fence, hal.integrations.vllm.internals) and public ones
+(imported by hal.integrations.vllm.engine, .engines, .trainer_engine, .lora*).
 tests/hosts/ checks the table against the sources of the installed vLLM (in every
 release's environment of `make test-vllm-versions` too) and of the wheels of other
 releases (never importing them), and that it covers every vLLM name the fence uses
@@ -14,12 +14,12 @@ from the fence, so the table and the code cannot name different things. Imports 
 from __future__ import annotations
 
 from hal.host_needs import Call, Need
-from hal.integrations.vllm_internals import (
-    _DERIVED_ATTR,
-    _EMBEDDING_METHOD,
-    _LAYERWISE_LOGGER,
-    _LORA_VALIDATORS,
-    _QUANT_METHOD_ATTR,
+from hal.integrations.vllm.internals import (
+    DERIVED_ATTR,
+    EMBEDDING_METHOD,
+    LAYERWISE_LOGGER,
+    LORA_VALIDATORS,
+    QUANT_METHOD_ATTR,
     SHUTDOWN_SINCE,
 )
 
@@ -27,7 +27,7 @@ _WT = "vllm.distributed.weight_transfer"
 VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm:__version__", why="vllm_version"),
     # weight-transfer API (public): the engine hal implements, the factories it registers in
-    Need(target=f"{_WT}.base:WeightTransferEngine", call=Call(4), implemented_by="hal.integrations.vllm:HalWeightTransferEngine",
+    Need(target=f"{_WT}.base:WeightTransferEngine", call=Call(4), implemented_by="hal.integrations.vllm.engine:HalWeightTransferEngine",
          why="HalWeightTransferEngine(config, vllm_config, device, model) completes vLLM's engine"),
     Need(target=f"{_WT}.base:WeightTransferEngine.parallel_config", why="HalWeightTransferEngine.group_rank"),
     Need(target=f"{_WT}.base:WeightTransferEngine.model_config", why="HalWeightTransferEngine.init_transfer_engine"),
@@ -37,9 +37,9 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target=f"{_WT}.base:WeightTransferEngine.parse_init_info", call=Call(1), why="HalWorkerExtension.hal_init"),
     Need(target=f"{_WT}.base:WeightTransferInitInfo", why="HalInitInfo"),
     Need(target=f"{_WT}.base:WeightTransferUpdateInfo", why="HalUpdateInfo"),
-    Need(target=f"{_WT}.base:TrainerInitInfo", why="HalTrainerInitInfo (hal.integrations.vllm_trainer_engine)"),
+    Need(target=f"{_WT}.base:TrainerInitInfo", why="HalTrainerInitInfo (hal.integrations.vllm.trainer_engine)"),
     Need(target=f"{_WT}.base:TrainerWeightTransferEngine", call=Call(0, "client", "source", "is_sender"),
-         implemented_by="hal.integrations.vllm_trainer_engine:HalTrainerWeightTransferEngine", why="HalTrainerWeightTransferEngine"),
+         implemented_by="hal.integrations.vllm.trainer_engine:HalTrainerWeightTransferEngine", why="HalTrainerWeightTransferEngine"),
     Need(target=f"{_WT}.factory:WeightTransferEngineFactory.register_engine", call=Call(3), why="register_engine"),
     Need(target=f"{_WT}.factory:WeightTransferEngineFactory._registry", why="registered, registered_class"),
     Need(target=f"{_WT}.factory:WeightTransferTrainerFactory.register_engine", call=Call(3), why="register (trainer side)"),
@@ -48,8 +48,8 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm.config.parallel:ParallelConfig.data_parallel_index", why="HalWeightTransferEngine.group_rank"),
     Need(target="vllm.config.parallel:ParallelConfig.world_size", why="HalWeightTransferEngine.group_rank, OfflineEngine"),
     Need(target="vllm.config.parallel:ParallelConfig.rank", why="HalWeightTransferEngine.group_rank"),
-    Need(target="vllm.lora.request:LoRARequest", why="hal.integrations.vllm_lora"),
-    # vLLM's trainer-side clients, which WeightSync drives (hal.integrations.vllm_engines.ClientEngine)
+    Need(target="vllm.lora.request:LoRARequest", why="hal.integrations.vllm.lora"),
+    # vLLM's trainer-side clients, which WeightSync drives (hal.integrations.vllm.engines.ClientEngine)
     Need(target=f"{_WT}.base:VLLMWeightSyncClient", why="ClientEngine, as_engine (the clients' protocol)"),
     *(Need(target=f"{_WT}.base:VLLMWeightSyncClient.{method}", call=Call(n), why="ClientEngine") for method, n in (
         ("init_weight_transfer_engine", 1), ("start_weight_update", 0), ("update_weights", 1), ("finish_weight_update", 1))),
@@ -68,7 +68,7 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm:LLM.collective_rpc", call=Call(1, "kwargs"), why="ExtensionEngine"),
     # the routes of `vllm serve` hal posts to itself (vLLM's HTTP client posts the four phases);
     # 0.32 moved them from the development router to the RL one
-    *(Need(target=router, text=f"/{route}", why="ServerRoutes (hal.integrations.vllm_engines)", **releases)
+    *(Need(target=router, text=f"/{route}", why="ServerRoutes (hal.integrations.vllm.engines)", **releases)
       for route in ("update_weight_version", "weight_info")
       for router, releases in (("vllm.entrypoints.serve.dev.rlhf.api_router", {"before": (0, 32)}),
                                ("vllm.entrypoints.rl.online.api_router", {"since": (0, 32)}))),
@@ -76,18 +76,18 @@ VLLM_NEEDS: tuple[Need, ...] = (
     # private, through the functions of this module
     Need(target="vllm.model_executor.model_loader.reload:initialize_layerwise_reload", call=Call(1), why="initialize_layerwise_reload"),
     Need(target="vllm.model_executor.model_loader.reload:finalize_layerwise_reload", call=Call(2), why="finalize_layerwise_reload"),
-    Need(target=_LAYERWISE_LOGGER, text="%s: Failed to load weights",
-         why="_ComputedBufferWarningFilter (the logger _LAYERWISE_LOGGER and its message)"),
+    Need(target=LAYERWISE_LOGGER, text="%s: Failed to load weights",
+         why="_ComputedBufferWarningFilter (the logger LAYERWISE_LOGGER and its message)"),
     Need(target="vllm.model_executor.layers.rotary_embedding:RotaryEmbedding", why="_ComputedBufferWarningFilter (layer names)"),
-    Need(target=f"{_EMBEDDING_METHOD[0]}:ParallelLMHead", why="_ComputedBufferWarningFilter (layer names)"),
+    Need(target=f"{EMBEDDING_METHOD[0]}:ParallelLMHead", why="_ComputedBufferWarningFilter (layer names)"),
     Need(target="vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check", call=Call(0), optional=True,
          why="no_mtp_completeness_check"),
-    Need(target=":".join(_EMBEDDING_METHOD) + ".process_weights_after_loading",
-         call=Call(1), why="refresh_tied_weights (_EMBEDDING_METHOD, _reprocess)"),
-    Need(target=f"{_EMBEDDING_METHOD[0]}:VocabParallelEmbedding.{_QUANT_METHOD_ATTR}",
-         why="refresh_tied_weights (_QUANT_METHOD_ATTR)"),
-    Need(target="vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", sets=_DERIVED_ATTR,
-         why="refresh_tied_weights (_DERIVED_ATTR, set there)"),
+    Need(target=":".join(EMBEDDING_METHOD) + ".process_weights_after_loading",
+         call=Call(1), why="refresh_tied_weights (EMBEDDING_METHOD, _reprocess)"),
+    Need(target=f"{EMBEDDING_METHOD[0]}:VocabParallelEmbedding.{QUANT_METHOD_ATTR}",
+         why="refresh_tied_weights (QUANT_METHOD_ATTR)"),
+    Need(target="vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", sets=DERIVED_ATTR,
+         why="refresh_tied_weights (DERIVED_ATTR, set there)"),
     Need(target="vllm.entrypoints.llm:LLM.llm_engine", why="shutdown_llm, OfflineEngine"),
     Need(target="vllm.v1.engine.llm_engine:LLMEngine.engine_core", why="shutdown_llm"),
     Need(target="vllm.v1.engine.llm_engine:LLMEngine.vllm_config", why="OfflineEngine"),
@@ -110,7 +110,7 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm.lora.model_manager:LoRAModelManager.__init__", sets="lora_manager",
          why="lora_manager (the manager sets model.lora_manager)"),
     *(Need(target=f"vllm.lora.model_manager:LoRAModelManager.{check}", call=Call(1), optional=True, why="validate_lora_model")
-      for check in _LORA_VALIDATORS),
+      for check in LORA_VALIDATORS),
     Need(target="vllm.lora.peft_helper:PEFTHelper.from_dict", call=Call(1), why="peft_helper"),
     Need(target="vllm.lora.lora_model:LoRAModel.from_lora_tensors",
          call=Call(0, "lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size", "weights_mapper", "skip_prefixes"),

@@ -1,4 +1,4 @@
-"""The M-to-N plan from the trainer ranks' declarations (hal.sync.layout), from metadata alone."""
+"""The M-to-N plan from the trainer ranks' declarations (hal.sync.shard_plan), from metadata alone."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from hal.sync import SpecMismatchError
 from hal.sync.errors import HeaderError
-from hal.sync.layout import (
+from hal.sync.shard_plan import (
     SHARD0,
     WHOLE,
     Declared,
@@ -112,7 +112,7 @@ def _placements_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from hal.sync.layout import declare
+    from hal.sync.shard_plan import declare
 
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(24.0).reshape(6, 4)

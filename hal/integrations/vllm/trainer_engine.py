@@ -2,7 +2,7 @@
 
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from hal.integrations.vllm_client import HalTrainerInitInfo
+    from hal.integrations.vllm.client import HalTrainerInitInfo
 
     engine = WeightTransferTrainerFactory.trainer_init(
         HalTrainerInitInfo(rank=0, num_workers=1), client=HTTPVLLMWeightSyncClient(url), source=model)
@@ -10,7 +10,7 @@
 
 A `WeightSync` of one engine underneath: `client` is any vLLM `VLLMWeightSyncClient`
 (completed by `ClientEngine` with version read-back and the prefix-cache reset) or an
-`Engine` of hal.integrations.vllm_engines. Importing this module registers "hal" in vLLM's
+`Engine` of hal.integrations.vllm.engines. Importing this module registers "hal" in vLLM's
 trainer factory (through hal.integrations.vllm).
 """
 
@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from hal.integrations.vllm import BACKEND_NAME
-from hal.integrations.vllm_engines import as_engine
-from hal.integrations.vllm_weight_sync import SyncResult, WeightSync
+from hal.integrations.vllm.engine import BACKEND_NAME
+from hal.integrations.vllm.engines import as_engine
+from hal.integrations.vllm.weight_sync import SyncResult, WeightSync
 from hal.sync import SyncConfig
 
 
@@ -91,12 +91,16 @@ class _VllmSourceAdapter:
 
     @classmethod
     def wrap(cls, source: Any) -> Any:
+        """`source` as hal reads it: a vLLM `WeightSource` (metadata of vLLM's `ParamMeta`)
+        wrapped, anything else (a module, a hal source, pairs) as it is."""
         import torch
 
-        if isinstance(source, torch.nn.Module) or not hasattr(source, "metadata"):
+        from hal.sync import TensorSpec, WeightSource
+
+        if isinstance(source, torch.nn.Module) or not isinstance(source, WeightSource):
             return source
         meta = source.metadata()
-        if meta and not hasattr(meta[0], "nbytes"):  # vLLM ParamMeta, not hal TensorSpec
+        if meta and not isinstance(meta[0], TensorSpec):  # vLLM ParamMeta, not hal TensorSpec
             return cls(source)
         return source
 

@@ -3,12 +3,12 @@
 `HalLoraWeightTransferEngine`, a subclass of the "hal" engine: base tensors go through its
 layerwise reload; the adapter's tensors are built into a vLLM `LoRAModel` while the sync
 runs (checked as vLLM's own loader checks it), then published in peft's layout for vLLM's
-LoRA loader once every rank completed the sync. hal.integrations.vllm_lora says why.
+LoRA loader once every rank completed the sync. hal.integrations.vllm.lora says why.
 
-With `HalInitInfo.senders` (every trainer rank sends its rows: `LoraWeightSync(...,
-senders="all")`) the "hal" engine joins one group per trainer rank and this engine
-receives base and adapter with a `ShardedReceiver`: what it is handed are whole tensors,
-as from one sender, so the adapter checks and the publishing are the same.
+With `HalInitInfo.rendezvous` (every trainer rank sends its rows: `LoraWeightSync(...,
+senders="all")`) the "hal" engine joins one group per trainer rank and receives base and
+adapter from all of them (`hal.sync.make_receiver`): what this engine is handed are whole
+tensors, as from one sender, so the adapter checks and the publishing are the same.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from hal.integrations import vllm_internals
-from hal.integrations.vllm import HalInitInfo, HalUpdateInfo, HalWeightTransferEngine, dtype_from_name
-from hal.sync import Receiver, ShardedReceiver, SpecMismatchError, TensorSpec
+from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm.engine import HalInitInfo, HalUpdateInfo, HalWeightTransferEngine, dtype_from_name
+from hal.sync import SpecMismatchError, TensorSpec
 from hal.sync.lora import adapter_specs
 
 logger = logging.getLogger(__name__)
@@ -97,39 +97,30 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
         return manager
 
     def init_transfer_engine(self, init_info: HalLoraInitInfo) -> None:  # type: ignore[override]
-        # Join the trainer's group first: a refused adapter then fails the trainer's init
-        # with this worker's error at once, instead of leaving it waiting for the rendezvous.
+        # The base engine joins the trainer's group first, then asks `accepted_specs`: a
+        # refused adapter then fails the trainer's init with this worker's error at once,
+        # instead of leaving it waiting for the rendezvous.
         super().init_transfer_engine(init_info)
-        if self._receiver is None:
-            raise RuntimeError("hal-lora weight transfer: the base engine did not initialise its receiver")
-        base = list(self._receiver.specs.values())
-        dtype = dtype_from_name(init_info.wire_dtype) or self.model_config.dtype
-        try:
-            manager = self._lora_manager()
-            # rank <= max_lora_rank, no bias, no unsupported peft features
-            self._peft_helper(init_info.lora_config).validate_legal(self.vllm_config.lora_config)
-            lora = adapter_specs(
-                base, r=int(init_info.lora_config["r"]), target_modules=init_info.lora_config["target_modules"], dtype=dtype
-            )
-            self._check_supported(lora, manager)
-        except BaseException:
-            self.shutdown()  # leave no half-initialised group behind
-            raise
-        self._adapter_names = frozenset(s.name for s in lora)
-        if isinstance(self._receiver, ShardedReceiver):  # every trainer rank sends its rows (`HalInitInfo.senders`)
-            self._receiver = ShardedReceiver(
-                [part.transport for part in self._receiver.parts], base + lora,
-                timeout_s=init_info.timeout_s, token=self._token, validate=self.validate,
-            )
-        else:
-            self._receiver = Receiver(
-                self._receiver.transport, base + lora, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate
-            )
         self._lora_info = init_info
         logger.info(
-            "hal-lora weight transfer: adapter %r (id %d, r=%s) with %d tensors, %d base tensors, from %d trainer rank(s)",
-            init_info.lora_name, init_info.lora_int_id, init_info.lora_config["r"], len(lora), len(base), self.senders,
+            "hal-lora weight transfer: adapter %r (id %d, r=%s) with %d tensors, from %d trainer rank(s)",
+            init_info.lora_name, init_info.lora_int_id, init_info.lora_config["r"], len(self._adapter_names), self.sender_count,
         )
+
+    def accepted_specs(self, init_info: HalLoraInitInfo, checkpoint: list[TensorSpec]) -> list[TensorSpec]:  # type: ignore[override]
+        """The checkpoint's tensors and the adapter's, computed from the engine's own base
+        shapes and the adapter config (never from the trainer's model), once the adapter is
+        checked as vLLM's loader checks it."""
+        dtype = dtype_from_name(init_info.wire_dtype) or self.model_config.dtype
+        manager = self._lora_manager()
+        # rank <= max_lora_rank, no bias, no unsupported peft features
+        self._peft_helper(init_info.lora_config).validate_legal(self.vllm_config.lora_config)
+        lora = adapter_specs(
+            checkpoint, r=int(init_info.lora_config["r"]), target_modules=init_info.lora_config["target_modules"], dtype=dtype
+        )
+        self._check_supported(lora, manager)
+        self._adapter_names = frozenset(s.name for s in lora)
+        return checkpoint + lora
 
     def validate(self, specs: list[TensorSpec]) -> None:
         """As the base engine (whole layers), and refuse a sync carrying part of the adapter."""

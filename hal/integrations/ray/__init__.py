@@ -18,7 +18,7 @@
 
 Importing this module imports neither Ray nor any device library and starts nothing:
 every function imports Ray when it is called. What an actor asks for and placement live in
-hal.integrations.ray_placement, `ActorScope` in hal.integrations.ray_scope; this module
+hal.integrations.ray.placement, `ActorScope` in hal.integrations.ray.scope; this module
 starts Ray and re-exports both. Only `join_sync_group` and
 `destroy_sync_group` work without Ray (they are plain torch.distributed).
 
@@ -37,7 +37,7 @@ import sys
 from typing import Any
 
 from hal.integrations._shared import import_ray
-from hal.integrations.ray_placement import (
+from hal.integrations.ray.placement import (
     COLOCATED_STRATEGY,
     RAY_NOSET_PREFIX,
     SEPARATE_STRATEGY,
@@ -48,7 +48,7 @@ from hal.integrations.ray_placement import (
     bundle_resources,
     placement_group_for,
 )
-from hal.integrations.ray_scope import ActorScope
+from hal.integrations.ray.scope import ActorScope
 
 # the sync group (hal.sync.group, no Ray needed), re-exported here for the Ray-minded reader
 from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group

