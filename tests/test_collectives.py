@@ -163,3 +163,29 @@ def test_a_failed_rendezvous_is_made_again_once_and_nothing_else_is(tmp_path, al
     other = run_group(fails_first, 2, args=(str(tmp_path / "b"), "a real failure"), init_process_group=False, allow_failure=True)
     assert isinstance(other[0], RankError) and "a real failure" in other[0]
     assert (tmp_path / "b").read_text() == "1"
+
+
+def test_a_group_whose_rendezvous_port_was_taken_is_made_again_on_a_fresh_port():
+    """tests.multiproc.run_group retries once when rank 0 could not listen on the port it
+    was given (another process took it between free_port and the listen)."""
+    import socket
+
+    import tests.multiproc as multiproc
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = multiproc.free_port
+    multiproc.free_port = lambda: next(ports, None) or real()
+    try:
+        assert multiproc.run_group(_rank_of, 2, timeout=120) == [0, 1]
+    finally:
+        multiproc.free_port = real
+        taken.close()
+
+
+def _rank_of(rank, world):
+    import torch.distributed as dist
+
+    return dist.get_rank()

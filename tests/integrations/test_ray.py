@@ -450,12 +450,14 @@ def test_scope_tears_down_a_busy_actor(ray_instance):
         def spin(self) -> None:
             time.sleep(600)
 
-    started = time.monotonic()
     with hal_ray.ActorScope(timeout_s=20) as scope:
         busy = scope.add(ray.remote(Busy).options(num_cpus=0.5).remote())
         pid = ray.get(busy.pid.remote(), timeout=60)
         busy.spin.remote()
-    assert time.monotonic() - started < 30
+        leaving = time.monotonic()
+    # the scope does not wait out the 600 s call (34 s seen for the 20 s scope on a loaded
+    # 2-core machine, so the bound is far from both)
+    assert time.monotonic() - leaving < 150
     with pytest.raises(ray.exceptions.ActorDiedError):
         ray.get(busy.__ray_ready__.remote(), timeout=10)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
