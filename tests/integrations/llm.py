@@ -40,3 +40,11 @@ def in_process_llm(model_dir: str | Path, *, backend: str = "hal", **overrides: 
             with contextlib.suppress(Exception):
                 vllm_internals.shutdown_llm(llm)
         env.undo()
+
+
+def weight_version(llm: Any) -> str:
+    """The weight version `llm` serves: vLLM's own from 0.27 on, before it the one hal's
+    syncs established (hal.integrations.vllm_engines.weight_version)."""
+    from hal.integrations.vllm_engines import weight_version as read
+
+    return read(llm)

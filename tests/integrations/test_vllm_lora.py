@@ -30,7 +30,7 @@ from hal.tools.demo import trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, SyncConfig, TensorSource  # noqa: E402
 from hal.sync.lora import adapter_config, adapter_tensors, base_tensors  # noqa: E402
-from tests.integrations.llm import in_process_llm  # noqa: E402
+from tests.integrations.llm import in_process_llm, weight_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 
@@ -204,7 +204,7 @@ def test_steady_state_sends_only_adapter_bytes_and_engine_follows(engine):
         served = now
     # the base was not touched by adapter-only syncs
     assert engine_greedy(llm, PROMPTS) == base_served == base_greedy(model)
-    assert llm.get_weight_version() == str(version + 2)
+    assert weight_version(llm) == str(version + 2)
     assert llm.collective_rpc("hal_lora_loaded_adapter_ids") == [[sync.lora_int_id]]
     assert llm.collective_rpc("hal_lora_adapter_version") == [version + 2]
 
@@ -262,7 +262,7 @@ def test_partial_or_misshapen_adapter_is_refused_and_old_adapter_kept(engine):
     wrong_rank = [(n, torch.zeros(R // 2, t.shape[1]) if n == bad else t) for n, t in pairs]
     with pytest.raises(SpecMismatchError, match=rf"{bad}.*expected shape \({R}, 128\), got \({R // 2}, 128\)"):
         sync.weight_sync.sync(TensorSource(wrong_rank), version=version + 1)
-    assert llm.get_weight_version() == str(version)
+    assert weight_version(llm) == str(version)
     assert engine_greedy(llm, PROMPTS, sync.lora_request()) == serving
     # the group survives refused syncs
     train_adapter(model, 505)

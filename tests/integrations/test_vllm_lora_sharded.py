@@ -56,12 +56,13 @@ def served(llm: Any, adapter_dir: str) -> Iterator[tuple[str, int]]:
     from hal.integrations.vllm_client import OfflineEngine
     from hal.integrations.vllm_lora import lora_request
     from tests.integrations.test_vllm_lora import PROMPTS, engine_greedy, lose_engine_weights
+    from tests.integrations.llm import weight_version
     from tests.integrations.test_vllm_sharded import ENGINE_CALLS, serve_calls
 
     engine = OfflineEngine(llm, name=NAME)
     calls = {name: getattr(engine, name) for name in ENGINE_CALLS}
     calls["check"] = lambda: {
-        "version": llm.get_weight_version(),
+        "version": weight_version(llm),
         "adapter_version": llm.collective_rpc("hal_lora_adapter_version"),
         "lora": engine_greedy(llm, PROMPTS, lora_request(adapter_dir)),
         "base": engine_greedy(llm, PROMPTS),

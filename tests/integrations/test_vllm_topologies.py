@@ -42,6 +42,7 @@ from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.integrations import vllm_internals  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SyncConfig  # noqa: E402
+from tests.integrations.llm import weight_version  # noqa: E402
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
@@ -170,13 +171,13 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
 
 def engine_version(llm: Any) -> int:
     """The engine's weight version as an int, 0 before the first sync."""
-    version = llm.get_weight_version()
+    version = weight_version(llm)
     return int(version) if version.isdigit() else 0
 
 
 def assert_synced(llm: Any, version: int, workers: int, want: list[list[int]], name: str) -> list[list[int]]:
     """`llm` serves `version` on every worker and its greedy output is `want`."""
-    assert llm.get_weight_version() == str(version), f"engine {name}"
+    assert weight_version(llm) == str(version), f"engine {name}"
     states = llm.collective_rpc("hal_state")
     assert states == [{"version": version, "consistent": True, "torn": []}] * workers, f"engine {name}: workers report {states}"
     got = engine_greedy(llm, PROMPTS, MAX_TOKENS)
