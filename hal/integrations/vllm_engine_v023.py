@@ -54,6 +54,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from hal.integrations import vllm_internals
 from hal.integrations._reload import layout_changes
 from hal.integrations.vllm import HalUpdateInfo, HalWeightTransferEngine
+from hal.integrations.vllm_lora_engine import HalLoraWeightTransferEngine
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -120,6 +121,10 @@ class WorkerOwnedUpdates:
 class HalWeightTransferEngineV023(WorkerOwnedUpdates, HalWeightTransferEngine):
     """`backend="hal"` on vLLM 0.23-0.24 (and vllm-ascend 0.23.0.post1): hal's engine with the
     worker owning each update (`WorkerOwnedUpdates`)."""
+
+
+class HalLoraWeightTransferEngineV023(WorkerOwnedUpdates, HalLoraWeightTransferEngine):
+    """`backend="hal-lora"` on vLLM 0.23-0.24: hal's LoRA engine with the worker owning each update."""
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

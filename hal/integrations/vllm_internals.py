@@ -450,11 +450,19 @@ def reload_weights(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> 
 
 
 # ---- LoRA manager internals -----------------------------------------------------------------
+# The first release whose engine keeps the model it was built for apart from the one an
+# update targets (`_default_model`); before it (0.25) that is `engine.model` (hal's engine
+# for 0.23-0.24 sets `_default_model` itself).
+DEFAULT_MODEL_SINCE = (0, 26)
+
+
 def lora_manager(engine: Any) -> Any:
     """The LoRA manager of a weight-transfer engine's default model (`engine._default_model`,
-    set by vLLM's `WeightTransferEngine.__init__`), or None without LoRA."""
-    require_supported_vllm()
-    return getattr(getattr(engine, "_default_model", None), "lora_manager", None)
+    set by vLLM's `WeightTransferEngine.__init__`; `engine.model` in vLLM 0.25), or None
+    without LoRA."""
+    release = _release()
+    model = engine.model if ENGINE_OWNS_UPDATES_SINCE <= release < DEFAULT_MODEL_SINCE else getattr(engine, "_default_model", None)
+    return getattr(model, "lora_manager", None)
 
 
 def lora_target_modules(manager: Any) -> set[str]:
@@ -522,6 +530,22 @@ def _lora_weights_mapper(mapper: Any) -> Any:
     if release >= UNSTACKED_MAPPER_SINCE:
         return mapper.get_unstacked_mapper()
     return mapper
+
+
+# The first release whose worker drops every loaded adapter when a weight update finishes
+# (`reset_lora_state`); before it hal's LoRA engine forgets the adapter it replaced itself.
+RESETS_LORA_SINCE = (0, 28)
+
+
+def weight_update_resets_lora() -> bool:
+    return _release() >= RESETS_LORA_SINCE
+
+
+def forget_lora_adapter(manager: Any, lora_id: int) -> None:
+    """Drop adapter `lora_id` from the LoRA manager (`remove_adapter`, as vLLM's
+    `reset_lora_state` does for all of them from 0.28 on): the next request naming it loads
+    it again from its path."""
+    manager.remove_adapter(lora_id)
 
 
 def loaded_lora_ids(manager: Any) -> list[int]:

@@ -70,6 +70,7 @@ Nothing here is specific to a device: the group and synchronisation come from
 
 from __future__ import annotations
 
+from hal.integrations import vllm_internals
 from hal.integrations.vllm import register_engine
 from hal.integrations.vllm_lora_engine import (
     ADAPTER_CONFIG,
@@ -125,7 +126,14 @@ def register() -> None:
     """Make `backend="hal-lora"` known to vLLM's engine factory (idempotent; any process)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    register_engine(WeightTransferEngineFactory, BACKEND_NAME, "hal.integrations.vllm_lora", "HalLoraWeightTransferEngine")
+    register_engine(WeightTransferEngineFactory, BACKEND_NAME, *LORA_ENGINE_CLASS[vllm_internals.engine_owns_updates()])
+
+
+# The engine class for "hal-lora", by API generation (as hal.integrations.vllm.ENGINE_CLASS).
+LORA_ENGINE_CLASS = {
+    True: ("hal.integrations.vllm_lora", "HalLoraWeightTransferEngine"),
+    False: ("hal.integrations.vllm_engine_v023", "HalLoraWeightTransferEngineV023"),
+}
 
 
 # Importing this module is how a worker learns the backend when the engine names

@@ -174,6 +174,10 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
             # Only after every rank completed the sync: a refused sync leaves the served adapter as it was.
             self._publish(tensors)
             self.adapter_version = self.version
+            if not vllm_internals.weight_update_resets_lora():
+                # vLLM before 0.28 keeps a loaded adapter across weight updates: drop the old one,
+                # so that the next request naming it loads what was just published
+                vllm_internals.forget_lora_adapter(self._lora_manager(), self._lora_info.lora_int_id)
 
     def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         base = []
