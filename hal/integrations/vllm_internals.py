@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import typing
 from typing import Any, Iterator
 
 import torch
@@ -139,14 +140,26 @@ def engines_can_be_shut_down() -> bool:
 
 
 class _NoClient:
-    """Stands for vLLM's trainer-side client classes where a release has none: nothing is one."""
+    """Stands for vLLM's HTTP and Ray client classes where a release has none: nothing is one."""
+
+
+@typing.runtime_checkable
+class _WeightSyncClient(typing.Protocol):
+    """vLLM's `VLLMWeightSyncClient` protocol (the four update methods) where a release has
+    none: a client of one's own still counts as one."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
 def weight_sync_clients() -> tuple[type, type, type]:
     """vLLM's `VLLMWeightSyncClient`, `HTTPVLLMWeightSyncClient` and `RayVLLMWeightSyncClient`
-    (0.26 on), or a class nothing is an instance of in their place (`CLIENTS_SINCE`)."""
+    (0.26 on); before it (`CLIENTS_SINCE`) the same protocol as hal's own, and a class nothing
+    is an instance of for the other two."""
     if not has_weight_sync_clients():
-        return _NoClient, _NoClient, _NoClient
+        return _WeightSyncClient, _NoClient, _NoClient
     from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
 

