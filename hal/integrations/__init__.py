@@ -8,6 +8,9 @@ of them, and no engine):
   Imports vLLM's weight-transfer base classes at import time (it subclasses them).
   vLLM calls its `register()` in every process through the `vllm.general_plugins` entry
   point `hal_weight_transfer` that pyproject.toml declares; importing it registers nothing.
+- `hal.integrations.vllm_engine_v023`: the same engine (and hal-lora's) for vLLM
+  0.23-0.24's API, where the worker owns each update (vllm-ascend 0.23.0.post1's too);
+  `register()` picks it there. Imports vLLM's base classes, like `vllm`.
 - `hal.integrations.vllm_lora`: the LoRA engine `backend="hal-lora"`. Importing it
   registers the backend (also declared as the entry point `hal_lora_weight_transfer`).
 - `hal.integrations.vllm_client`: the trainer side (`WeightSync`), driving vLLM's own
@@ -20,6 +23,8 @@ of them, and no engine):
   (verl_platform, verl_checkpoint with verl_settings, verl_weights and verl_topology: the
   sync groups of one update, one per sending trainer rank with `senders: all`). Imports verl.
 - `hal.integrations.vllm_internals`: every private vLLM name verl-hal uses, behind a
-  version check; `vllm_needs` lists them with how hal calls them and in which releases
-  (tests/hosts/ reads them against real vLLM sources). Imports vLLM only inside its functions.
+  version check; `vllm_needs` lists them with how hal calls them and in which releases,
+  `vllm_needs_v023` what the engine of 0.23-0.24 and vllm-ascend 0.23's worker add
+  (tests/hosts/ reads them against real vLLM and vllm-ascend sources). Imports vLLM only
+  inside its functions.
 """

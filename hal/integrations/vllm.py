@@ -19,7 +19,12 @@ engine waits for device work through `hal.current().synchronize()` rather than
 What the trainer sends, `HalInitInfo` and `HalUpdateInfo`, lives in
 hal.integrations.vllm_info and is importable from here.
 
-vLLM 0.29-0.31 have no way to shut a weight-transfer engine down (0.32 added it): there, a
+This is the engine of vLLM 0.25 on, which owns an update's lifecycle; on vLLM 0.23-0.24
+(and vllm-ascend 0.23.0.post1) the worker owns it, and `register()` registers
+hal.integrations.vllm_engine_v023's `HalWeightTransferEngineV023`, this engine behind the
+worker's seams.
+
+vLLM 0.23-0.31 have no way to shut a weight-transfer engine down (0.32 added it): there, a
 trainer that connects again initialises the engine again, which leaves the earlier
 trainer's group (`vllm_internals.engines_can_be_shut_down`); from 0.32 on a second
 connection is refused until the first is shut down.

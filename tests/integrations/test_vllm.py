@@ -57,6 +57,18 @@ def assert_engine_matches(llm, model, prompts=PROMPTS) -> list[list[int]]:
     return got
 
 
+def engine_kernels(llm) -> dict[str, torch.Tensor]:
+    """Copies of every tensor the engine's model computes with (vLLM's layout: fused, repacked);
+    the worker runs in this process (single-process mode), so a function reaches it."""
+
+    def copies(worker) -> dict[str, torch.Tensor]:
+        model = getattr(worker, "worker", worker).model_runner.model
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    (kernels,) = llm.collective_rpc(copies)
+    return kernels
+
+
 def current_version(llm, sync, model) -> int:
     """The engine's weight version as an int (syncing once first when run alone)."""
     version = weight_version(llm)
@@ -276,6 +288,7 @@ def test_a_trainer_failure_part_way_is_reported_then_resent(engine):
     from hal.sync import SourceError
 
     current = current_version(llm, sync, model)
+    old = engine_kernels(llm)
     perturb(model, seed=80, scale=0.2)
     pairs = [(n, p.detach().clone()) for n, p in model.named_parameters()]
     late = "model.layers.1.mlp.down_proj.weight"  # layer 0 and more arrive and are applied first
@@ -291,6 +304,7 @@ def test_a_trainer_failure_part_way_is_reported_then_resent(engine):
     (state,) = llm.collective_rpc("hal_state")
     assert state == {"version": current, "consistent": False, "torn": []}
     engine_greedy(llm, PROMPTS, MAX_TOKENS)  # whole layers: the engine still serves
+    torn = engine_kernels(llm)
 
     # by default the same failure is sent again, once, and the engine ends up exact
     result = sync.sync(FailsOnce(pairs, late), version=current + 1)
@@ -298,6 +312,11 @@ def test_a_trainer_failure_part_way_is_reported_then_resent(engine):
     assert sync.inconsistent == set()
     assert llm.collective_rpc("hal_state") == [{"version": current + 1, "consistent": True, "torn": []}]
     assert_engine_matches(llm, model)
+    # every tensor the engine computes with held its old or its new bytes in between, none other
+    new = engine_kernels(llm)
+    kinds = {n: "old" if torch.equal(t, old[n]) else "new" if torch.equal(t, new[n]) else "neither" for n, t in torn.items()}
+    assert [n for n, kind in kinds.items() if kind == "neither"] == []
+    assert {kinds[n] for n in old if not torch.equal(old[n], new[n])} == {"old", "new"}, "the failure should land part-way"
 
 
 def test_a_failure_at_the_first_tensor_leaves_the_engine_consistent_and_is_not_resent(engine):
