@@ -545,20 +545,18 @@ def _lora_weights_mapper(mapper: Any) -> Any:
     return mapper
 
 
-# The first release whose worker drops every loaded adapter when a weight update finishes
-# (`reset_lora_state`); before it hal's LoRA engine forgets the adapter it replaced itself.
-RESETS_LORA_SINCE = (0, 28)
+# The first release whose loader can load checkpoint weights into a LoRA-enabled model after
+# start-up (`BaseLayerWithLoRA.load_weights` loads into the wrapped layer); before it a base
+# sync into such a model fails at the first wrapped module ("no module or parameter named
+# 'embed_tokens.weight' ... VocabParallelEmbeddingWithLoRA"), vLLM's own `reload_weights`
+# included. It is also the first whose worker drops loaded adapters when an update finishes.
+LORA_RELOAD_SINCE = (0, 28)
 
 
-def weight_update_resets_lora() -> bool:
-    return _release() >= RESETS_LORA_SINCE
-
-
-def forget_lora_adapter(manager: Any, lora_id: int) -> None:
-    """Drop adapter `lora_id` from the LoRA manager (`remove_adapter`, as vLLM's
-    `reset_lora_state` does for all of them from 0.28 on): the next request naming it loads
-    it again from its path."""
-    manager.remove_adapter(lora_id)
+def reloads_lora_models() -> bool:
+    """Whether vLLM can reload base weights into a LoRA-enabled model (0.28 on): what the
+    "hal-lora" engine needs (`HalLoraWeightTransferEngine` refuses to start before it)."""
+    return _release() >= LORA_RELOAD_SINCE
 
 
 def loaded_lora_ids(manager: Any) -> list[int]:

@@ -97,6 +97,12 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
         return manager
 
     def init_transfer_engine(self, init_info: HalLoraInitInfo) -> None:  # type: ignore[override]
+        if not vllm_internals.reloads_lora_models():
+            raise RuntimeError(
+                f"hal-lora weight transfer needs vLLM 0.28 or later; vLLM {vllm_internals.vllm_version()} cannot load "
+                "base weights into a LoRA-enabled model after start-up (its loader does not reach the layers LoRA wraps), "
+                "so a sync carrying the base would fail; merge the adapter and sync with backend 'hal' instead"
+            )
         # Join the trainer's group first: a refused adapter then fails the trainer's init
         # with this worker's error at once, instead of leaving it waiting for the rendezvous.
         super().init_transfer_engine(init_info)
@@ -174,10 +180,6 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
             # Only after every rank completed the sync: a refused sync leaves the served adapter as it was.
             self._publish(tensors)
             self.adapter_version = self.version
-            if not vllm_internals.weight_update_resets_lora():
-                # vLLM before 0.28 keeps a loaded adapter across weight updates: drop the old one,
-                # so that the next request naming it loads what was just published
-                vllm_internals.forget_lora_adapter(self._lora_manager(), self._lora_info.lora_int_id)
 
     def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         base = []

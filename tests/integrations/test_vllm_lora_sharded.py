@@ -169,10 +169,11 @@ def scenario(tmp_path_factory) -> Iterator[dict[str, Any]]:
     from hal.procs import PRELOAD
     from hal.sync.lora import adapter_tensors, base_tensors
     from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama
-    from tests.integrations.llm import in_process_llm
+    from tests.integrations.llm import in_process_llm, skip_unless_lora_runs_here
     from tests.integrations.test_vllm_lora import R, peft_trainer
     from tests.multiproc import run_group
 
+    skip_unless_lora_runs_here()
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-lora-sharded"), TinyModelSpec(seed=1))
     adapter_dir = str(tmp_path_factory.mktemp("adapter"))
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))

@@ -21,6 +21,8 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 import torch  # noqa: E402
 
 from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
+from hal.integrations import vllm_internals  # noqa: E402
+from hal.integrations._shared import release_of  # noqa: E402
 from hal.integrations.vllm_internals import refresh_tied_weights, tied_aliases, worker_model  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
 from tests.integrations.llm import in_process_llm  # noqa: E402
@@ -44,6 +46,12 @@ CASES = [
 #             lm_head.weight; vLLM then loads and re-processes lm_head itself (the
 #             head is not stale; the refresh still makes it share the owner's copy).
 UPDATES = ("path", "iterator", "state")
+# Which updates leave the tied head stale is vLLM's own behaviour, recorded for 0.29-0.32 (the
+# canary below fails when it changes). vLLM 0.23's and 0.27's reload differ (run 2026-11-27,
+# both alike: after "path" a tied Qwen2 head was current, after "state" a tied Llama head was
+# stale); there only what hal's refresh must achieve is checked. hal's engine is checked on every release by
+# test_hal_engine_keeps_tied_and_untied_models_exact_over_three_syncs.
+CANARY_HOLDS = release_of(vllm_internals.vllm_version()) >= (0, 29)
 STALE_HEAD = 1e-2  # relative error of a head still computing with the previous weights
 EXACT_HEAD = 1e-4  # a packed fp32 GEMM against F.linear on the same weight
 REMOVABLE = (
@@ -120,7 +128,9 @@ def test_updates_through_reload_weights_then_refresh_match_transformers(tmp_path
             stale = tied and how != "state"
 
             error = llm.collective_rpc(_head_error)[0]
-            if stale:  # the bug: vLLM's reload leaves the tied head as it was
+            if not CANARY_HOLDS:  # vLLM 0.23's own reload leaves other heads stale: only the refresh is checked
+                pass
+            elif stale:  # the bug: vLLM's reload leaves the tied head as it was
                 assert error > STALE_HEAD, f"{where}: head error {error:.2e} before the refresh. {REMOVABLE}"
                 engine, hf = greedy_pair(llm, model)
                 assert engine != hf, f"{where}: stale head but equal greedy output; perturb more"
