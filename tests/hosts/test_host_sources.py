@@ -536,17 +536,27 @@ def _registered_engines(tree: SourceTree, package: str) -> dict[str, str]:
     found: dict[str, str] = {}
     root = tree.root / package.replace(".", "/")
     for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        text = path.read_text(encoding="utf-8")
+        if "register_engine(" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
             if (isinstance(node, ast.Call) and _called(node) == "register_engine" and node.args
                     and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
                 found[node.args[0].value] = ast.unparse(node.args[-1])
     return found
 
 
-def test_vllm_ascend_registers_its_own_engines_under_names_other_than_hals(vllm_ascend_sources):
-    from hal.integrations import vllm as hal_vllm
-    from hal.integrations import vllm_lora_engine
+def _backend_name(hal_sources: SourceTree, module: str) -> str:
+    """A hal module's `BACKEND_NAME`, read (importing it would import vLLM)."""
+    parsed = hal_sources.module(module)
+    [value] = [n.value.value for n in parsed.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+               and any(isinstance(t, ast.Name) and t.id == "BACKEND_NAME" for t in n.targets)]
+    return value
 
+
+def test_vllm_ascend_registers_its_own_engines_under_names_other_than_hals(vllm_ascend_sources, hal_sources):
+    hals = {_backend_name(hal_sources, "hal.integrations.vllm"), _backend_name(hal_sources, "hal.integrations.vllm_lora_engine")}
+    assert hals == {"hal", "hal-lora"}
     engines = _registered_engines(vllm_ascend_sources, "vllm_ascend")
     assert {"hccl", "npu_ipc"} <= set(engines), engines
-    assert not {hal_vllm.BACKEND_NAME, vllm_lora_engine.BACKEND_NAME} & set(engines)
+    assert not hals & set(engines)
