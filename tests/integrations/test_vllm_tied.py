@@ -140,7 +140,10 @@ def test_updates_through_reload_weights_then_refresh_match_transformers(tmp_path
             refreshed = llm.collective_rpc(_refresh)[0]
             # a tied head takes the owner's freshly packed copy (also when vLLM re-packed the
             # head itself, "state": sharing is then merely one packed copy fewer)
-            assert refreshed == (["lm_head"] if tied else []), f"{where}: refreshed {refreshed}"
+            if CANARY_HOLDS:  # vLLM 0.23/0.27: a head vLLM's reload left current may need nothing
+                assert refreshed == (["lm_head"] if tied else []), f"{where}: refreshed {refreshed}"
+            else:
+                assert set(refreshed) <= ({"lm_head"} if tied else set()), f"{where}: refreshed {refreshed}"
             assert llm.collective_rpc(_refresh)[0] == [], f"{where}: a second refresh found work"
             assert llm.collective_rpc(_head_error)[0] < EXACT_HEAD, f"{where}: head still stale after the refresh"
             engine, hf = greedy_pair(llm, model)
