@@ -30,7 +30,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from hal.integrations import vllm_internals
 
-# vLLM's trainer-side clients (0.26 on); before, stand-ins that nothing is an instance of.
+# vLLM's trainer-side clients (0.26 on); before, the same protocol of four methods (a client of
+# one's own still counts) and, for the HTTP and Ray clients, classes nothing is an instance of.
 VLLMWeightSyncClient, HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient = vllm_internals.weight_sync_clients()
 
 logger = logging.getLogger(__name__)
