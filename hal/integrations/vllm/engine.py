@@ -49,6 +49,7 @@ Every private vLLM name used here goes through `hal.integrations.vllm.internals`
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from typing import Any
@@ -350,11 +351,10 @@ class HalWorkerExtension:
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             if vllm_internals.engine_owns_updates():
                 engine = HalWeightTransferEngine(config, self.vllm_config, self.device, model)  # type: ignore[attr-defined]
-            else:  # vLLM 0.23-0.24's engine API
-                from hal.integrations.vllm.engine_v023 import HalWeightTransferEngineV023
-
+            else:  # vLLM 0.23-0.24's engine API; looked up as register() does (engine_v023 builds on this module)
+                engine_v023 = getattr(importlib.import_module(ENGINE_CLASS[False][0]), ENGINE_CLASS[False][1])
                 vllm_config = self.vllm_config  # type: ignore[attr-defined]
-                engine = HalWeightTransferEngineV023(config, vllm_config.parallel_config, model, vllm_config=vllm_config)
+                engine = engine_v023(config, vllm_config.parallel_config, model, vllm_config=vllm_config)
             self._hal_weight_engine = engine
         return engine
 
