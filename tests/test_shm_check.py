@@ -52,3 +52,46 @@ def test_a_file_is_traced_to_the_test_that_wrote_it_despite_the_coarse_file_cloc
     assert _running_at(timeline, 102.5) == ["a.py::two"]
     assert _running_at(timeline, 101.6) == ["(after) a.py::one"]
     assert _running_at(timeline, 50.0) == []
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
+def test_a_file_another_program_holds_is_not_this_runs_leftover(tmp_path):
+    """On a shared machine other sessions make /dev/shm files (multiprocessing's sem.mp-*, an
+    engine's segments) while a run goes on: one that a live process outside the run holds is
+    in use, not left behind. A file nobody holds is still counted, as is one this run's own
+    process holds."""
+    import signal
+    import time
+
+    from tests.conftest import _held_elsewhere
+
+    foreign, orphan, mine = (Path("/dev/shm") / f"hal-shm-check-{uuid.uuid4().hex[:12]}" for _ in range(3))
+    ready = tmp_path / "pid"
+    # a process outside this run: detached (its parent exits at once), so init adopts it;
+    # it writes its pid when it holds the file, and is ended by that pid
+    holder = textwrap.dedent(f"""
+        import os, time
+        if os.fork():
+            os._exit(0)
+        os.setsid()
+        f = open({str(foreign)!r}, "w")
+        with open({str(ready) + ".tmp"!r}, "w") as out:
+            out.write(str(os.getpid()))
+        os.replace({str(ready) + ".tmp"!r}, {str(ready)!r})
+        time.sleep(60)
+        """)
+    subprocess.run([sys.executable, "-c", holder], check=True, timeout=30)
+    pid = None
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = int(ready.read_text())
+        orphan.write_text("")
+        with open(mine, "w"):
+            assert _held_elsewhere([foreign.name, orphan.name, mine.name]) == {foreign.name}
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+        for path in (foreign, orphan, mine):
+            path.unlink(missing_ok=True)

@@ -7,14 +7,17 @@ and no host):
   (worker side) and the trainer side that drives them (`vllm.client`: `WeightSync`, over
   vLLM's own HTTP and Ray clients). Importing the package imports no vLLM; its modules say
   what they import. vLLM calls `register()` in every process through the
-  `vllm.general_plugins` entry points pyproject.toml declares.
+  `vllm.general_plugins` entry points pyproject.toml declares; on vLLM 0.23-0.24 (and
+  vllm-ascend 0.23.0.post1), where the worker owns each update, it registers the engines of
+  `vllm.engine_v023`.
 - `hal.integrations.verl`: verl's platform and checkpoint engine "hal"; `verl.plugin` is
   the `verl.plugins` entry point (imports verl).
 - `hal.integrations.ray`: Ray placement and tear-down. Imports no Ray until called.
 - `_shared`: small helpers the hosts' packages share (threads, results, version strings).
 
 Every private vLLM or verl name verl-hal uses is behind one fenced module per host
-(`vllm.internals`, `verl.internals`), version-checked.
+(`vllm.internals`, `verl.internals`), version-checked; `vllm.needs` and `vllm.needs_v023`
+list them with the releases they hold in (tests/hosts/ reads them against real sources).
 
 The flat modules of before the split by host (`hal.integrations.vllm_client`,
 `vllm_engines`, `vllm_internals`, `vllm_lora`, `verl_checkpoint`, `verl_internals`,

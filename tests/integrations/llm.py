@@ -40,3 +40,19 @@ def in_process_llm(model_dir: str | Path, *, backend: str = "hal", **overrides: 
             with contextlib.suppress(Exception):
                 vllm_internals.shutdown_llm(llm)
         env.undo()
+
+
+def weight_version(llm: Any) -> str:
+    """The weight version `llm` serves: vLLM's own from 0.27 on, before it the one hal's
+    syncs established (hal.integrations.vllm.engines.weight_version)."""
+    from hal.integrations.vllm.engines import weight_version as read
+
+    return read(llm)
+
+
+def skip_unless_lora_runs_here() -> None:
+    """Skip where hal's "hal-lora" engine cannot run with this vLLM: before 0.28 vLLM cannot
+    load base weights into a LoRA-enabled model after start-up, and the engine refuses to
+    start (`vllm_internals.reloads_lora_models`; checked by test_a_lora_engine_before_0_28_refuses_to_start)."""
+    if not vllm_internals.reloads_lora_models():
+        pytest.skip(f"vLLM {vllm_internals.vllm_version()} cannot reload base weights into a LoRA-enabled model (0.28 on)")

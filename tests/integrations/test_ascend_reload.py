@@ -46,10 +46,15 @@ from torch import nn  # noqa: E402
 from vllm.config.weight_transfer import WeightTransferConfig  # noqa: E402
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # noqa: E402
-from vllm.model_executor.model_loader.reload import record_metadata_for_reloading  # noqa: E402
+from vllm.model_executor.model_loader.reload import (  # noqa: E402
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+    record_metadata_for_reloading,
+)
 
 import hal  # noqa: E402
 from hal.backends.cpu import CpuBackend  # noqa: E402
+from hal.integrations import vllm_internals  # noqa: E402
 from hal.integrations.vllm import HalInitInfo, HalWeightTransferEngine  # noqa: E402
 from hal.procs import free_port  # noqa: E402
 from hal.sync import BroadcastTransport, Sender, SpecMismatchError, SyncConfig, SyncError, TensorSource  # noqa: E402
@@ -240,8 +245,15 @@ def ascend_like(tmp_path, monkeypatch):
         model_config=SimpleNamespace(model=str(tmp_path), revision=None, dtype=torch.float32),
     )
     backend = HcclOnHost()
+    worker_owns = not vllm_internals.engine_owns_updates()  # vLLM 0.23-0.24, vllm-ascend 0.23's NPUWorker
     with hal.use(backend):
-        engine = HalWeightTransferEngine(WeightTransferConfig(backend="hal"), vllm_config, torch.device("cpu"), model)
+        if worker_owns:
+            from hal.integrations.vllm.engine_v023 import HalWeightTransferEngineV023
+
+            engine = HalWeightTransferEngineV023(WeightTransferConfig(backend="hal"), vllm_config.parallel_config, model,
+                                                 vllm_config=vllm_config)
+        else:
+            engine = HalWeightTransferEngine(WeightTransferConfig(backend="hal"), vllm_config, torch.device("cpu"), model)
         spec = SyncGroupSpec(address="127.0.0.1", port=free_port(), world_size=2)
         server = RendezvousServer(spec, timeout_s=30)
         joined = {}
@@ -253,8 +265,17 @@ def ascend_like(tmp_path, monkeypatch):
         sender = Sender(BroadcastTransport(group, src=0, control_device=backend.control_device()),
                         SyncConfig(bucket_bytes=4096, timeout_s=30))
 
+        def finish() -> None:
+            """`finish_weight_update` as the engine's owner runs it: the engine's own (vLLM 0.25
+            on), else the worker's (it ends vLLM's layerwise reload)."""
+            if worker_owns:
+                finalize_layerwise_reload(model, vllm_config.model_config)
+            else:
+                engine.finish_weight_update()
+
         def sync(pairs, version) -> BaseException | None:
-            """One sync: the trainer sends from a thread while the engine runs vLLM's four phases."""
+            """One sync: the trainer sends from a thread while the engine runs vLLM's four phases
+            (on vLLM 0.23-0.24 the worker's: it starts and ends the reload around receive_weights)."""
             failure: dict[str, BaseException] = {}
 
             def send() -> None:
@@ -266,15 +287,23 @@ def ascend_like(tmp_path, monkeypatch):
             thread = threading.Thread(target=send)
             thread.start()
             try:
-                engine.start_weight_update()
-                engine.update_weights({"version": version})
-                engine.finish_weight_update()
+                if worker_owns:  # the worker's sequence (NPUWorker.start/update_weights/finish_weight_update)
+                    initialize_layerwise_reload(model)
+                    try:
+                        engine.receive_weights(engine.parse_update_info({"version": version}), load_weights=model.load_weights)
+                    finally:
+                        finish()  # NPUWorker keeps a failed update open until the trainer's finish
+                else:
+                    engine.start_weight_update()
+                    engine.update_weights({"version": version})
+                    engine.finish_weight_update()
             except BaseException as exc:  # noqa: BLE001 - the test asserts on it
                 failure["engine"] = exc
             thread.join(30)
             assert not thread.is_alive(), "the trainer's send did not end"
             return failure.get("engine")
 
+        sync.finish = finish
         yield engine, model, sync
         engine.shutdown()
         destroy_sync_group(group)
@@ -306,7 +335,7 @@ def test_finishing_again_processes_nothing(ascend_like):
     assert sync(checkpoint(1), 1) is None
     model.moe.processed.clear()
     model.linear.processed.clear()
-    engine.finish_weight_update()  # a second finish, as a client that retries would send
+    sync.finish()  # a second finish, as a client that retries would send
     engine.abort()
     assert model.moe.processed == [] and model.linear.processed == []
     torch.testing.assert_close(kernel_view(model, "model.layers.0.mlp.experts.w13_weight"),

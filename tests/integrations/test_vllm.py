@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, StaleVersionError, SyncConfig, TensorSource  # noqa: E402
-from tests.integrations.llm import in_process_llm  # noqa: E402
+from tests.integrations.llm import in_process_llm, weight_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 
@@ -57,30 +57,47 @@ def assert_engine_matches(llm, model, prompts=PROMPTS) -> list[list[int]]:
     return got
 
 
+def engine_kernels(llm) -> dict[str, torch.Tensor]:
+    """Copies of every tensor the engine's model computes with (vLLM's layout: fused, repacked);
+    the worker runs in this process (single-process mode), so a function reaches it."""
+
+    def copies(worker) -> dict[str, torch.Tensor]:
+        model = getattr(worker, "worker", worker).model_runner.model
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    (kernels,) = llm.collective_rpc(copies)
+    return kernels
+
+
 def current_version(llm, sync, model) -> int:
     """The engine's weight version as an int (syncing once first when run alone)."""
-    version = llm.get_weight_version()
+    version = weight_version(llm)
     if not version.isdigit():
         sync.sync(model, version=1)
-        version = llm.get_weight_version()
+        version = weight_version(llm)
     return int(version)
 
 
-def test_plugin_registers_backend_in_both_factories():
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+def test_plugin_registers_the_engine_of_the_installed_vllms_api_generation():
+    from vllm.distributed.weight_transfer import factory
     from vllm.plugins import load_general_plugins
 
-    from hal.integrations.vllm import register
+    from hal.integrations import vllm_internals
+    from hal.integrations.vllm import HalWeightTransferEngine, register
+    from hal.integrations.vllm.engine_v023 import HalWeightTransferEngineV023
 
     load_general_plugins()
     register()  # idempotent
     register()
-    from hal.integrations.vllm import internals as vllm_internals
-    from hal.integrations.vllm import HalWeightTransferEngine
-
-    assert vllm_internals.registered(WeightTransferEngineFactory, "hal")
-    assert vllm_internals.registered(WeightTransferTrainerFactory, "hal")
-    assert vllm_internals.registered_class(WeightTransferEngineFactory, "hal") is HalWeightTransferEngine
+    engine_class = vllm_internals.registered_class(factory.WeightTransferEngineFactory, "hal")
+    if vllm_internals.engine_owns_updates():  # vLLM 0.25 on
+        assert engine_class is HalWeightTransferEngine
+    else:  # 0.23-0.24: the worker owns each update; the same engine behind its seams
+        assert engine_class is HalWeightTransferEngineV023 and issubclass(engine_class, HalWeightTransferEngine)
+    if vllm_internals.keeps_weight_versions():  # vLLM's trainer factory of hal's shape: 0.27 on
+        assert vllm_internals.registered(factory.WeightTransferTrainerFactory, "hal")
+    elif hasattr(factory, "WeightTransferTrainerFactory"):  # 0.26's takes another engine: hal stays out of it
+        assert not vllm_internals.registered(factory.WeightTransferTrainerFactory, "hal")
 
 
 def test_sync_then_engine_greedy_equals_transformers(engine):
@@ -91,7 +108,7 @@ def test_sync_then_engine_greedy_equals_transformers(engine):
     result = sync.sync(model, version=1)
     assert sync.transport == "ipc"  # auto: the engine's worker is on this node and the cpu backend shares memory
     assert result.engine_versions == {"llm": "1"}
-    assert llm.get_weight_version() == "1"
+    assert weight_version(llm) == "1"
     after = assert_engine_matches(llm, model)
     assert after != before, "the perturbation should change greedy output (else the test proves nothing)"
 
@@ -129,7 +146,7 @@ def test_older_version_is_refused_and_engine_unchanged(engine):
         v.add_(torch.randn(v.shape, generator=gen) * 0.2)
     with pytest.raises(StaleVersionError, match=f"refusing older version {current - 1}"):
         sync.sync(TensorSource(stale.items()), version=current - 1)
-    assert llm.get_weight_version() == str(current)
+    assert weight_version(llm) == str(current)
     assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
     # the group survives a refused sync
     perturb(model, seed=51, scale=0.1)
@@ -146,7 +163,7 @@ def test_shape_mismatch_fails_clearly_and_engine_keeps_old_weights(engine):
     pairs = [(n, t.t().contiguous() if n == bad else t) for n, t in pairs]
     with pytest.raises(SpecMismatchError, match=rf"{bad}.*expected shape \(256, 128\), got \(128, 256\)"):
         sync.sync(TensorSource(pairs), version=current + 1)
-    assert llm.get_weight_version() == str(current)
+    assert weight_version(llm) == str(current)
     assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
     assert_engine_matches(llm, model)
 
@@ -175,6 +192,10 @@ def test_worker_extension_path_uses_the_same_transport(engine):
 
 def test_vllm_trainer_factory_drives_the_hal_engine(engine):
     """vLLM's own trainer-side entry point: WeightTransferTrainerFactory.trainer_init(...)."""
+    from hal.integrations import vllm_internals
+
+    if not vllm_internals.keeps_weight_versions():
+        pytest.skip(f"vLLM {vllm_internals.vllm_version()} has no trainer-side engine of hal's shape (0.27 on)")
     llm, sync, model, _ = engine
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -193,7 +214,7 @@ def test_vllm_trainer_factory_drives_the_hal_engine(engine):
         assert isinstance(trainer, HalTrainerWeightTransferEngine)
         perturb(model, seed=70, scale=0.2)
         result = trainer.send_weights(version=version)
-        assert llm.get_weight_version() == str(version)
+        assert weight_version(llm) == str(version)
         assert result.version == version
         assert_engine_matches(llm, model)
     finally:
@@ -267,6 +288,7 @@ def test_a_trainer_failure_part_way_is_reported_then_resent(engine):
     from hal.sync import SourceError
 
     current = current_version(llm, sync, model)
+    old = engine_kernels(llm)
     perturb(model, seed=80, scale=0.2)
     pairs = [(n, p.detach().clone()) for n, p in model.named_parameters()]
     late = "model.layers.1.mlp.down_proj.weight"  # layer 0 and more arrive and are applied first
@@ -278,10 +300,11 @@ def test_a_trainer_failure_part_way_is_reported_then_resent(engine):
         sync.resend_after_failure = 1
     assert failure.value.trainer_side and failure.value.inconsistent_ranks == [1]
     assert sync.inconsistent == {"llm"}
-    assert llm.get_weight_version() == f"{INCONSISTENT_PREFIX}{current}"
+    assert weight_version(llm) == f"{INCONSISTENT_PREFIX}{current}"
     (state,) = llm.collective_rpc("hal_state")
     assert state == {"version": current, "consistent": False, "torn": []}
     engine_greedy(llm, PROMPTS, MAX_TOKENS)  # whole layers: the engine still serves
+    torn = engine_kernels(llm)
 
     # by default the same failure is sent again, once, and the engine ends up exact
     result = sync.sync(FailsOnce(pairs, late), version=current + 1)
@@ -289,6 +312,11 @@ def test_a_trainer_failure_part_way_is_reported_then_resent(engine):
     assert sync.inconsistent == set()
     assert llm.collective_rpc("hal_state") == [{"version": current + 1, "consistent": True, "torn": []}]
     assert_engine_matches(llm, model)
+    # every tensor the engine computes with held its old or its new bytes in between, none other
+    new = engine_kernels(llm)
+    kinds = {n: "old" if torch.equal(t, old[n]) else "new" if torch.equal(t, new[n]) else "neither" for n, t in torn.items()}
+    assert [n for n, kind in kinds.items() if kind == "neither"] == []
+    assert {kinds[n] for n in old if not torch.equal(old[n], new[n])} == {"old", "new"}, "the failure should land part-way"
 
 
 def test_a_failure_at_the_first_tensor_leaves_the_engine_consistent_and_is_not_resent(engine):
@@ -302,7 +330,7 @@ def test_a_failure_at_the_first_tensor_leaves_the_engine_consistent_and_is_not_r
     with pytest.raises(SourceError):  # nothing landed: no engine is inconsistent, nothing to resend
         sync.sync(source, version=current + 1)
     assert source.failures == 1  # tried once
-    assert llm.get_weight_version() == str(current) and sync.inconsistent == set()
+    assert weight_version(llm) == str(current) and sync.inconsistent == set()
     assert llm.collective_rpc("hal_state") == [{"version": current, "consistent": True, "torn": []}]
     assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
 

@@ -23,7 +23,7 @@ from hal import env  # noqa: E402
 from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import AuthError, SyncConfig  # noqa: E402
-from tests.integrations.llm import in_process_llm  # noqa: E402
+from tests.integrations.llm import in_process_llm, weight_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 
@@ -91,7 +91,7 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
 
 
 def next_version(llm) -> int:
-    version = llm.get_weight_version()
+    version = weight_version(llm)
     return int(version) + 1 if version.isdigit() else 1
 
 
@@ -169,12 +169,12 @@ def test_a_sync_with_another_token_is_refused_and_the_engine_keeps_its_weights(e
     try:
         sync.init()
         sync_and_compare(llm, model, sync, seed=30)
-        serving, version = engine_greedy(llm, PROMPTS, MAX_TOKENS), llm.get_weight_version()
+        serving, version = engine_greedy(llm, PROMPTS, MAX_TOKENS), weight_version(llm)
         sync.sender.token = "s3cret-but-wrong"
         perturb(model, seed=31)
         with pytest.raises(AuthError, match=r"rank 1: the trainer's token does not match this engine's"):
             sync.sync(model, version=int(version) + 1)
-        assert llm.get_weight_version() == version
+        assert weight_version(llm) == version
         assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
         sync.sender.token = TOKEN  # the group survived the refusal
         sync_and_compare(llm, model, sync, seed=32)

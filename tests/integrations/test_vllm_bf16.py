@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from hal.tools.demo import engine_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, SyncConfig  # noqa: E402
-from tests.integrations.llm import in_process_llm  # noqa: E402
+from tests.integrations.llm import in_process_llm, weight_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 
@@ -61,7 +61,7 @@ def test_wire_dtype_bf16_equals_vllms_own_reload_of_the_same_weights(bf16_engine
     with WeightSync([OfflineEngine(llm)], config=config, timeout_s=60) as sync:
         sync.sync(model, version=10)
         via_hal = engine_greedy(llm, PROMPTS, MAX_TOKENS)
-        assert llm.get_weight_version() == "10"
+        assert weight_version(llm) == "10"
         other = {n: p.detach() + 0.3 for n, p in model.named_parameters()}
         sync.sync(other, version=11)
         assert engine_greedy(llm, PROMPTS, MAX_TOKENS) != via_hal

@@ -56,12 +56,13 @@ def served(llm: Any, adapter_dir: str) -> Iterator[tuple[str, int]]:
     from hal.integrations.vllm.client import OfflineEngine
     from hal.integrations.vllm.lora import lora_request
     from tests.integrations.test_vllm_lora import PROMPTS, engine_greedy, lose_engine_weights
+    from tests.integrations.llm import weight_version
     from tests.integrations.test_vllm_sharded import ENGINE_CALLS, serve_calls
 
     engine = OfflineEngine(llm, name=NAME)
     calls = {name: getattr(engine, name) for name in ENGINE_CALLS}
     calls["check"] = lambda: {
-        "version": llm.get_weight_version(),
+        "version": weight_version(llm),
         "adapter_version": llm.collective_rpc("hal_lora_adapter_version"),
         "lora": engine_greedy(llm, PROMPTS, lora_request(adapter_dir)),
         "base": engine_greedy(llm, PROMPTS),
@@ -168,10 +169,11 @@ def scenario(tmp_path_factory) -> Iterator[dict[str, Any]]:
     from hal.procs import PRELOAD
     from hal.sync.lora import adapter_tensors, base_tensors
     from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama
-    from tests.integrations.llm import in_process_llm
+    from tests.integrations.llm import in_process_llm, skip_unless_lora_runs_here
     from tests.integrations.test_vllm_lora import R, peft_trainer
     from tests.multiproc import run_group
 
+    skip_unless_lora_runs_here()
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-lora-sharded"), TinyModelSpec(seed=1))
     adapter_dir = str(tmp_path_factory.mktemp("adapter"))
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))

@@ -59,6 +59,7 @@ import torch  # noqa: E402
 
 from hal.integrations.vllm import HalInitInfo, HalWorkerExtension  # noqa: E402
 from hal.sync import AuthError  # noqa: E402
+from tests.integrations.llm import weight_version  # noqa: E402
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 TOKEN = "sharded-test-token"  # the engine's: the trainer ranks must prove it
@@ -201,7 +202,7 @@ def served(llm: Any) -> Iterator[tuple[str, int]]:
     calls["check"] = lambda: {
         "received": llm.collective_rpc("hal_received"),
         "states": llm.collective_rpc("hal_state"),
-        "version": llm.get_weight_version(),
+        "version": weight_version(llm),
         "greedy": engine_greedy(llm, PROMPTS, MAX_TOKENS),
     }
     with serve_calls(calls) as address:

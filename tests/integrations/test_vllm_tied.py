@@ -21,11 +21,14 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 import torch  # noqa: E402
 
 from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
+from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
+from hal.integrations._shared import release_of  # noqa: E402
 from hal.integrations.vllm.internals import refresh_tied_weights, tied_aliases, worker_model  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
 from tests.integrations.llm import in_process_llm  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.timeout(120)]
+# 300 s: vLLM releases before 0.29 start an engine in up to 2 minutes on a loaded 2-core machine
+pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.timeout(300)]
 
 MAX_TOKENS = 10
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13], [1, 40, 41]]
@@ -43,6 +46,12 @@ CASES = [
 #             lm_head.weight; vLLM then loads and re-processes lm_head itself (the
 #             head is not stale; the refresh still makes it share the owner's copy).
 UPDATES = ("path", "iterator", "state")
+# Which updates leave the tied head stale is vLLM's own behaviour, recorded for 0.29-0.32 (the
+# canary below fails when it changes). vLLM 0.23's and 0.27's reload differ (run 2026-11-27,
+# both alike: after "path" a tied Qwen2 head was current, after "state" a tied Llama head was
+# stale); there only what hal's refresh must achieve is checked. hal's engine is checked on every release by
+# test_hal_engine_keeps_tied_and_untied_models_exact_over_three_syncs.
+CANARY_HOLDS = release_of(vllm_internals.vllm_version()) >= (0, 29)
 STALE_HEAD = 1e-2  # relative error of a head still computing with the previous weights
 EXACT_HEAD = 1e-4  # a packed fp32 GEMM against F.linear on the same weight
 REMOVABLE = (
@@ -119,7 +128,9 @@ def test_updates_through_reload_weights_then_refresh_match_transformers(tmp_path
             stale = tied and how != "state"
 
             error = llm.collective_rpc(_head_error)[0]
-            if stale:  # the bug: vLLM's reload leaves the tied head as it was
+            if not CANARY_HOLDS:  # vLLM 0.23's own reload leaves other heads stale: only the refresh is checked
+                pass
+            elif stale:  # the bug: vLLM's reload leaves the tied head as it was
                 assert error > STALE_HEAD, f"{where}: head error {error:.2e} before the refresh. {REMOVABLE}"
                 engine, hf = greedy_pair(llm, model)
                 assert engine != hf, f"{where}: stale head but equal greedy output; perturb more"
@@ -129,7 +140,10 @@ def test_updates_through_reload_weights_then_refresh_match_transformers(tmp_path
             refreshed = llm.collective_rpc(_refresh)[0]
             # a tied head takes the owner's freshly packed copy (also when vLLM re-packed the
             # head itself, "state": sharing is then merely one packed copy fewer)
-            assert refreshed == (["lm_head"] if tied else []), f"{where}: refreshed {refreshed}"
+            if CANARY_HOLDS:  # vLLM 0.23/0.27: a head vLLM's reload left current may need nothing
+                assert refreshed == (["lm_head"] if tied else []), f"{where}: refreshed {refreshed}"
+            else:
+                assert set(refreshed) <= ({"lm_head"} if tied else set()), f"{where}: refreshed {refreshed}"
             assert llm.collective_rpc(_refresh)[0] == [], f"{where}: a second refresh found work"
             assert llm.collective_rpc(_head_error)[0] < EXACT_HEAD, f"{where}: head still stale after the refresh"
             engine, hf = greedy_pair(llm, model)

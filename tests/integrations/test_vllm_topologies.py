@@ -42,6 +42,7 @@ from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SyncConfig  # noqa: E402
+from tests.integrations.llm import weight_version  # noqa: E402
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
@@ -170,13 +171,13 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
 
 def engine_version(llm: Any) -> int:
     """The engine's weight version as an int, 0 before the first sync."""
-    version = llm.get_weight_version()
+    version = weight_version(llm)
     return int(version) if version.isdigit() else 0
 
 
 def assert_synced(llm: Any, version: int, workers: int, want: list[list[int]], name: str) -> list[list[int]]:
     """`llm` serves `version` on every worker and its greedy output is `want`."""
-    assert llm.get_weight_version() == str(version), f"engine {name}"
+    assert weight_version(llm) == str(version), f"engine {name}"
     states = llm.collective_rpc("hal_state")
     assert states == [{"version": version, "consistent": True, "torn": []}] * workers, f"engine {name}: workers report {states}"
     got = engine_greedy(llm, PROMPTS, MAX_TOKENS)
@@ -312,14 +313,18 @@ def test_an_engine_killed_in_its_shutdown_leaves_nothing_in_dev_shm(model_dir):
 
     from hal.engine_processes import EngineProcesses
 
-    before = _shm_names()
     cores = f"{CPUS[0]}|{CPUS[1]}"
     killed: list[int] = []
     with no_process_left_behind():
         with multiprocess_llm(model_dir, cores=cores, tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
-            made = _shm_names() - before
-            assert any(n.startswith("psm_") for n in made) and any(n.startswith("vllm_dist_") for n in made), made
-            tree = EngineProcesses.record(vllm_internals.engine_process_ids(llm)).processes
+            engine = EngineProcesses.record(vllm_internals.engine_process_ids(llm))
+            # what this engine's processes hold, not all that appeared in /dev/shm meanwhile: other
+            # engines on a shared machine (other tests, other sessions) make and remove their own.
+            # The CPU communicator's segments: vllm_dist_*-cpushm_<rank> (0.29-0.32),
+            # <pid>-tp:0-[0-1]-cpushm_<rank> (0.23, 0.27)
+            made = {os.path.basename(n.path) for n in engine.names}
+            assert any(n.startswith("psm_") for n in made) and any("-cpushm_" in n for n in made), made
+            tree = engine.processes
             assert len(tree) >= 3, f"engine core and two workers expected, found {tree}"
             client = llm.llm_engine.engine_core
             vllms_shutdown = client.shutdown
@@ -336,9 +341,7 @@ def test_an_engine_killed_in_its_shutdown_leaves_nothing_in_dev_shm(model_dir):
             client.shutdown = killed_midway
         # multiprocess_llm's exit ran vllm_internals.shutdown_llm(llm)
     assert len(killed) == len(tree)
-    # sem.mp-*: semaphores of this process's own multiprocessing objects (and of other tests
-    # running beside this one), unlinked by its resource tracker, not the engine's
-    left = sorted(n for n in _shm_names() - before if not n.startswith("sem.mp-"))
+    left = sorted(made & _shm_names())
     assert left == [], f"left in /dev/shm by the killed engine: {left}"
 
 

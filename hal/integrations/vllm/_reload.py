@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 import hal
@@ -69,15 +71,19 @@ def kernel_tensors(model: torch.nn.Module) -> list[Kernel]:
     return kernels
 
 
-def kernel_changes(kernels: list[Kernel]) -> list[str]:
+def kernel_changes(
+    kernels: list[Kernel], params_of: Callable[[torch.nn.Module], dict[str, torch.Tensor]] | None = None
+) -> list[str]:
     """Each parameter of `kernels` whose module now holds another tensor, or one of another
     shape or dtype, named with both. A layerwise reload keeps each kernel tensor (it
     copies into it), so a different tensor means something else laid the weights out anew;
     by shape alone a transpose of a square matrix would pass. About half a microsecond per
-    parameter (no module traversal, one lookup each): 9 ms for 16,000 here."""
+    parameter (no module traversal, one lookup each): 9 ms for 16,000 here. `params_of`: where
+    a module's parameters are read (default: its `_parameters`; while a reload the worker
+    started runs, the kernel tensors the reload keeps aside)."""
     changes = []
     for name, module, attr, kernel, shape, dtype in kernels:
-        p = module._parameters.get(attr)
+        p = (module._parameters if params_of is None else params_of(module)).get(attr)
         if p is kernel and p.shape == shape and p.dtype == dtype:
             continue
         what = "the same tensor" if p is kernel else "another tensor" if p is not None else "no tensor"

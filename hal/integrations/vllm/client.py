@@ -18,26 +18,31 @@ The names a trainer uses, from the modules that hold them:
   adapters where vLLM has no client: `OfflineEngine` (an offline `LLM` here) and
   `ExtensionEngine` (through hal's worker extension); the `Engine` protocol;
 - hal.integrations.vllm.trainer_engine: `HalTrainerInitInfo` and
-  `HalTrainerWeightTransferEngine`, hal behind vLLM's `WeightTransferTrainerFactory`.
+  `HalTrainerWeightTransferEngine`, hal behind vLLM's `WeightTransferTrainerFactory` (vLLM
+  0.27 on; `weight_version(llm)` reads an offline engine's version on every release).
 
 Importing this module registers "hal" in vLLM's engine and trainer factories.
 """
 
 from __future__ import annotations
 
-from hal.integrations.vllm.engines import ClientEngine, Engine, ExtensionEngine, OfflineEngine, as_engine
-from hal.integrations.vllm.trainer_engine import HalTrainerInitInfo, HalTrainerWeightTransferEngine
+from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm.engines import ClientEngine, Engine, ExtensionEngine, OfflineEngine, as_engine, weight_version
 from hal.integrations.vllm.weight_sync import INCONSISTENT_PREFIX, SyncResult, WeightSync
+
+if vllm_internals.keeps_weight_versions():  # vLLM's trainer-side engine of hal's shape: 0.27 on
+    from hal.integrations.vllm.trainer_engine import HalTrainerInitInfo, HalTrainerWeightTransferEngine
 
 __all__ = [
     "INCONSISTENT_PREFIX",
     "ClientEngine",
     "Engine",
     "ExtensionEngine",
-    "HalTrainerInitInfo",
-    "HalTrainerWeightTransferEngine",
     "OfflineEngine",
     "SyncResult",
     "WeightSync",
     "as_engine",
+    "weight_version",
 ]
+if vllm_internals.keeps_weight_versions():
+    __all__ += ["HalTrainerInitInfo", "HalTrainerWeightTransferEngine"]

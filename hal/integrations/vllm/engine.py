@@ -19,7 +19,12 @@ engine waits for device work through `hal.current().synchronize()` rather than
 What the trainer sends, `HalInitInfo` and `HalUpdateInfo`, lives in
 hal.integrations.vllm.info and is importable from here.
 
-vLLM 0.29-0.31 have no way to shut a weight-transfer engine down (0.32 added it): there, a
+This is the engine of vLLM 0.25 on, which owns an update's lifecycle; on vLLM 0.23-0.24
+(and vllm-ascend 0.23.0.post1) the worker owns it, and `register()` registers
+hal.integrations.vllm.engine_v023's `HalWeightTransferEngineV023`, this engine behind the
+worker's seams.
+
+vLLM 0.23-0.31 have no way to shut a weight-transfer engine down (0.32 added it): there, a
 trainer that connects again initialises the engine again, which leaves the earlier
 trainer's group (`vllm_internals.engines_can_be_shut_down`); from 0.32 on a second
 connection is refused until the first is shut down.
@@ -44,6 +49,7 @@ Every private vLLM name used here goes through `hal.integrations.vllm.internals`
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from typing import Any
@@ -86,7 +92,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
     policy = SinkPolicy(whole_buckets=True, apply_unchanged=True)
 
     def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
-        super().__init__(config, vllm_config, device, model)
+        self._init_vllm_engine(config, vllm_config, device, model)
         vllm_internals.require_supported_vllm()
         vllm_internals.quiet_computed_buffer_warnings()
         self._token = env.sync_token()
@@ -101,6 +107,17 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         self.last_metrics: SyncMetrics | None = None
         self.refreshed_tied: list[str] = []
         """Modules whose state derived from a tied weight was rebuilt after the last update."""
+
+    def _init_vllm_engine(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        """vLLM's own engine init (vLLM 0.25 on; the engine of 0.23-0.24's API overrides it)."""
+        WeightTransferEngine.__init__(self, config, vllm_config, device, model)
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """Abstract in vLLM 0.23-0.27's engine; hal's trainer sends through `WeightSync`."""
+        raise NotImplementedError(
+            "hal weight transfer: the trainer sends with hal.integrations.vllm.client.WeightSync (docs/vllm.md)"
+        )
 
     # ---- init ---------------------------------------------------------------------
     def group_rank(self, init_info: HalInitInfo) -> int:
@@ -178,7 +195,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         tensors, and one that got only some would be processed with the rest uninitialised.
         Refuse one too when a parameter's kernel layout changed since the engine started
         (`kernel_tensors`): the reload would copy freshly processed tensors into it."""
-        moved = kernel_changes(self._kernels)
+        moved = self._kernels_moved()
         if moved:
             raise SpecMismatchError(
                 f"{moved[0]}{f' (+{len(moved) - 1} more)' if len(moved) > 1 else ''}: the engine's weights were laid out "
@@ -194,6 +211,9 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
                     f"parameter {name!r} is sent without {sorted(missing)[:3]}{more} of the same layer; "
                     "vLLM's layerwise reload needs every tensor of each layer it reloads"
                 )
+
+    def _kernels_moved(self) -> list[str]:
+        return kernel_changes(self._kernels)
 
     # ---- one update ---------------------------------------------------------------
     def start_weight_update(self) -> None:
@@ -243,6 +263,9 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         # here yet keeps the ones it got until its last one arrives: those are copied.
         keep = self._carry.keep
         batch = [(n, t if self._layer_of.get(n, frozenset((n,))) <= self._seen else keep(t)) for n, t in pairs]
+        self._load(batch)
+
+    def _load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(batch)
 
     def abort(self) -> None:
@@ -324,12 +347,14 @@ class HalWorkerExtension:
     def _hal_engine(self) -> HalWeightTransferEngine:
         engine = getattr(self, "_hal_weight_engine", None)
         if engine is None:
-            engine = HalWeightTransferEngine(
-                WeightTransferConfig(backend=BACKEND_NAME),
-                self.vllm_config,  # type: ignore[attr-defined]
-                self.device,  # type: ignore[attr-defined]
-                self.model_runner.get_model(),  # type: ignore[attr-defined]
-            )
+            config = WeightTransferConfig(backend=BACKEND_NAME)
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            if vllm_internals.engine_owns_updates():
+                engine = HalWeightTransferEngine(config, self.vllm_config, self.device, model)  # type: ignore[attr-defined]
+            else:  # vLLM 0.23-0.24's engine API; looked up as register() does (engine_v023 builds on this module)
+                engine_v023 = getattr(importlib.import_module(ENGINE_CLASS[False][0]), ENGINE_CLASS[False][1])
+                vllm_config = self.vllm_config  # type: ignore[attr-defined]
+                engine = engine_v023(config, vllm_config.parallel_config, model, vllm_config=vllm_config)
             self._hal_weight_engine = engine
         return engine
 
@@ -365,6 +390,14 @@ class HalWorkerExtension:
             engine.shutdown()
 
 
+# The engine class vLLM's factory builds for "hal", by whether the engine owns an update's
+# lifecycle (vLLM 0.25 on) or the worker does (0.23-0.24: hal.integrations.vllm.engine_v023).
+ENGINE_CLASS = {
+    True: ("hal.integrations.vllm.engine", "HalWeightTransferEngine"),
+    False: ("hal.integrations.vllm.engine_v023", "HalWeightTransferEngineV023"),
+}
+
+
 def register() -> None:
     """Entry point of `vllm.general_plugins`: make `backend="hal"` known to vLLM's factories.
 
@@ -373,11 +406,11 @@ def register() -> None:
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    register_engine(WeightTransferEngineFactory, BACKEND_NAME, "hal.integrations.vllm.engine", "HalWeightTransferEngine")
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    except ImportError:  # vLLM without trainer-side engines
-        return
+    register_engine(WeightTransferEngineFactory, BACKEND_NAME, *ENGINE_CLASS[vllm_internals.engine_owns_updates()])
+    if not vllm_internals.keeps_weight_versions():
+        return  # vLLM before 0.27: no trainer-side engine of hal's shape (none before 0.26, another one in 0.26)
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
     register_engine(WeightTransferTrainerFactory, BACKEND_NAME, "hal.integrations.vllm.client", "HalTrainerWeightTransferEngine")
 
 

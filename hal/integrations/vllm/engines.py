@@ -25,12 +25,14 @@ import logging
 import sys
 import urllib.error
 import urllib.request
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
-from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
-from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
-
 from hal.integrations.vllm import internals as vllm_internals
+
+# vLLM's trainer-side clients (0.26 on); before, the same protocol of four methods (a client of
+# one's own still counts) and, for the HTTP and Ray clients, classes nothing is an instance of.
+VLLMWeightSyncClient, HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient = vllm_internals.weight_sync_clients()
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +166,8 @@ class ClientEngine:
         else:
             self.name = name or type(client).__name__
             self.extras = client
+        if not vllm_internals.keeps_weight_versions():  # vLLM 0.26: no version to set or read
+            self.extras = RecordedVersion(self.extras)
         # resolved once: a client of vLLM's protocol alone may lack any of them
         self._update_version = _method(self.extras, "update_weight_version")
         self._get_version = _method(self.extras, "get_weight_version")
@@ -185,7 +189,12 @@ class ClientEngine:
         self.client.update_weights(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.client.finish_weight_update(weight_version)
+        if vllm_internals.keeps_weight_versions():
+            self.client.finish_weight_update(weight_version)
+            return
+        self.client.finish_weight_update()  # vLLM 0.26's takes no version: hal keeps it
+        if weight_version is not None:
+            self.update_weight_version(weight_version)
 
     def update_weight_version(self, weight_version: str) -> None:
         if self._update_version is not None:
@@ -203,6 +212,42 @@ class ClientEngine:
             self._shutdown()
 
 
+class RecordedVersion:
+    """Where vLLM keeps no weight version (before 0.27): the version the trainer's syncs
+    established on an engine, kept on the trainer's side. `WeightSync` sets it after a sync
+    every worker agreed had completed (hal's final status agreement), or to
+    `inconsistent:<last version>` after one that left some worker holding part of it; each
+    worker's hal engine keeps its own (`HalWorkerExtension.hal_state`). The prefix-cache reset
+    goes to `inner` where it has one."""
+
+    def __init__(self, inner: Any = None) -> None:
+        self.version = ""
+        reset = _method(inner, "reset_prefix_cache")
+        if reset is not None:
+            self.reset_prefix_cache = reset
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self.version = weight_version
+
+    def get_weight_version(self) -> str:
+        return self.version
+
+
+# The versions `OfflineEngine` kept for each offline LLM, where vLLM keeps none (before 0.27):
+# shared by every adapter of one LLM, gone with it.
+_LLM_VERSIONS: "weakref.WeakKeyDictionary[Any, RecordedVersion]" = weakref.WeakKeyDictionary()
+
+
+def weight_version(llm: Any) -> str:
+    """The weight version an offline `LLM` serves: vLLM's own (`llm.get_weight_version()`,
+    0.27 on); before, the one hal's syncs established on it (`RecordedVersion`; "" before
+    the first)."""
+    if vllm_internals.keeps_weight_versions():
+        return llm.get_weight_version()
+    recorded = _LLM_VERSIONS.get(llm)
+    return "" if recorded is None else recorded.get_weight_version()
+
+
 def _method(obj: Any, name: str) -> Any:
     method = getattr(obj, name, None)
     return method if callable(method) else None
@@ -217,6 +262,7 @@ class OfflineEngine:
     def __init__(self, llm: Any, *, name: str = "llm", num_workers: int | None = None) -> None:
         self.llm = llm
         self.name = name
+        self._update_open = False
         if num_workers is None:
             pc = llm.llm_engine.vllm_config.parallel_config
             num_workers = pc.world_size * max(1, getattr(pc, "data_parallel_size_local", 1) or 1)
@@ -226,19 +272,44 @@ class OfflineEngine:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self) -> None:
+        if self._update_open:
+            self._end_failed_update()
         self.llm.start_weight_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.llm.update_weights({"update_info": update_info})
+        try:
+            self.llm.update_weights({"update_info": update_info})
+        except BaseException:
+            # vLLM 0.23-0.24: the worker owns the update, and some workers (vllm-ascend 0.23's
+            # NPUWorker) keep a failed one open until finish_weight_update
+            self._update_open = not vllm_internals.engine_owns_updates()
+            raise
+
+    def _end_failed_update(self) -> None:
+        """Close an update whose `update_weights` failed before the next one starts (hal's engine
+        already put every layer back). vLLM 0.23's own worker closed it itself and refuses."""
+        self._update_open = False
+        try:
+            self.llm.finish_weight_update()
+        except Exception as exc:  # noqa: BLE001 - "without a matching start_weight_update": already closed
+            logger.debug("engine %s: closing the failed update: %s", self.name, exc)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        if vllm_internals.keeps_weight_versions():
+            self.llm.finish_weight_update(weight_version)
+            return
+        self.llm.finish_weight_update()  # vLLM 0.23-0.26: no version; hal keeps it (RecordedVersion)
+        if weight_version is not None:
+            self.update_weight_version(weight_version)
 
     def update_weight_version(self, weight_version: str) -> None:
-        self.llm.update_weight_version(weight_version)
+        if vllm_internals.keeps_weight_versions():
+            self.llm.update_weight_version(weight_version)
+        else:
+            _LLM_VERSIONS.setdefault(self.llm, RecordedVersion()).update_weight_version(weight_version)
 
     def get_weight_version(self) -> str:
-        return self.llm.get_weight_version()
+        return weight_version(self.llm)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

