@@ -41,6 +41,7 @@ from hal import env
 from hal.integrations import vllm_internals
 from hal.integrations._shared import SyncResult, in_daemon_thread, keep_stdout, result_within
 from hal.integrations.vllm import TRANSPORTS, HalInitInfo, dtype_name
+from hal.integrations.vllm_canary import CanaryChecks
 from hal.integrations.vllm_engines import Engine, as_engine
 from hal.integrations.vllm_sharded_sync import EveryRankSends
 from hal.procs import free_port
@@ -61,7 +62,7 @@ INCONSISTENT_PREFIX = "inconsistent:"
 SENDERS = ("one", "all")  # this process (the others follow: TrainerSync), or every trainer rank its own rows
 
 
-class WeightSync(EveryRankSends):
+class WeightSync(EveryRankSends, CanaryChecks):
     """Drives hal syncs from this (trainer) process into `engines`.
 
     Each of `engines` is a vLLM weight-sync client (`HTTPVLLMWeightSyncClient(base_url)`,
@@ -85,6 +86,11 @@ class WeightSync(EveryRankSends):
     return or raise the same on every rank. The other ranks pass the same `engines` (never
     called: checked against rank 0's names and sizes) or none, `[]` (they learn them from
     rank 0 at `init`). Over the "broadcast" transport only.
+
+    `canary` (a `hal.sync.canary.CanaryConfig` or `Canary`; off by default): every few
+    completed syncs, the engines' log-probs on a fixed probe are compared with the
+    trainer's (hal.integrations.vllm_canary, docs/canary.md); the result is
+    `SyncResult.canary`, and in "enforce" mode an engine that differs raises `CanaryError`.
     """
 
     def __init__(
@@ -100,6 +106,7 @@ class WeightSync(EveryRankSends):
         resend_after_failure: int = 1,
         trainer_group: Any = None,
         senders: str = "one",
+        canary: Any = None,
     ) -> None:
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, got {transport!r}")
@@ -149,6 +156,7 @@ class WeightSync(EveryRankSends):
         self.version: int | None = None
         self.inconsistent: set[str] = set()
         """Engines holding part of a failed sync (some tensors new, some old), by name."""
+        self._set_canary(canary)  # hal.integrations.vllm_canary
 
     @property
     def world_size(self) -> int:
@@ -299,7 +307,9 @@ class WeightSync(EveryRankSends):
             metrics, versions, attempt = self._sync_all(source, version)
             self.version = version
             self.inconsistent.clear()
-            return SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
+            result = SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
+            self._check_canary(source, version, result)  # hal.integrations.vllm_canary: after the sync, not timed in it
+            return result
         attempt = self._attempt = 0
         while True:
             try:
@@ -317,7 +327,9 @@ class WeightSync(EveryRankSends):
         versions = self._finish(version)
         self.version = version
         self.inconsistent.clear()
-        return SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
+        result = SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
+        self._check_canary(source, version, result)  # hal.integrations.vllm_canary: after the sync, not timed in it
+        return result
 
     def _resends(self, exc: SyncError) -> bool:
         """Whether a failed attempt is sent again: the trainer's own failure that left an

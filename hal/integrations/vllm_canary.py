@@ -1,0 +1,339 @@
+"""The canary (hal.sync.canary) against vLLM engines: each engine computes the probe's
+log-probs through its own serving path, the trainer through its model, and the two are
+compared after a sync (docs/canary.md).
+
+Where the engine computes: vLLM's public `prompt_logprobs`, so that the check covers what
+the engine really serves (its scheduler, its model runner, the packed weights its layers
+compute with, the LoRA adapter a request names):
+
+    an offline `LLM` (`OfflineEngine`, `ExtensionEngine`)   llm.generate(..., SamplingParams(prompt_logprobs=0, max_tokens=1))
+    `vllm serve` (`ClientEngine` of an HTTP client)        POST /v1/completions {"prompt": [ids...], "prompt_logprobs": 0}
+    an `LLM` in a Ray actor (`ClientEngine` of a Ray client)  actor.generate.remote(...), the same parameters
+    any other engine                                        its own `prompt_logprobs(prompts)` method, if it has one
+
+`prompt_logprobs=0` returns, at every prompt position, the log-prob of the prompt's own
+next token, normalised over the whole vocabulary in fp32 (vLLM's `compute_logprobs`);
+prompt tokens skip the sampling processors, so temperature and penalties play no part,
+and a request for prompt log-probs skips reading the prefix cache (vLLM's default), so
+each check computes every position with the weights the engine now holds. An engine whose
+`logprobs_mode` is one of the logits modes returns logits there, not log-probs: it is
+refused by name. One `generate` call per engine carries all of the probe's sequences.
+
+`CanaryChecks` is what `WeightSync` mixes in (`canary=` there): after a completed sync
+that is due, the trainer computes its reference while every engine computes in a thread of
+its own; with senders="all" every trainer rank takes part in the forward (an FSDP2 forward
+is a collective), rank 0 alone asks the engines and compares, and every rank returns the
+same report or raises the same `CanaryError`. Nothing here changes an engine's weights or
+its weight version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+
+import torch
+
+from hal.integrations import vllm_internals
+from hal.integrations._shared import in_daemon_thread, result_within
+from hal.sync.canary import Canary, CanaryError, CanaryReport, Probe, as_canary, dtype_of, module_logprobs, vocab_size_of
+
+logger = logging.getLogger(__name__)
+
+# vLLM's logprobs modes in which "logprobs" are logits (its `LogprobsMode`).
+LOGITS_MODES = ("raw_logits", "processed_logits")
+
+
+def sampling_params() -> Any:
+    """What the probe is asked with: one generated token (the cheapest request vLLM takes),
+    the log-prob of each prompt token (`prompt_logprobs=0`: the token itself, no top-k),
+    greedy, no detokenisation."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+
+
+def prompt_values(prompt_logprobs: Any, prompt: Sequence[int], where: str) -> list[float]:
+    """The log-prob of each prompt token after the first, from a vLLM output's
+    `prompt_logprobs` (a list of {token id: Logprob} with None first, or `FlatLogprobs`)."""
+    if prompt_logprobs is None:
+        raise ValueError(f"{where}: the engine returned no prompt log-probs")
+    values = []
+    for i in range(1, len(prompt)):
+        entry = prompt_logprobs[i]
+        token = prompt[i]
+        found = None if entry is None else entry.get(token)
+        if found is None:
+            raise ValueError(f"{where}: no log-prob for prompt position {i} (token {token})")
+        values.append(float(getattr(found, "logprob", found)))
+    return values
+
+
+# ---- an engine's serving path ---------------------------------------------------------------
+def llm_prompt_logprobs(llm: Any, prompts: list[list[int]], *, lora_request: Any = None, where: str = "llm") -> list[list[float]]:
+    """The probe through an offline `vllm.LLM`'s own `generate`."""
+    mode = vllm_internals.logprobs_mode(llm)
+    if mode in LOGITS_MODES:
+        raise ValueError(
+            f"{where}: the engine serves logprobs_mode={mode!r}, in which vLLM returns logits as prompt log-probs; "
+            "the canary compares log-probs (start the engine with the default 'raw_logprobs')"
+        )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params(), use_tqdm=False, lora_request=lora_request)
+    return [prompt_values(o.prompt_logprobs, p, f"{where}, sequence {n}") for n, (o, p) in enumerate(zip(outs, prompts))]
+
+
+def http_prompt_logprobs(
+    base_url: str, prompts: list[list[int]], *, timeout_s: float, lora_name: str | None = None, data_parallel_rank: int | None = None,
+) -> list[list[float]]:
+    """The probe through a `vllm serve`'s completions API (POST /v1/completions with token-id
+    prompts and `prompt_logprobs: 0`); `data_parallel_rank` sends it to that replica (vLLM's
+    `X-data-parallel-rank` header)."""
+    base = base_url.rstrip("/")
+    model = lora_name or _request(f"{base}/v1/models", None, timeout_s, {})["data"][0]["id"]
+    headers = {} if data_parallel_rank is None else {"X-data-parallel-rank": str(data_parallel_rank)}
+    body = {"model": model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    reply = _request(f"{base}/v1/completions", body, timeout_s, headers)
+    choices = sorted(reply["choices"], key=lambda c: c["index"])
+    if len(choices) != len(prompts):
+        raise ValueError(f"{base}: {len(choices)} completions for {len(prompts)} probe sequences")
+    out = []
+    for n, (choice, prompt) in enumerate(zip(choices, prompts)):
+        entries = [None if e is None else {int(k): v["logprob"] for k, v in e.items()} for e in choice.get("prompt_logprobs") or []]
+        out.append(prompt_values(entries or None, prompt, f"{base}, sequence {n}"))
+    return out
+
+
+def _request(url: str, body: dict[str, Any] | None, timeout_s: float, headers: dict[str, str]) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"{url} returned {exc.code}: {exc.read().decode(errors='replace')[:2000]}") from exc
+
+
+def engine_prompt_logprobs(engine: Any, prompts: list[list[int]], *, timeout_s: float, lora_request: Any = None) -> list[list[float]]:
+    """`prompts`' per-token log-probs as `engine` (one of `WeightSync`'s engines) serves them."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
+
+    from hal.integrations.vllm_engines import ClientEngine, ExtensionEngine, OfflineEngine
+
+    name = getattr(engine, "name", type(engine).__name__)
+    own = getattr(engine, "prompt_logprobs", None)
+    if callable(own):  # an engine of the user's that computes them itself
+        return own(prompts) if lora_request is None else own(prompts, lora_request=lora_request)
+    inner = getattr(engine, "inner", None)  # a wrapper (hal-lora's LoraEngine)
+    if inner is not None:
+        return engine_prompt_logprobs(inner, prompts, timeout_s=timeout_s, lora_request=lora_request)
+    if isinstance(engine, (OfflineEngine, ExtensionEngine)):
+        return llm_prompt_logprobs(engine.llm, prompts, lora_request=lora_request, where=f"engine {name!r}")
+    if isinstance(engine, ClientEngine):
+        if isinstance(engine.client, HTTPVLLMWeightSyncClient):
+            lora_name = getattr(lora_request, "lora_name", None)
+            return http_prompt_logprobs(engine.client.base_url, prompts, timeout_s=timeout_s, lora_name=lora_name)
+        if isinstance(engine.client, RayVLLMWeightSyncClient):
+            import ray
+
+            (actor,) = engine.client.handles
+            outs = ray.get(
+                actor.generate.remote([{"prompt_token_ids": p} for p in prompts], sampling_params(), use_tqdm=False, lora_request=lora_request),
+                timeout=timeout_s,
+            )
+            return [prompt_values(o.prompt_logprobs, p, f"engine {name!r}, sequence {n}") for n, (o, p) in enumerate(zip(outs, prompts))]
+    raise TypeError(
+        f"engine {name!r} ({type(engine).__name__}) has no way to compute log-probs that the canary knows: give it a "
+        "prompt_logprobs(prompts) -> [[float]] method (the log-prob of every prompt token after the first)"
+    )
+
+
+def engine_vocab_limit(engine: Any) -> int | None:
+    """How many token ids the engine's tokenizer accepts, where it says (an offline `LLM`):
+    vLLM refuses a prompt token id beyond it, and a model's embedding may have padding rows
+    past the tokenizer (Qwen2.5: 151,936 rows, 151,665 tokens)."""
+    from hal.integrations.vllm_engines import ExtensionEngine, OfflineEngine
+
+    engine = getattr(engine, "inner", engine)
+    if not isinstance(engine, (OfflineEngine, ExtensionEngine)):
+        return None
+    try:
+        return len(engine.llm.get_tokenizer())
+    except Exception:  # noqa: BLE001 - an engine without a tokenizer (skip_tokenizer_init) tells nothing
+        return None
+
+
+# ---- one check -------------------------------------------------------------------------------
+def module_of(source: Any) -> torch.nn.Module | None:
+    """The trainer's module behind a sync's source (a module, or `ModuleSource`), or None."""
+    if isinstance(source, torch.nn.Module):
+        return source
+    module = getattr(source, "module", None)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def source_dtype(source: Any, module: torch.nn.Module | None) -> torch.dtype | None:
+    """The trainer's dtype: its module's parameters, else the first floating tensor the source declares."""
+    if module is not None:
+        return dtype_of(module)
+    try:
+        specs = source.metadata()
+    except Exception:  # noqa: BLE001 - a source that cannot declare tells no dtype
+        return None
+    return next((s.dtype for s in specs if s.dtype.is_floating_point), None)
+
+
+def check_engines(
+    canary: Canary,
+    engines: Sequence[Any],
+    *,
+    source: Any,
+    version: int,
+    wire_dtype: torch.dtype | None,
+    timeout_s: float,
+    lora_request: Any = None,
+    channel: Any = None,
+) -> CanaryReport:
+    """One check: every engine of `engines` and the trainer compute the probe, and `canary`
+    judges (without raising). With `channel` (the trainer group of senders="all"), on every
+    trainer rank: each computes the reference (the forward may be a collective), rank 0 asks
+    the engines and judges, and every rank gets rank 0's report (or raises its error)."""
+    start = time.perf_counter()
+    lead = channel is None or channel.rank == 0
+    error: BaseException | None = None
+    report: CanaryReport | None = None
+    try:
+        report = _check(canary, engines if lead else [], source=source, version=version, wire_dtype=wire_dtype,
+                        timeout_s=timeout_s, lora_request=lora_request, lead=lead)
+    except Exception as exc:  # noqa: BLE001 - told to every trainer rank below
+        error = exc
+    if channel is not None:
+        report, error = _agree(channel, report, error, version, timeout_s)
+    if error is not None:
+        raise error
+    assert report is not None
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _check(
+    canary: Canary, engines: Sequence[Any], *, source: Any, version: int, wire_dtype: torch.dtype | None,
+    timeout_s: float, lora_request: Any, lead: bool,
+) -> CanaryReport | None:
+    module = module_of(source)
+    if canary.reference is None and module is None:
+        raise ValueError(
+            f"canary: the sync of version {version} is not of a module ({type(source).__name__}), so the trainer's "
+            "log-probs cannot be computed from it: give Canary(config, reference=fn) a function of the probe"
+        )
+    limits = [vocab_size_of(module) if module is not None else None] + [engine_vocab_limit(e) for e in engines]
+    known = [x for x in limits if x]
+    probe = canary.probe_for(min(known) if known else None)
+    prompts = [list(s) for s in probe.sequences]
+    if lead and len(prompts) and probe.max_token >= min(known, default=probe.max_token + 1):
+        raise ValueError(f"canary: the probe holds token {probe.max_token}, and the vocabulary has {min(known)} entries")
+    calls = {}
+    for engine in engines:
+        calls[engine.name] = in_daemon_thread(
+            f"hal-canary-{engine.name}", lambda e=engine: _timed(engine_prompt_logprobs, e, prompts, timeout_s=timeout_s, lora_request=lora_request)
+        )
+    reference_start = time.perf_counter()
+    reference = canary.reference(probe) if canary.reference is not None else module_logprobs(module, probe)
+    reference_s = time.perf_counter() - reference_start
+    if not lead:
+        return None
+    got: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    for name, call in calls.items():
+        try:
+            got[name], seconds[name] = result_within(call, f"canary: engine {name!r} computing the probe", timeout_s)
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot compute fires the canary, naming why
+            got[name] = exc
+    dtypes = (source_dtype(source, module), wire_dtype)
+    return canary.judge(version, probe, reference, got, dtypes=dtypes, seconds=seconds, reference_s=reference_s)
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def _agree(channel: Any, report: CanaryReport | None, error: BaseException | None, version: int, timeout_s: float) -> tuple[CanaryReport | None, BaseException | None]:
+    """Every trainer rank's word after the check; rank 0's report (or the first error) on every rank."""
+    if error is not None:
+        word = {"e": f"{type(error).__name__}: {error}"[:4000]}
+    elif report is not None:
+        word = {"r": report.as_dict()}
+    else:
+        word = {}
+    with channel.bounded(timeout_s):
+        payloads = channel.all_gather_bytes(json.dumps(word).encode(), f"canary of version {version}")
+    words = [json.loads(p) for p in payloads]
+    failed = next(((r, w["e"]) for r, w in enumerate(words) if "e" in w), None)
+    if failed is not None:
+        rank, message = failed
+        return None, error if rank == channel.rank and error is not None else RuntimeError(f"canary: trainer rank {rank}: {message}")
+    return CanaryReport.from_dict(words[0]["r"]), None
+
+
+# ---- what WeightSync mixes in ---------------------------------------------------------------------
+class CanaryChecks:
+    """`WeightSync`'s canary (its `canary=`): after each completed sync that is due, a check
+    whose report goes into the sync's result (`SyncResult.canary`); in "enforce" mode a
+    `CanaryError` (with that result) when an engine differs. Uses what `WeightSync` holds:
+    `engines`, `config`, `timeout_s`, `senders`, `trainer_group`, `_channel`."""
+
+    canary: Canary | None
+
+    def _set_canary(self, canary: Any) -> None:
+        self.canary = as_canary(canary)
+        """The canary (hal.sync.canary), None when off."""
+
+    def _check_canary(self, source: Any, version: int, result: Any) -> None:
+        """After a completed sync as `version`: the check, if due, into `result.canary`."""
+        self.check_canary(source, version, result)
+
+    def check_canary(self, source: Any, version: int, result: Any, *, canary: Canary | None = None, lora_request: Any = None) -> None:
+        """The canary's check after a completed sync of `source` as `version`, if `canary`
+        (default: this sync's own) is due: its report into `result.canary`; `CanaryError`
+        (carrying `result`) in "enforce" mode when an engine differs. `lora_request`: the
+        engines compute with that adapter (hal-lora's `LoraWeightSync`, which holds its own
+        canary and whose source is the peft model). With senders="all", on every trainer rank."""
+        canary = self.canary if canary is None else canary
+        if canary is None or not canary.due():
+            return
+        module = module_of(source)
+        if canary.reference is None and module is None:
+            message = (
+                f"canary: the sync of version {version} is not of a module ({type(source).__name__}), so the trainer's "
+                "log-probs cannot be computed from it: give Canary(config, reference=fn) a function of the probe"
+            )
+            if canary.config.mode == "enforce":
+                raise ValueError(message)
+            logger.warning("%s; not checked", message)  # "log" never fails a sync
+            return
+        if self.senders == "one" and self.trainer_group is not None and canary.reference is None and module is not None:
+            if any(hasattr(p, "full_tensor") for p in module.parameters()):
+                raise ValueError(
+                    "canary: this trainer's module is sharded over trainer_group, and with one sending rank the other ranks "
+                    "do not run the canary's forward: use senders='all' (every rank takes part), or give "
+                    "Canary(config, reference=fn) a function this rank can run alone"
+                )
+        report = check_engines(
+            canary, self.engines, source=source, version=version, wire_dtype=self.config.wire_dtype,
+            timeout_s=self.timeout_s, lora_request=lora_request, channel=self._channel if self.senders == "all" else None,
+        )
+        result.canary = report
+        try:
+            canary.enforce(report)
+        except CanaryError as exc:
+            exc.result = result
+            raise
+
+
+__all__ = ["CanaryChecks", "Probe", "check_engines", "engine_prompt_logprobs", "llm_prompt_logprobs", "http_prompt_logprobs"]
