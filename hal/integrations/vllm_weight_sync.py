@@ -296,6 +296,9 @@ class WeightSync(EveryRankSends, CanaryChecks):
         sync's `SyncError` otherwise, after resending a trainer-side failure that left an
         engine inconsistent (see the class doc); `self.inconsistent` then names the engines
         that hold part of it, and they report `inconsistent:<version>` as weight version.
+        With a canary (`canary=`) due at this sync, its report is `result.canary`; in
+        "enforce" mode an engine that computes other log-probs than the trainer raises
+        `CanaryError` after the sync completed (the engines hold the new version).
         """
         if self._sender is None:
             raise RuntimeError("WeightSync.sync before init()")
