@@ -309,7 +309,7 @@ def scenario(tmp_path_factory) -> Iterator[dict[str, Any]]:
     parameters as the trainer declares them)."""
     from hal.procs import PRELOAD
     from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model
-    from tests.integrations.test_vllm_topologies import multiprocess_llm, no_process_left_behind, tp_segments_released
+    from tests.integrations.test_vllm_topologies import multiprocess_llm, no_process_left_behind
     from tests.multiproc import run_group
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-sharded"), TinyModelSpec(seed=3))
@@ -321,7 +321,7 @@ def scenario(tmp_path_factory) -> Iterator[dict[str, Any]]:
     env.setenv("VERL_DEVICE", "cpu")  # hal on the CPU here, in the engine's processes and the trainer's
     env.setenv("VERL_HAL_SYNC_TOKEN", TOKEN)  # read by the engine's workers when they start
     try:
-        with no_process_left_behind(), tp_segments_released():
+        with no_process_left_behind():  # shutdown_llm removes what the engine held in /dev/shm (hal.engine_processes)
             with multiprocess_llm(
                 model_dir, cores=f"{CPUS[0]}|{CPUS[1]}", tensor_parallel_size=2, distributed_executor_backend="mp",
                 worker_extension_cls=f"{__name__}.RecordingExtension",
