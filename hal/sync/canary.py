@@ -444,8 +444,10 @@ def module_logprobs(module: torch.nn.Module, probe: Probe) -> list[list[float]]:
     """The per-token log-probs of `probe` under `module` (a causal LM whose forward takes
     `input_ids` and returns logits, or an object with `.logits`): one batched forward
     without gradients, in eval mode (the module's mode is restored after). An FSDP2 module's
-    forward is a collective: every rank of its group calls this in step. The log-softmax is
-    taken in fp32 over the whole vocabulary, as vLLM takes it."""
+    forward is a collective: every rank of its group calls this in step; its modules are
+    resharded after it (FSDP2 keeps the root's parameters unsharded after a forward, for
+    the backward that follows in training: without this they stay plain full tensors). The
+    log-softmax is taken in fp32 over the whole vocabulary, as vLLM takes it."""
     lengths = {len(s) for s in probe.sequences}
     first = next(iter(module.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
@@ -460,7 +462,21 @@ def module_logprobs(module: torch.nn.Module, probe: Probe) -> list[list[float]]:
                 out.extend(_scores(module, torch.tensor([seq], device=device)))
             return out
     finally:
+        _reshard(module)
         module.train(training)
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    """Put every FSDP2 module of `module` back to its sharded parameters (`FSDPModule.reshard`)."""
+    import sys
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # a module is sharded only if its process imported FSDP
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module is None:
+        return
+    for sub in module.modules():
+        if isinstance(sub, fsdp_module):
+            sub.reshard()
 
 
 def _scores(module: torch.nn.Module, ids: torch.Tensor) -> list[list[float]]:

@@ -184,3 +184,35 @@ def test_module_logprobs_scores_each_next_token_in_eval_mode_and_restores_the_mo
     uneven = module_logprobs(model, Probe.of([[1, 2, 3, 4], [5, 6]]))
     assert [len(r) for r in uneven] == [3, 1] and uneven[0] == pytest.approx(got[0])
     assert vocab_size_of(model) == 11
+
+
+def _fsdp_rank(rank: int, world: int) -> dict:
+    """An FSDP2 TinyLM on 2 gloo ranks: both compute the probe; the parameters stay sharded."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    plain = [module_logprobs(model, Probe.of([[1, 2, 3, 4], [5, 6, 7, 8]]))]
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    kinds_before = sorted({type(p).__name__ for p in model.parameters()})
+    got = module_logprobs(model, Probe.of([[1, 2, 3, 4], [5, 6, 7, 8]]))
+    kinds_after = sorted({type(p).__name__ for p in model.parameters()})
+    full = {n: p.full_tensor().sum().item() for n, p in model.named_parameters()}  # a collective: fails on plain tensors
+    dist.barrier()
+    return {"plain": plain[0], "got": got, "before": kinds_before, "after": kinds_after, "full": full}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_an_fsdp2_module_computes_the_same_and_stays_sharded():
+    from tests.multiproc import run_group
+
+    ranks = run_group(_fsdp_rank, 2, timeout=150)
+    for rank in ranks:
+        assert rank["before"] == rank["after"] == ["DTensor"], rank
+        assert torch.allclose(torch.tensor(rank["got"]), torch.tensor(rank["plain"]), atol=1e-6)
+    assert ranks[0]["full"] == ranks[1]["full"]
