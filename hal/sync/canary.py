@@ -443,7 +443,7 @@ def as_canary(canary: "Canary | CanaryConfig | None") -> Canary | None:
 def module_logprobs(module: torch.nn.Module, probe: Probe) -> list[list[float]]:
     """The per-token log-probs of `probe` under `module` (a causal LM whose forward takes
     `input_ids` and returns logits, or an object with `.logits`): one batched forward
-    without gradients, in eval mode (the module's mode is restored after). An FSDP2 module's
+    without gradients, in eval mode (each submodule's mode is restored after). An FSDP2 module's
     forward is a collective: every rank of its group calls this in step; its modules are
     resharded after it (FSDP2 keeps the root's parameters unsharded after a forward, for
     the backward that follows in training: without this they stay plain full tensors). The
@@ -451,7 +451,7 @@ def module_logprobs(module: torch.nn.Module, probe: Probe) -> list[list[float]]:
     lengths = {len(s) for s in probe.sequences}
     first = next(iter(module.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
-    training = module.training
+    modes = [(sub, sub.training) for sub in module.modules()]  # each one's own: some may be frozen in eval
     module.eval()
     try:
         with torch.no_grad():
@@ -463,7 +463,8 @@ def module_logprobs(module: torch.nn.Module, probe: Probe) -> list[list[float]]:
             return out
     finally:
         _reshard(module)
-        module.train(training)
+        for sub, training in modes:
+            sub.training = training
 
 
 def _reshard(module: torch.nn.Module) -> None:

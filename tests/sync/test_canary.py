@@ -173,9 +173,10 @@ def test_module_logprobs_scores_each_next_token_in_eval_mode_and_restores_the_mo
     torch.manual_seed(0)
     model = TinyLM()
     model.train()
+    model.embed.eval()  # a frozen part stays as it was
     probe = Probe.of([[1, 2, 3, 4], [5, 6, 7, 8]])
     got = module_logprobs(model, probe)
-    assert model.training
+    assert model.training and model.dropout.training and not model.embed.training
     with torch.no_grad():
         model.eval()
         logits = model.head(model.embed(torch.tensor(probe.sequences)))
