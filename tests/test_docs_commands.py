@@ -67,6 +67,7 @@ ELSEWHERE = {
     "make demo": "tests/integrations/test_demo.py::test_demo_runs_syncs_every_step_and_writes_plot_and_json",
     "hal demo": "tests/integrations/test_demo.py::test_demo_runs_syncs_every_step_and_writes_plot_and_json",
     "hal demo --delta": "tests/integrations/test_demo.py::test_demo_delta_engine_matches_trainer_after_every_delta_and_anchor_sync",
+    "hal demo --canary-every 5": "tests/integrations/test_demo.py::test_demo_prints_and_plots_the_canary_at_every_nth_sync",
     ".venv/bin/hal demo --delta": "tests/integrations/test_demo.py::test_demo_delta_engine_matches_trainer_after_every_delta_and_anchor_sync",
     "make demo-ray": "tests/integrations/test_ray.py::test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor",
     "hal demo --ray": "tests/integrations/test_ray.py::test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor",
@@ -75,7 +76,9 @@ ELSEWHERE = {
 
 # Options whose value the cheap form replaces (None: dropped with its value).
 _CHEAP_VALUES = {"--preset": "tiny", "--repeats": "1", "--warmup": "0", "--syncs": "2", "--timeout": "240", "--bucket-mb": "1",
-                 "--segment-mb": "1", "--steps": "2", "--vllm-bucket-mb": "1"}
+                 "--segment-mb": "1", "--steps": "2", "--vllm-bucket-mb": "1",
+                 # --engine vllm: the default (smaller) model, and a probe of 2 sequences of 4 tokens
+                 "--vllm-preset": "llama-bench-fp32", "--vllm-canary": "2x4"}
 _OUTPUTS = ("--json", "--plot", "--out-dir")
 _HAL = re.compile(r"^(?:\S*/)?hal$")
 

@@ -19,6 +19,11 @@ fraction of words changed, and the bytes sent against what a dense sync sends; t
 also compares the engine's log-probabilities of its greedy tokens with the trainer's
 (`LOGPROB_TOLERANCE` in hal.tools.demo_rl). See `add_arguments` for the configuration --delta picks and why.
 
+With --canary-every N the sync runs the canary (hal.sync.canary, docs/canary.md) at syncs
+1, N+1, 2N+1, ...: the engine's log-probs of a fixed probe against the trainer's, printed
+as the max |delta log-prob| beside the outputs column, plotted against its tolerance, and a
+FAIL when it fired.
+
 Writes a PNG of reward and sync time per step; `--json PATH` writes the per-step record.
 Exits non-zero if outputs stop matching or the engine reports another version.
 
@@ -120,6 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with the trainer's weights rounded the same way (fp32 vLLM equals transformers token for token; bf16 vLLM does not)",
     )
     parser.add_argument(
+        "--canary-every", type=int, default=None, metavar="N",
+        help="run the canary at syncs 1, N+1, 2N+1, ... (CanaryConfig(mode='log', every=N), docs/canary.md): the engine's "
+        "log-probabilities of a fixed probe against the trainer's; printed as 'canary' beside the outputs column (the "
+        "max |delta log-prob|, '-' where it did not run, '!' where it fired), plotted, and a FAIL when it fired",
+    )
+    parser.add_argument(
         "--transport", choices=TRANSPORTS, default=None,
         help="how buckets reach the engine: auto (shared memory on this node), broadcast (through the group), ipc; "
         "default auto, broadcast with --delta",
@@ -142,9 +153,27 @@ def resolve_options(args: argparse.Namespace) -> None:
         anchor_every = args.anchor_every = DELTA_ANCHOR_EVERY
     if delta and (isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or anchor_every < 1):
         raise ValueError(f"--anchor-every must be at least 1, got {anchor_every!r}")
+    canary_every = getattr(args, "canary_every", None)
+    if canary_every is not None and (isinstance(canary_every, bool) or not isinstance(canary_every, int) or canary_every < 1):
+        raise ValueError(f"--canary-every must be at least 1, got {canary_every!r}")
 
 
 DELTA_KEYS = ("delta", "changed_fraction", "wire_bytes", "dense_wire_bytes", "segments_by_encoding", "logprob_gap")
+CANARY_KEYS = ("canary_max_abs", "canary_tolerance", "canary_fired")
+
+
+def canary_record(report: Any) -> dict[str, Any]:
+    """The canary fields of a step (None where the canary did not run at this sync)."""
+    if report is None:
+        return {"canary_max_abs": None, "canary_tolerance": None, "canary_fired": None}
+    return {"canary_max_abs": report.max_abs, "canary_tolerance": report.tolerance, "canary_fired": report.fired}
+
+
+def canary_cell(record: dict[str, Any]) -> str:
+    """The canary column: the max |delta log-prob|, '-' where it did not run, '!' where it fired."""
+    if record.get("canary_max_abs") is None:
+        return "-" if record.get("canary_fired") is None else "failed!"
+    return f"{record['canary_max_abs']:.1e}" + ("!" if record["canary_fired"] else "")
 
 
 def delta_record(metrics: Any) -> dict[str, Any]:
@@ -167,9 +196,31 @@ def check_ray_options(args: argparse.Namespace) -> None:
     """Refuse the single-engine options `hal demo --ray` does not take; resolve the rest."""
     if args.tied or args.in_process:
         raise ValueError("--ray runs its own engine actor: --tied and --in-process do not apply")
-    if any(getattr(args, name, None) not in (None, False) for name in ("delta", "anchor_every", "wire_dtype", "transport")):
-        raise ValueError("--delta, --anchor-every, --wire-dtype and --transport apply to the single-engine demo, not to --ray")
+    if any(getattr(args, name, None) not in (None, False) for name in ("delta", "anchor_every", "wire_dtype", "transport", "canary_every")):
+        raise ValueError(
+            "--delta, --anchor-every, --wire-dtype, --transport and --canary-every apply to the single-engine demo, not to --ray"
+        )
     resolve_options(args)
+
+
+def demo_canary(args: argparse.Namespace, trainer: Any, reference: Any, wire_dtype: Any) -> Any:
+    """The demo's canary (--canary-every N), or None: mode "log", so the loop runs on and a
+    step where it fired is a FAIL at the end. With a narrower wire the engine holds the
+    trainer's weights rounded to it, and the canary's reference is that rounded copy, held
+    to fp32's tolerance (as the output check is held to the rounded weights)."""
+    every = getattr(args, "canary_every", None)
+    if every is None:
+        return None
+    from hal.sync.canary import TOLERANCES, Canary, CanaryConfig, module_logprobs
+
+    if reference is None:
+        return Canary(CanaryConfig(mode="log", every=every))
+    import torch
+
+    return Canary(
+        CanaryConfig(mode="log", every=every, tolerance=TOLERANCES[torch.float32]),
+        reference=lambda probe: module_logprobs(round_to_wire(reference, trainer, wire_dtype), probe),
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -225,9 +276,16 @@ def main(args: argparse.Namespace) -> int:
         )
     else:
         config = SyncConfig(wire_dtype=None if wire_dtype == torch.float32 else wire_dtype)
-    sync = WeightSync([OfflineEngine(llm)], config=config, transport=args.transport)
+    canary = demo_canary(args, trainer, reference, wire_dtype)
+    sync = WeightSync([OfflineEngine(llm)], config=config, transport=args.transport, canary=canary)
+    canary_head = f" {'canary':>9}" if canary is not None else ""
     try:
         sync.init()
+        if canary is not None:
+            tolerance = f"{canary.config.tolerance:g}" if canary.config.tolerance is not None else "the dtypes' tolerance"
+            say(f"[demo] canary every {args.canary_every} syncs: the engine's log-probs of a fixed probe "
+                f"({canary.config.sequences} x {canary.config.length} tokens) against the trainer's; 'canary' is the max "
+                f"|delta log-prob| (within {tolerance}; '-': not checked at that sync, '!': fired)")
         say(f"[demo] trainer and engine worker joined one {sync.world_size}-rank group; {args.steps} steps, "
             f"reward = fraction of token {args.target_token} in {args.max_tokens}-token completions")
         if delta:
@@ -238,15 +296,17 @@ def main(args: argparse.Namespace) -> int:
             say(f"[demo] check per step: greedy tokens equal, and the engine's log-probabilities of them within "
                 f"{LOGPROB_TOLERANCE:g} of the trainer's (logp gap); segs: segments sent dense / as indices / as bitmask")
             say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'kind':>6} {'changed':>8} {'sent KiB':>9} "
-                f"{'dense KiB':>9} {'sent %':>7} {'segs d/i/b':>10} {'engine v':>8} {'outputs':>8} {'logp gap':>8}  "
+                f"{'dense KiB':>9} {'sent %':>7} {'segs d/i/b':>10} {'engine v':>8} {'outputs':>8}{canary_head} {'logp gap':>8}  "
                 "time: generate / train / check")
         else:
             if reference is not None:
                 say(f"[demo] {args.wire_dtype} wire: the fp32 engine holds the trainer's weights rounded to "
                     f"{args.wire_dtype} and is checked against exactly those")
-            say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'GiB/s':>7} {'engine v':>8} {'outputs':>8}  time: generate / train / check")
+            say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'GiB/s':>7} {'engine v':>8} {'outputs':>8}{canary_head}  "
+                "time: generate / train / check")
         for step in range(1, args.steps + 1):
             step_start = time.perf_counter()
+            canary_text = ""
             prompts = random_prompts(gen, args.prompts, spec.vocab_size)
             params = SamplingParams(
                 n=args.samples, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=args.seed * 100003 + step
@@ -282,6 +342,11 @@ def main(args: argparse.Namespace) -> int:
             }
             if delta:
                 record.update(delta_record(result.metrics), logprob_gap=logprob_gap)
+            if canary is not None:
+                record.update(canary_record(result.canary))
+                canary_text = f" {canary_cell(record):>9}"
+                if result.canary is not None and result.canary.fired:
+                    failures.append(f"step {step}: {result.canary.message()}")
             steps.append(record)
             times = f"{gen_s:.2f} / {train_s:.2f} / {check_s:.2f} s"
             if delta:
@@ -292,13 +357,13 @@ def main(args: argparse.Namespace) -> int:
                 say(f"{step:>5} {reward:>7.3f} {loss:>8.3f} {result.seconds:>8.4f} {'delta' if m['delta'] else 'anchor':>6} "
                     f"{changed:>8} {m['wire_bytes'] / 2**10:>9.1f} {m['dense_wire_bytes'] / 2**10:>9.1f} "
                     f"{100 * m['wire_bytes'] / m['dense_wire_bytes']:>6.1f}% {segs_text:>10} "
-                    f"{engine_version:>8} {'match' if match else 'DIFFER':>8} {logprob_gap:>8.1e}  {times}")
+                    f"{engine_version:>8} {'match' if match else 'DIFFER':>8}{canary_text} {logprob_gap:>8.1e}  {times}")
                 if logprob_gap > LOGPROB_TOLERANCE:
                     failures.append(f"step {step}: engine log-probabilities differ from the trainer's by {logprob_gap:.2e} "
                                     f"(more than {LOGPROB_TOLERANCE:g})")
             else:
                 say(f"{step:>5} {reward:>7.3f} {loss:>8.3f} {result.seconds:>8.4f} {result.gib_per_s:>7.3f} "
-                    f"{engine_version:>8} {'match' if match else 'DIFFER':>8}  {times}")
+                    f"{engine_version:>8} {'match' if match else 'DIFFER':>8}{canary_text}  {times}")
             if not match:
                 failures.append(f"step {step}: engine greedy output differs from the trainer's")
             if engine_version != str(step):
@@ -313,6 +378,7 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             keys = ("step", "reward", "sync_seconds", "engine_version", "outputs_match") + (DELTA_KEYS if delta else ())
+            keys += CANARY_KEYS if canary is not None else ()
             json.dump({"steps": [{k: s[k] for k in keys} for s in steps]}, f, indent=2)
     first = sum(s["reward"] for s in steps[: max(1, len(steps) // 5)]) / max(1, len(steps) // 5)
     last = sum(s["reward"] for s in steps[-max(1, len(steps) // 5):]) / max(1, len(steps) // 5)

@@ -79,6 +79,33 @@ def test_demo_delta_engine_matches_trainer_after_every_delta_and_anchor_sync(tmp
     assert "checked against exactly those" in proc.stdout  # bf16 wire: compared with bf16-rounded trainer weights
 
 
+@pytest.mark.timeout(300)
+def test_demo_prints_and_plots_the_canary_at_every_nth_sync(tmp_path):
+    """`hal demo --canary-every 2`: the canary runs at syncs 1 and 3 (not 2), stays quiet on
+    these healthy syncs, and its max |delta log-prob| is printed beside the outputs column,
+    written to the JSON and plotted."""
+    out = tmp_path / "demo"
+    report = tmp_path / "steps.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hal", "demo", "--in-process", "--steps", "3", "--canary-every", "2", "--out-dir", str(out),
+         "--json", str(report)],
+        capture_output=True, text=True, timeout=280, env={**os.environ, "VERL_DEVICE": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads(report.read_text())["steps"]
+    assert set(steps[0]) == {"step", "reward", "sync_seconds", "engine_version", "outputs_match", "canary_max_abs",
+                             "canary_tolerance", "canary_fired"}
+    assert [s["canary_fired"] for s in steps] == [False, None, False], steps
+    assert [s["canary_max_abs"] is None for s in steps] == [False, True, False]
+    assert all(s["canary_max_abs"] < s["canary_tolerance"] for s in steps if s["canary_max_abs"] is not None), steps
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("step"))
+    assert header.index("outputs") < header.index("canary") < header.index("time:")
+    rows = [line.split() for line in lines if line.split() and line.split()[0] in ("1", "2", "3")]
+    assert [row[7] for row in rows] == [f"{steps[0]['canary_max_abs']:.1e}", "-", f"{steps[2]['canary_max_abs']:.1e}"], rows
+    assert (out / "demo.png").stat().st_size > 0
+
+
 def test_demo_model_options_parse_and_match_tiny_model():
     from hal.cli import build_parser
     from hal.tools.demo import ARCHITECTURES
@@ -117,7 +144,9 @@ def test_demo_delta_defaults_and_refusals():
         resolve_options(build_parser().parse_args(["demo", "--anchor-every", "4"]))
     with pytest.raises(ValueError, match="--anchor-every"):
         resolve_options(build_parser().parse_args(["demo", "--delta", "--anchor-every", "0"]))
-    for extra in (["--delta"], ["--anchor-every", "2"], ["--wire-dtype", "bfloat16"], ["--transport", "broadcast"]):
+    with pytest.raises(ValueError, match="--canary-every must be at least 1"):
+        resolve_options(build_parser().parse_args(["demo", "--canary-every", "0"]))
+    for extra in (["--delta"], ["--anchor-every", "2"], ["--wire-dtype", "bfloat16"], ["--transport", "broadcast"], ["--canary-every", "2"]):
         with pytest.raises(ValueError, match="not to --ray"):
             args = build_parser().parse_args(["demo", "--ray", *extra])
             args.func(args)  # as `hal demo --ray ...` runs it

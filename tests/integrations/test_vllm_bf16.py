@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from hal.tools.demo import engine_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, SyncConfig  # noqa: E402
+from hal.sync.canary import CALIBRATION_FLOORS, TOLERANCES, CanaryConfig  # noqa: E402
 from tests.integrations.llm import in_process_llm, weight_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
@@ -58,11 +59,17 @@ def test_wire_dtype_bf16_equals_vllms_own_reload_of_the_same_weights(bf16_engine
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.2)
     config = SyncConfig(bucket_bytes=256 << 10, wire_dtype=torch.bfloat16)
-    with WeightSync([OfflineEngine(llm)], config=config, timeout_s=60) as sync:
-        sync.sync(model, version=10)
+    # fp32 trainer against a bf16 engine: not bit-equal; the canary's tolerance comes from bf16 and is
+    # calibrated at the first sync (docs/canary.md)
+    canary = CanaryConfig(mode="enforce", calibrate=True)
+    with WeightSync([OfflineEngine(llm)], config=config, timeout_s=60, canary=canary) as sync:
+        first = sync.sync(model, version=10).canary
+        assert first.dtype == "bfloat16" and first.calibrated and not first.fired, first
+        assert CALIBRATION_FLOORS[torch.bfloat16] <= first.tolerance <= TOLERANCES[torch.bfloat16]
         via_hal = engine_greedy(llm, PROMPTS, MAX_TOKENS)
         assert weight_version(llm) == "10"
         other = {n: p.detach() + 0.3 for n, p in model.named_parameters()}
+        sync.canary = None  # a dict is not a module: nothing to compute the trainer's log-probs with
         sync.sync(other, version=11)
         assert engine_greedy(llm, PROMPTS, MAX_TOKENS) != via_hal
 

@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  #
 from hal.integrations.vllm.client import ClientEngine, WeightSync  # noqa: E402
 from hal.procs import free_port  # noqa: E402
 from hal.sync import StaleVersionError, SyncConfig  # noqa: E402
+from hal.sync.canary import CanaryConfig  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(660)]
 
@@ -132,7 +133,10 @@ def test_http_server_sync_matches_transformers_and_reports_version(server):
     base, model_dir = server
     model = load_trainer_model(model_dir)
     # vLLM's own client, as its RL examples build it; WeightSync completes it (ClientEngine)
-    sync = WeightSync([HTTPVLLMWeightSyncClient(base, timeout=120)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=120)
+    sync = WeightSync(
+        [HTTPVLLMWeightSyncClient(base, timeout=120)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=120,
+        canary=CanaryConfig(mode="enforce"),  # the probe through POST /v1/completions with prompt_logprobs
+    )
     (engine,) = sync.engines
     assert isinstance(engine, ClientEngine) and engine.name == base and engine.num_workers == 1
     try:
@@ -145,6 +149,7 @@ def test_http_server_sync_matches_transformers_and_reports_version(server):
                     p.add_(torch.randn(p.shape, generator=gen) * 0.2)
             result = sync.sync(model, version=version)
             assert result.engine_versions == {base: str(version)}
+            assert set(result.canary.engines) == {base} and not result.canary.fired, result.canary
             assert weight_version(base) == str(version)
             assert server_greedy(base, PROMPTS) == trainer_greedy(model, PROMPTS, MAX_TOKENS)
         with pytest.raises(StaleVersionError):

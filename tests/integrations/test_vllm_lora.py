@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from hal.tools.demo import trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, SyncConfig, TensorSource  # noqa: E402
+from hal.sync.canary import CanaryConfig  # noqa: E402
 from hal.sync.lora import adapter_config, adapter_tensors, base_tensors  # noqa: E402
 from tests.integrations.llm import in_process_llm, skip_unless_lora_runs_here, weight_version  # noqa: E402
 
@@ -121,6 +122,8 @@ def engine(tmp_path_factory):
             config=SyncConfig(bucket_bytes=64 << 10),  # several buckets even for the adapter alone
             timeout_s=60,
             adapter_dir=str(tmp_path_factory.mktemp("adapter")),
+            # every sync: the engine's log-probs with the adapter against the peft model's (docs/canary.md)
+            canary=CanaryConfig(mode="enforce"),
         )
         try:
             sync.init()
@@ -213,6 +216,9 @@ def test_steady_state_sends_only_adapter_bytes_and_engine_follows(engine):
         assert result.metrics.bytes == lora_param_bytes(model) == nbytes(adapter_tensors(model))
         assert result.metrics.tensors == 2 * len(TARGETS) * 2  # lora_A and lora_B per target, 2 layers
         assert result.metrics.buckets > 1
+        # the canary computed the probe with the adapter (a LoRARequest) against the peft model: quiet
+        report = result.result.canary
+        assert report is not None and not report.fired and report.engines["llm"].max_abs < report.tolerance, report
         now = engine_greedy(llm, PROMPTS, sync.lora_request())
         assert now == peft_greedy(model)
         assert now != served, "the trained adapter should change greedy output (else the test proves nothing)"

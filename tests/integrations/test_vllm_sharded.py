@@ -155,6 +155,10 @@ class RemoteEngine:
     def shutdown_weight_transfer_engine(self) -> None:
         self.call("shutdown_weight_transfer_engine")
 
+    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
+        """The canary's probe, computed by the engine's own generate (hal.integrations.vllm.canary)."""
+        return self.call("prompt_logprobs", prompts)
+
 
 ENGINE_CALLS = (
     "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
@@ -193,12 +197,14 @@ def serve_calls(calls: dict[str, Any]) -> Iterator[tuple[str, int]]:
 @contextlib.contextmanager
 def served(llm: Any) -> Iterator[tuple[str, int]]:
     """Serve `OfflineEngine(llm)`'s calls, and `check` / `record`, on a loopback port."""
+    from hal.integrations.vllm.canary import llm_prompt_logprobs
     from hal.integrations.vllm.client import OfflineEngine
     from hal.tools.demo import engine_greedy
 
     engine = OfflineEngine(llm, name="tp2")
     calls = {name: getattr(engine, name) for name in ENGINE_CALLS}
     calls["record"] = lambda: llm.collective_rpc("hal_record_received")
+    calls["prompt_logprobs"] = lambda prompts: llm_prompt_logprobs(llm, prompts, where="engine 'tp2'")
     calls["check"] = lambda: {
         "received": llm.collective_rpc("hal_received"),
         "states": llm.collective_rpc("hal_state"),
@@ -218,6 +224,7 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
 
     from hal.integrations.vllm.client import WeightSync
     from hal.sync import ModuleSource, SyncConfig, SyncError
+    from hal.sync.canary import CanaryConfig
     from hal.tools.demo import trainer_greedy
     from hal.tools.tiny_model import load_trainer_model
 
@@ -232,9 +239,10 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
     engine = RemoteEngine(address if rank == 0 else None)
     out: dict[str, Any] = {"steps": []}
 
-    # 1. three syncs, an optimizer step before each
+    # 1. three syncs, an optimizer step before each; the canary after each (every rank takes part in its forward)
     sync = WeightSync(
         [engine], config=SyncConfig(**SYNC_CONFIG), timeout_s=TIMEOUT_S, token=TOKEN, trainer_group=dist.group.WORLD, senders="all",
+        canary=CanaryConfig(mode="enforce"),
     )
     sync.init()
     if rank == 0:
@@ -251,6 +259,7 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
             step = {
                 "bytes": result.metrics.bytes, "model_bytes": result.metrics.model_bytes, "senders": result.metrics.senders,
                 "engine_versions": result.engine_versions, "digests": {n: sha(t) for n, t in full.items()},
+                "canary": result.canary.as_dict(),
             }
             if rank == 0:
                 step["engine"] = engine.call("check")
@@ -362,6 +371,10 @@ def test_every_rank_sends_its_shard_bit_exact_over_three_syncs(scenario):
             assert record["bytes"] == shares[rank], f"sync {step}: trainer rank {rank} sent {record['bytes']}, its share is {shares[rank]}"
             assert record["model_bytes"] == model_bytes and record["senders"] == 2
             assert record["engine_versions"] == {"tp2": str(step)}  # the same result on both ranks
+            canary = record["canary"]  # rank 0's report, on both ranks (but each its own time): the engine against the FSDP2 forward
+            assert {**canary, "seconds": None} == {**mine["canary"], "seconds": None}, (canary, mine["canary"])
+            assert set(canary["engines"]) == {"tp2"} and not canary["fired"], canary
+            assert canary["version"] == step and canary["engines"]["tp2"]["max_abs"] < canary["tolerance"], canary
         assert theirs["digests"] == mine["digests"]
         engine = mine["engine"]
         # each worker was handed every tensor whole, with the bytes the trainer holds

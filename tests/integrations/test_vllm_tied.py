@@ -196,6 +196,7 @@ def test_tiny_model_stamp_covers_architecture_and_tying(tmp_path):
 def test_hal_engine_keeps_tied_and_untied_models_exact_over_three_syncs(tmp_path, architecture, tied):
     from hal.integrations.vllm.client import OfflineEngine, WeightSync
     from hal.sync import SyncConfig
+    from hal.sync.canary import CanaryConfig
 
     spec = TinyModelSpec(architecture=architecture, tie_word_embeddings=tied, seed=7)
     model_dir = build_tiny_model(tmp_path / "model", spec)
@@ -204,10 +205,12 @@ def test_hal_engine_keeps_tied_and_untied_models_exact_over_three_syncs(tmp_path
         engine, hf = greedy_pair(llm, model)
         assert engine == hf, f"at start: engine greedy {engine} != transformers greedy {hf}"
         outputs = [engine]
-        with WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60) as sync:
+        canary = CanaryConfig(mode="enforce")  # docs/canary.md: quiet on every healthy sync
+        with WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60, canary=canary) as sync:
             for version in (1, 2, 3):
                 perturb(model, seed=1000 + version)
-                sync.sync(model, version=version)
+                report = sync.sync(model, version=version).canary
+                assert report is not None and not report.fired, report
                 engine, hf = greedy_pair(llm, model)
                 where = f"sync {version} ({architecture}, tied={tied})"
                 assert engine == hf, f"{where}: engine greedy {engine} != transformers greedy {hf}"

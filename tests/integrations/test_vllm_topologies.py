@@ -42,6 +42,7 @@ from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SyncConfig  # noqa: E402
+from hal.sync.canary import CanaryConfig  # noqa: E402
 from tests.integrations.llm import weight_version  # noqa: E402
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -58,6 +59,8 @@ pytestmark = [
 MAX_TOKENS = 10
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13], [1, 40, 41]]
 SEEDS = {"broadcast": (11, 12), "ipc": (21, 22)}  # of the two perturbations per test
+# every engine's log-probs on a probe against the trainer's after every sync (docs/canary.md): quiet when healthy
+CANARY = CanaryConfig(mode="enforce")
 # Several buckets per sync (the tiny model is ~1.6 MB in fp32), several segments per bucket.
 SYNC_CONFIG = dict(bucket_bytes=256 << 10, segment_bytes=64 << 10)
 # Processes that outlive an engine by design: multiprocessing's resource tracker, started
@@ -210,7 +213,7 @@ class TestTensorParallel2:
 
         engine = OfflineEngine(llm, name="tp2")
         assert engine.num_workers == 2
-        sync = WeightSync([engine], config=SyncConfig(**SYNC_CONFIG), timeout_s=60, transport=transport)
+        sync = WeightSync([engine], config=SyncConfig(**SYNC_CONFIG), timeout_s=60, transport=transport, canary=CANARY)
         sync.init()
         try:
             assert sync.world_size == 3 and sync.transport == transport
@@ -220,6 +223,7 @@ class TestTensorParallel2:
                 perturb(model, seed=SEEDS[transport][step])
                 result = sync.sync(model, version=version)
                 assert result.engine_versions == {"tp2": str(version)}
+                assert set(result.canary.engines) == {"tp2"} and not result.canary.fired, result.canary
                 outputs.append(assert_synced(llm, version, 2, trainer_greedy(model, PROMPTS, MAX_TOKENS), "tp2"))
         finally:
             sync.close()
@@ -280,7 +284,7 @@ class TestTwoReplicas:
         assert engine_greedy(b, PROMPTS, MAX_TOKENS) == want, "engine b differs from the trainer before any sync of this test"
 
         engines = [OfflineEngine(a, name="a"), OfflineEngine(b, name="b")]
-        sync = WeightSync(engines, config=SyncConfig(**SYNC_CONFIG), timeout_s=60, transport=transport)
+        sync = WeightSync(engines, config=SyncConfig(**SYNC_CONFIG), timeout_s=60, transport=transport, canary=CANARY)
         sync.init()
         try:
             assert sync.world_size == 3  # the trainer, a's worker (rank 1), b's worker (rank 2)
@@ -291,6 +295,7 @@ class TestTwoReplicas:
                 perturb(model, seed=100 + SEEDS[transport][step])
                 result = sync.sync(model, version=version)
                 assert result.engine_versions == {"a": str(version), "b": str(version)}
+                assert set(result.canary.engines) == {"a", "b"} and not result.canary.fired, result.canary
                 want = trainer_greedy(model, PROMPTS, MAX_TOKENS)
                 outputs.append(assert_synced(a, version, 1, want, "a"))
                 assert_synced(b, version, 1, want, "b")

@@ -11,7 +11,9 @@ What each module holds (importing this package imports none of them, and no vLLM
 - `client`: the trainer side's names (`WeightSync`, the engines it drives, vLLM's trainer
   factory), from `weight_sync` (`WeightSync`: one resend loop around a driver), `drivers`
   (one sender, gather-then-send; the engines' calls), `sharded_sync` (every trainer rank
-  sends), `engines` (vLLM's clients completed, hal's adapters) and `trainer_engine`.
+  sends), `engines` (vLLM's clients completed, hal's adapters) and `trainer_engine`;
+  `canary`: after a sync, the canary's probe through each engine's own serving path
+  (`WeightSync(canary=...)`, hal.sync.canary, docs/canary.md).
 - `internals`: every private vLLM name verl-hal uses, behind a version check; `needs` lists
   them with how hal calls them and in which releases. Import vLLM only inside their functions.
 

@@ -452,6 +452,21 @@ def shutdown_llm(llm: Any, timeout_s: float = 30.0) -> None:
         engine.release()
 
 
+def logprobs_mode(llm: Any) -> str:
+    """What an offline `LLM` returns as log-probs (`llm.llm_engine.vllm_config.model_config.logprobs_mode`:
+    "raw_logprobs" by default; the "*_logits" modes return logits instead). The canary
+    (hal.integrations.vllm.canary) reads it before comparing an engine's prompt log-probs."""
+    require_supported_vllm()
+    return str(llm.llm_engine.vllm_config.model_config.logprobs_mode)
+
+
+def lora_enabled(llm: Any) -> bool:
+    """Whether an offline `LLM` serves LoRA adapters (`llm.llm_engine.vllm_config.lora_config`
+    is set): the canary then avoids prompt log-probs (hal.integrations.vllm.canary)."""
+    require_supported_vllm()
+    return llm.llm_engine.vllm_config.lora_config is not None
+
+
 def worker_model(worker: Any) -> torch.nn.Module:
     """The model a vLLM worker runs (`worker.model_runner.get_model()`)."""
     return worker.model_runner.get_model()

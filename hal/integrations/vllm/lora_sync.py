@@ -33,6 +33,7 @@ from hal.integrations.vllm.engines import Engine, as_engine
 from hal.integrations.vllm.lora_engine import DEFAULT_LORA_ID, DEFAULT_LORA_NAME, HalLoraInitInfo
 from hal.integrations.vllm.weight_sync import SyncResult, WeightSync
 from hal.sync import SyncConfig, TensorSource
+from hal.sync.canary import as_canary
 from hal.sync.lora import BaseWeightTracker, LoraSyncDecision, MergedSource, adapter_tensors, base_tensors
 from hal.sync import errors
 from hal.sync.errors import RankReport
@@ -137,6 +138,10 @@ class LoraWeightSync:
 
     `trainer_group=g, senders="all"` (on every rank of `g`): every trainer rank sends its own
     rows (see the module doc); `token` as for `WeightSync`.
+
+    `canary` (a `CanaryConfig` or `Canary`, hal.sync.canary): after a sync that is due, the
+    engines compute the probe with the synced adapter (`lora_request()`) against the peft
+    model's forward (docs/canary.md); the report is `result.result.canary`.
     """
 
     def __init__(
@@ -159,6 +164,7 @@ class LoraWeightSync:
         token: str | None = None,
         trainer_group: Any = None,
         senders: str = "one",
+        canary: Any = None,
     ) -> None:
         if senders == "all" and adapter_merged:
             raise ValueError(
@@ -192,6 +198,8 @@ class LoraWeightSync:
             master_address=master_address, master_port=master_port, token=token,
             trainer_group=trainer_group, senders=senders,
         )
+        self.canary = as_canary(canary)
+        """The canary (hal.sync.canary), None when off: run here, since the sync's own source is the parts that travel."""
 
     def init(self) -> None:
         self.weight_sync.init()
@@ -225,6 +233,8 @@ class LoraWeightSync:
         start = time.perf_counter()
         result = self.weight_sync.sync(source, version)
         self.tracker.sent(decision)
+        # the engines serve the adapter through a LoRARequest; the trainer's reference is the peft model's forward
+        self.weight_sync.check_canary(model, version, result, canary=self.canary, lora_request=self.lora_request())
         logger.info(
             "hal-lora sync v%d: %s (%s) in %.3f s", version, "+".join(decision.parts), decision.reason, time.perf_counter() - start
         )

@@ -84,6 +84,22 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm:LLM.shutdown_weight_transfer_engine", call=Call(0), since=SHUTDOWN_SINCE,
          why="OfflineEngine (none before 0.32: engines_can_be_shut_down)"),
     Need(target="vllm:LLM.collective_rpc", call=Call(1, "kwargs"), why="ExtensionEngine"),
+    # the canary's engine side (hal.integrations.vllm.canary): the probe through the engine's own serving path
+    Need(target="vllm:SamplingParams", call=Call(0, "max_tokens", "prompt_logprobs", "temperature", "detokenize"),
+         why="canary.sampling_params"),
+    Need(target="vllm:SamplingParams", call=Call(0, "max_tokens", "logprobs", "temperature", "allowed_token_ids", "detokenize"),
+         why="canary.forced_params"),
+    Need(target="vllm.outputs:CompletionOutput.logprobs", why="canary.generate_logprobs (forced decode steps)"),
+    Need(target="vllm.outputs:CompletionOutput.token_ids", why="canary.generate_logprobs (forced decode steps)"),
+    Need(target="vllm.outputs:RequestOutput.outputs", why="canary.generate_logprobs (forced decode steps)"),
+    Need(target="vllm:LLM.generate", call=Call(2, "use_tqdm", "lora_request"), why="canary.llm_prompt_logprobs"),
+    Need(target="vllm:LLM.get_tokenizer", call=Call(0), why="canary.engine_vocab_limit"),
+    Need(target="vllm.outputs:RequestOutput.prompt_logprobs", why="canary.prompt_values"),
+    Need(target="vllm.logprobs:Logprob.logprob", why="canary.prompt_values"),
+    Need(target="vllm.entrypoints.openai.completion.protocol:CompletionRequest.prompt_logprobs", since=(0, 32),
+         why="canary.http_prompt_logprobs (POST /v1/completions)"),
+    Need(target="vllm.entrypoints.openai.completion.protocol:CompletionResponseChoice.prompt_logprobs", since=(0, 32),
+         why="canary.http_prompt_logprobs"),
     # the routes of `vllm serve` hal posts to itself (vLLM's HTTP client posts the four phases);
     # 0.32 moved them from the development router to the RL one
     *(Need(target=router, text=f"/{route}", why="ServerRoutes (hal.integrations.vllm.engines)", **releases)
@@ -108,7 +124,10 @@ VLLM_NEEDS: tuple[Need, ...] = (
          why="refresh_tied_weights (DERIVED_ATTR, set there)"),
     Need(target="vllm.entrypoints.llm:LLM.llm_engine", why="shutdown_llm, OfflineEngine"),
     Need(target="vllm.v1.engine.llm_engine:LLMEngine.engine_core", why="shutdown_llm"),
-    Need(target="vllm.v1.engine.llm_engine:LLMEngine.vllm_config", why="OfflineEngine"),
+    Need(target="vllm.v1.engine.llm_engine:LLMEngine.vllm_config", why="OfflineEngine, logprobs_mode"),
+    Need(target="vllm.config.vllm:VllmConfig.model_config", why="logprobs_mode"),
+    Need(target="vllm.config.model:ModelConfig.logprobs_mode", why="logprobs_mode (hal.integrations.vllm.canary)"),
+    Need(target="vllm.config.vllm:VllmConfig.lora_config", why="lora_enabled (hal.integrations.vllm.canary)"),
     Need(target="vllm.v1.engine.core_client:EngineCoreClient.shutdown", call=Call(0, "timeout"), why="shutdown_llm"),
     # engine_process_ids: the processes whose leftovers shutdown_llm removes
     Need(target="vllm.v1.engine.core_client:MPClient.resources", why="engine_process_ids"),

@@ -36,11 +36,13 @@ from typing import Any, Sequence
 
 from hal import env
 from hal.integrations._shared import SyncResult, keep_stdout
+from hal.integrations.vllm.canary import check_after_sync
 from hal.integrations.vllm.drivers import INCONSISTENT_PREFIX, EngineCalls, GatherThenSend, OneSender, Settings
 from hal.integrations.vllm.engines import Engine, as_engine
 from hal.integrations.vllm.info import ENGINE_TRANSPORTS
 from hal.integrations.vllm.sharded_sync import EveryRankSends
 from hal.sync import Sender, SyncConfig, SyncError
+from hal.sync.canary import Canary, as_canary
 from hal.sync.errors import check_version
 from hal.sync.protocol import GroupChannel
 from hal.sync.source import as_source
@@ -76,6 +78,11 @@ class WeightSync:
     return or raise the same on every rank. The other ranks pass the same `engines` (never
     called: checked against rank 0's names and sizes) or none, `[]` (they learn them from
     rank 0 at `init`). Over the "broadcast" transport only.
+
+    `canary` (a `hal.sync.canary.CanaryConfig` or `Canary`; off by default): every few
+    completed syncs, the engines' log-probs on a fixed probe are compared with the
+    trainer's (hal.integrations.vllm.canary, docs/canary.md); the result is
+    `SyncResult.canary`, and in "enforce" mode an engine that differs raises `CanaryError`.
     """
 
     def __init__(
@@ -91,6 +98,7 @@ class WeightSync:
         resend_after_failure: int = 1,
         trainer_group: Any = None,
         senders: str = "one",
+        canary: Any = None,
     ) -> None:
         if transport != "auto" and transport not in ENGINE_TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(ENGINE_TRANSPORTS)}, got {transport!r}")
@@ -140,6 +148,8 @@ class WeightSync:
         self.version: int | None = None
         self.inconsistent: set[str] = set()
         """Engines holding part of a failed sync (some tensors new, some old), by name."""
+        self.canary: Canary | None = as_canary(canary)
+        """The canary (hal.sync.canary), None when off."""
 
     @property
     def transport(self) -> str:
@@ -185,6 +195,9 @@ class WeightSync:
         engine inconsistent (see the class doc); `self.inconsistent` then names the engines
         that hold part of it, and they report `inconsistent:<version>` as weight version.
         With senders="all", on every trainer rank: each returns or raises the same.
+        With a canary (`canary=`) due at this sync, its report is `result.canary`; in
+        "enforce" mode an engine that computes other log-probs than the trainer raises
+        `CanaryError` after the sync completed (the engines hold the new version).
         """
         if self._driver.core_sender is None:
             raise RuntimeError("WeightSync.sync before init()")
@@ -208,7 +221,23 @@ class WeightSync:
                 raise
         self.version = version
         self.inconsistent.clear()
-        return SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
+        result = SyncResult(version=version, seconds=time.perf_counter() - start, metrics=metrics, engine_versions=versions, resent=attempt > 0)
+        self.check_canary(source, version, result)  # after the sync, not timed in it
+        return result
+
+    def check_canary(self, source: Any, version: int, result: SyncResult, *, canary: Canary | None = None, lora_request: Any = None) -> None:
+        """The canary's check after a completed sync of `source` as `version`, if `canary`
+        (default: this sync's own) is due: its report into `result.canary`; `CanaryError`
+        (carrying `result`) in "enforce" mode when an engine differs. `lora_request`: the
+        engines compute with that adapter (hal-lora's `LoraWeightSync`, which holds its own
+        canary and whose source is the peft model). With senders="all", on every trainer
+        rank (every rank runs the forward; rank 0 asks the engines, through the driver's
+        trainer channel)."""
+        check_after_sync(
+            self.canary if canary is None else canary, self.engines, source=source, version=version, result=result,
+            wire_dtype=self.config.wire_dtype, timeout_s=self.timeout_s, channel=self._driver.trainer_channel,
+            gathering=isinstance(self._driver, GatherThenSend), lora_request=lora_request,
+        )
 
     def _resends(self, exc: SyncError) -> bool:
         """Whether a failed attempt is sent again: the trainer's own failure that left an

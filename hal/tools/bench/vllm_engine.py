@@ -29,6 +29,18 @@ per round; --warmup rounds discarded, --repeats rounds measured), so that load f
 processes on a shared machine hits every method alike; `seconds` are medians. Further
 hal configurations (--vllm-transports x --vllm-bucket-mb beyond the first) run afterwards
 and are reported under `hal_by_config`.
+
+`--vllm-preset qwen2.5-0.5b` serves a model of Qwen2.5-0.5B's shape instead (Qwen2
+architecture, 24 layers, hidden 896, vocabulary 151,936, tied embeddings: 494 M
+parameters, 1.84 GiB in fp32, 290 tensors), built locally with random weights.
+
+`--vllm-canary SxL[,SxL...]` also times the canary (hal.sync.canary, docs/canary.md) after
+each sync of the rounds, outside the sync's time, once per probe shape: the trainer's
+log-probs of a probe of S sequences of L tokens (a transformers model holding the synced
+weights, assigned without a copy, its forward on one torch thread: `CANARY_THREADS`) against
+the engine's `prompt_logprobs`, both computed at once as `WeightSync` runs them. Reported under `canary`, one entry per shape: its median
+time, the trainer's and the engine's parts, and its share of a sync's time when it runs at
+every sync and at every 10th.
 """
 
 from __future__ import annotations
@@ -75,12 +87,61 @@ def add_arguments(parser: Any) -> None:
         "vocab-sized matrix fewer, and every hal sync also checks that the engine's tied head was refreshed",
     )
     parser.add_argument(
+        "--vllm-preset", choices=tuple(VLLM_PRESETS), default=DEFAULT_VLLM_PRESET,
+        help=f"--engine vllm: the model the engine serves: {'; '.join(f'{k}: {v}' for k, v in VLLM_PRESETS.items())} "
+        f"(default {DEFAULT_VLLM_PRESET})",
+    )
+    parser.add_argument(
+        "--vllm-canary", type=_probe_shapes, default=None, metavar="SxL[,SxL...]",
+        help="--engine vllm: also time the canary after each hal sync of the rounds, on a probe of S sequences of L "
+        "tokens (4x32 is CanaryConfig's default), once per shape given, outside the sync's time (docs/canary.md)",
+    )
+    parser.add_argument(
         "--vllm-in-process", action="store_true",
         help="--engine vllm: run vLLM's engine core and worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
     )
 
 
 VLLM_METHODS = ("hal", "disk_reload", "rpc_bytes", "apply", "floor")
+DEFAULT_VLLM_PRESET = "llama-bench-fp32"
+# torch threads of the trainer's forward while the canary runs: on 2 shared cores two threads
+# stall at every op's barrier when one is descheduled (the 0.5B model's 72 MLP matmuls of 8
+# tokens: 0.55-0.66 s with one thread, 3.4-6.9 s with two, load average 27), as in the
+# transfer benchmark (`--threads`, default 1).
+CANARY_THREADS = 1
+VLLM_PRESETS = {  # name -> what it is (`vllm_spec` builds it)
+    "llama-bench-fp32": "a Llama-architecture model of 0.63 GiB fp32, 75 tensors",
+    "qwen2.5-0.5b": "Qwen2.5-0.5B's shape (tied, 24 layers, vocabulary 151,936), 1.84 GiB fp32, 290 tensors",
+}
+
+
+def _probe_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    shapes = []
+    for item in text.split(","):
+        try:
+            sequences, length = (int(x) for x in item.strip().lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected SxL (sequences x tokens, e.g. 4x32), got {item!r}") from None
+        if sequences < 1 or length < 2:
+            raise argparse.ArgumentTypeError(f"a probe needs at least 1 sequence of at least 2 tokens, got {item!r}")
+        shapes.append((sequences, length))
+    return tuple(shapes)
+
+
+def vllm_spec(preset: str, tied: bool) -> Any:
+    """The `TinyModelSpec` of a `--vllm-preset` (`--vllm-tied` ties the default one)."""
+    from dataclasses import replace
+
+    from hal.tools.tiny_model import BENCH_SPEC, TinyModelSpec
+
+    if preset == "qwen2.5-0.5b":  # Qwen/Qwen2.5-0.5B's config.json (as hal.tools.bench.presets)
+        return TinyModelSpec(
+            architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+            num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, init_std=0.02,
+        )
+    if preset != DEFAULT_VLLM_PRESET:
+        raise ValueError(f"--vllm-preset: expected one of {list(VLLM_PRESETS)}, got {preset!r}")
+    return replace(BENCH_SPEC, tie_word_embeddings=True) if tied else BENCH_SPEC
 TRANSPORTS = ("ipc", "broadcast")
 
 
@@ -118,15 +179,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file, save, save_file
 
-    from dataclasses import replace
-
-    from hal.tools.tiny_model import BENCH_SPEC, build_tiny_llama
+    from hal.tools.tiny_model import build_tiny_llama
     from hal.integrations.vllm.client import OfflineEngine, WeightSync
     from hal.sync import SyncConfig, TensorSource
 
-    tied = bool(getattr(args, "vllm_tied", False))
-    spec = replace(BENCH_SPEC, tie_word_embeddings=True) if tied else BENCH_SPEC
-    default_dir = Path(tempfile.gettempdir()) / ("hal-bench-vllm-model-tied" if tied else "hal-bench-vllm-model")
+    preset = getattr(args, "vllm_preset", DEFAULT_VLLM_PRESET)
+    spec = vllm_spec(preset, bool(getattr(args, "vllm_tied", False)))
+    tied = spec.tie_word_embeddings
+    default_dir = Path(tempfile.gettempdir()) / (
+        f"hal-bench-vllm-{preset}" if preset != DEFAULT_VLLM_PRESET else "hal-bench-vllm-model-tied" if tied else "hal-bench-vllm-model"
+    )
     model_dir = Path(args.vllm_model_dir or default_dir)
     print(f"[bench vllm] model {spec.nbytes_fp32() / GIB:.2f} GiB fp32{' (tied embeddings)' if tied else ''} in {model_dir}", flush=True)
     build_tiny_llama(model_dir, spec)
@@ -162,6 +224,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counter["set"] += 1
         return weight_sets[counter["set"] % 2]
 
+    canary_shapes = getattr(args, "vllm_canary", None) or ()
+    canary_runs: dict[tuple[int, int], list[Any]] = {shape: [] for shape in canary_shapes}
+    if canary_shapes:
+        from hal.integrations.vllm.canary import check_engines
+        from hal.sync.canary import Canary, CanaryConfig
+        from hal.tools.tiny_model import load_trainer_model
+
+        print(f"[bench vllm] loading the trainer's model for the canary ({', '.join(f'{s}x{n}' for s, n in canary_shapes)}) ...", flush=True)
+        trainer = load_trainer_model(model_dir)
+        canaries = {shape: Canary(CanaryConfig(mode="log", sequences=shape[0], length=shape[1])) for shape in canary_shapes}
+
+    def canary_once(version: int) -> None:
+        """The canary on the weights the engine now serves, once per probe shape (untimed in the sync)."""
+        weights = weight_sets[counter["set"] % 2]
+        trainer.load_state_dict(weights, strict=False, assign=True)  # the synced tensors themselves, no copy
+        if tied:
+            trainer.get_output_embeddings().weight = trainer.get_input_embeddings().weight
+        threads = torch.get_num_threads()
+        torch.set_num_threads(CANARY_THREADS)
+        try:
+            for shape, canary in canaries.items():
+                canary_runs[shape].append(check_engines(canary, [engine], source=trainer, version=version, wire_dtype=None, timeout_s=timeout_s))
+        finally:
+            torch.set_num_threads(threads)
+
     def next_version() -> int:
         counter["version"] += 1
         return counter["version"]
@@ -187,6 +274,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("the engine did not refresh its tied lm_head after the sync")
         worker = llm.collective_rpc("bench_last_metrics")[0]  # after the timed part
         metrics.append({"sender": result.metrics.as_dict(), "receiver": worker})
+        if canary_shapes and metrics is primary_metrics:  # the rounds' syncs only, after the timed part
+            canary_once(result.version)
         return result.seconds
 
     def disk_once() -> None:
@@ -294,7 +383,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ratios["hal_over_max_floor_apply"] = seconds["hal"] / bound
     report = {
         "engine": "vllm",
-        "preset": "llama-bench-fp32",
+        "preset": preset,
+        "tied": tied,
         "bytes": total_bytes,
         "tensors": len(weights_a),
         "timing": f"median of {repeats} after {warmup} warm-up",
@@ -309,8 +399,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "multiprocess_engine": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
         "load_average": os.getloadavg(),
     }
+    if canary_shapes:
+        report["canary"] = [_canary_summary(runs[warmup:], shape, seconds.get("hal")) for shape, runs in canary_runs.items()]
     _print_summary(report)
     return report
+
+
+def _canary_summary(runs: list[Any], shape: tuple[int, int], sync_seconds: float | None) -> dict[str, Any]:
+    """The canary's cost from the measured rounds: medians, and its share of a sync's time."""
+    xs = [r.seconds for r in runs]
+    engine_s = [s for s in (next(iter(r.engines.values())).seconds for r in runs) if s is not None]
+    out: dict[str, Any] = {
+        "probe": f"{shape[0]}x{shape[1]}",
+        "probe_tokens": runs[0].probe_tokens if runs else None,
+        "seconds": _median(xs) if xs else None,
+        "all_seconds": xs,
+        "reference_seconds": _median([r.reference_s for r in runs]) if runs else None,
+        "engine_seconds": _median(engine_s) if engine_s else None,
+        "max_abs": max((r.max_abs for r in runs), default=None),
+        "tolerance": runs[0].tolerance if runs else None,
+        "fired": any(r.fired for r in runs),
+    }
+    if xs and sync_seconds:
+        out["over_sync"] = out["seconds"] / sync_seconds
+        out["every_10_over_sync"] = out["seconds"] / (10 * sync_seconds)
+    return out
 
 
 def _floor_once(sync: Any, llm: Any, nbytes: int, timeout_s: float) -> float:
@@ -360,3 +473,11 @@ def _print_summary(report: dict[str, Any]) -> None:
         print(f"  {'memcpy':<12} {report['memcpy_seconds']:>7.3f} s  (one copy of all bytes in the trainer: the ipc transport's floor)")
     targets = {"disk_reload_over_hal": ">= 2.5", "rpc_bytes_over_hal": ">= 10", "hal_over_max_floor_apply": "<= 1.3"}
     print("  " + ", ".join(f"{k} {v:.2f} (target {targets[k]})" for k, v in report["ratios"].items()), flush=True)
+    for canary in report.get("canary") or ():
+        if canary["seconds"] is None:
+            continue
+        share = (f"; {100 * canary['over_sync']:.0f}% of a sync at every sync, {100 * canary['every_10_over_sync']:.1f}% at every 10th "
+                 "(targets: <= 0.1 s, <= 10% at every 10th)") if "over_sync" in canary else ""
+        print(f"  {'canary':<12} {canary['seconds']:>7.3f} s  ({canary['probe']} probe, {canary['probe_tokens']} log-probs; trainer "
+              f"{canary['reference_seconds']:.3f} s, engine {canary['engine_seconds']:.3f} s, at once; max |delta| "
+              f"{canary['max_abs']:.1e} within {canary['tolerance']:g}{', FIRED' if canary['fired'] else ''}){share}", flush=True)

