@@ -43,7 +43,7 @@ from hal.sync import SyncConfig  # noqa: E402
 from hal.sync.canary import Canary, CanaryConfig, CanaryError  # noqa: E402
 from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
-from tests.integrations.llm import in_process_llm  # noqa: E402
+from tests.integrations.llm import in_process_llm, weight_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 
@@ -87,7 +87,7 @@ def engine_and_sync(tmp_path_factory, spec: TinyModelSpec, name: str):
 
 
 def next_version(llm) -> int:
-    version = llm.get_weight_version()
+    version = weight_version(llm)
     return int(version) + 1 if version.isdigit() else 1
 
 
@@ -229,12 +229,12 @@ class TestUntied:
 
         llm, sync, model = untied
         healthy_sync(llm, sync, model, seed=41)
-        version, serving = llm.get_weight_version(), engine_greedy(llm, PROMPTS, MAX_TOKENS)
+        version, serving = weight_version(llm), engine_greedy(llm, PROMPTS, MAX_TOKENS)
         canary = Canary(CanaryConfig(mode="enforce", sequences=2, length=9, seed=3))
         for _ in range(2):
             report = check_engines(canary, sync.engines, source=model, version=int(version), wire_dtype=None, timeout_s=60)
             assert not report.fired and report.probe_tokens == 16
-        assert llm.get_weight_version() == version and engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
+        assert weight_version(llm) == version and engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
         # every 3rd sync: 1 and 4 are checked, 2 and 3 are not
         saved, sync.canary = sync.canary, Canary(CanaryConfig(mode="enforce", every=3))
         try:
