@@ -95,14 +95,18 @@ def build(tp: int, pp: int, *, tied: bool = False, seed: int = 0) -> Rank:
 
 
 def redraw(rank: Rank, seed: int) -> None:
-    """Every parameter from a generator seeded by its name (and its TP rank when it is split
-    across TP): replicas on the TP ranks of a stage get the same values, norms scattered
+    """Every parameter from a generator seeded by its name and stage (and its TP rank when it
+    is split across TP): replicas on the TP ranks of a stage get the same values, norms scattered
     around 1, matrices std `STD`. A tied model's last-stage output layer copies the
     embedding's draw (as Megatron's embedding group keeps them equal)."""
     with torch.no_grad():
         for name, param in rank.model.named_parameters():
             split = bool(getattr(param, "tensor_model_parallel", False))
-            key = "embedding.word_embeddings.weight" if rank.tied and name == "output_layer.weight" else name
+            # keyed by stage too: the same local name on two stages is two layers (equal draws
+            # there would hide a wrong global layer index)
+            key = f"{name}@stage{rank.pp_rank}"
+            if rank.tied and name == "output_layer.weight":
+                key = "embedding.word_embeddings.weight@stage0"
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()) + (rank.tp_rank * 7919 if split else 0))
             draw = torch.randn(param.shape, generator=g)
             param.copy_(1.0 + 0.1 * draw if param.dim() == 1 else STD * draw)
@@ -311,3 +315,29 @@ def digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     import hashlib
 
     return {n: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16] for n, t in tensors.items()}
+
+
+class VerlMegatronEngine:
+    """A stand-in for verl 0.9.1's `MegatronEngine` (verl/workers/engine/megatron/
+    transformer_impl.py) with the attributes hal reads: `engine_config.strategy`
+    ("megatron", verl/workers/config/engine.py:211), `module` (the list of chunks, line 581),
+    `peft_cls` (435), `_qat_enabled` (211), `_is_offload_param` (197),
+    `model_config.hf_config` (its Hugging Face config)."""
+
+    def __init__(self, model: Any, *, model_type: str = "llama", **attributes: Any) -> None:
+        from types import SimpleNamespace
+
+        config = hf_config(False)
+        if model_type != "llama":
+            config = SimpleNamespace(model_type=model_type, vocab_size=VOCAB)
+        self.engine_config = SimpleNamespace(strategy="megatron")
+        self.module = [model]
+        self.peft_cls = None
+        self._qat_enabled = False
+        self._is_offload_param = False
+        self.model_config = SimpleNamespace(hf_config=config)
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+    def get_per_tensor_param(self, **kwargs: Any) -> Any:  # verl's generator: never called by hal with senders "all"
+        raise AssertionError("hal called the Megatron engine's weight generator, which gathers every tensor")

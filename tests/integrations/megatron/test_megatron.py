@@ -96,10 +96,18 @@ def _megatron_rank(rank: int, scenario: str) -> dict[str, Any]:
 
     try:
         versions = (1, 2, 3) if scenario == "main" else (1,)
+        from hal.integrations import verl_internals
+
+        verl_engine = h.VerlMegatronEngine(meg.model)
+        out["verl_refusals"] = [verl_internals.shard_refusal(verl_engine)] + [
+            verl_internals.shard_refusal(h.VerlMegatronEngine(meg.model, **change))
+            for change in ({"peft_cls": object}, {"_qat_enabled": True}, {"_is_offload_param": True}, {"model_type": "gemma3"})
+        ]
         for version in versions:
             if version > 1:
                 h.train_step(meg, optimizer, version)
-            result = sync.sync(source, version=version)
+            # the third sync reads the model as hal's verl checkpoint engine reads verl's Megatron engine
+            result = sync.sync(verl_internals.engine_shards(verl_engine) if version == 3 else source, version=version)
             hf = h.gather_hf(source)
             out["syncs"].append({
                 "bytes": result.metrics.bytes, "model_bytes": result.metrics.model_bytes, "versions": result.engine_versions,
@@ -175,6 +183,17 @@ def test_three_syncs_bit_exact_with_each_rank_sending_exactly_its_share(main_run
         assert records[0]["held"] == records[0]["hf"], f"sync {step + 1}: the engine does not hold the Hugging Face conversion"
     digests = [main_run[0]["syncs"][s]["hf"] for s in range(3)]
     assert digests[0] != digests[1] != digests[2]  # the optimizer moved the weights
+
+
+def test_verl_megatron_engine_stand_in_is_read_as_its_shards_and_what_verl_transforms_is_refused(main_run):
+    """verl 0.9.1's Megatron engine cannot be built here (it requires Megatron-Bridge, Python
+    >= 3.12, Transformer Engine, apex and CUDA builds of torch 2.11: its `megatron` extra);
+    a stand-in with the attributes hal reads from it (harness.VerlMegatronEngine) is read as
+    hal's checkpoint engine reads the real one (the third sync above went through it)."""
+    plain, lora, qat, offload, other = main_run[0]["verl_refusals"]
+    assert plain is None
+    assert "LoRA" in lora and "QAT" in qat and "param_offload" in offload
+    assert "model type 'gemma3'" in other
 
 
 def test_mismatched_declarations_are_refused_by_name_on_every_rank(main_run):

@@ -53,7 +53,7 @@ def _megatron_vllm_rank(rank: int, address: tuple[str, int], workers: int) -> di
     from hal.sync import SyncConfig
     from hal.tools.demo import trainer_greedy
     from tests.integrations.megatron import harness as h
-    from tests.integrations.test_vllm_sharded import RemoteEngine
+    from tests.integrations.test_vllm_sharded import RemoteEngine, sha
 
     torch.set_num_threads(1)
     meg = h.build(2, 2, seed=3)
@@ -76,7 +76,7 @@ def _megatron_vllm_rank(rank: int, address: tuple[str, int], workers: int) -> di
             if rank == 0:
                 from transformers import LlamaForCausalLM
 
-                step["hf"] = h.digest(hf)
+                step["hf"] = {n: sha(t) for n, t in hf.items()}  # as the engine's workers digest what they are handed
                 step["engine"] = engine.call("check")
                 reference = LlamaForCausalLM(h.hf_config(False))
                 reference.load_state_dict(hf)
