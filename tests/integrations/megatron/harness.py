@@ -44,6 +44,7 @@ class Rank:
     pp_rank: int
     pp_size: int
     tied: bool
+    ep_rank: int = 0
 
 
 @contextlib.contextmanager
@@ -102,14 +103,20 @@ def redraw(rank: Rank, seed: int) -> None:
     with torch.no_grad():
         for name, param in rank.model.named_parameters():
             split = bool(getattr(param, "tensor_model_parallel", False))
+            expert = getattr(param, "allreduce", True) is False  # Megatron's mark: another expert on every EP rank
             # keyed by stage too: the same local name on two stages is two layers (equal draws
             # there would hide a wrong global layer index)
             key = f"{name}@stage{rank.pp_rank}"
             if rank.tied and name == "output_layer.weight":
                 key = "embedding.word_embeddings.weight@stage0"
-            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()) + (rank.tp_rank * 7919 if split else 0))
+            shard = (rank.tp_rank * 7919 if split else 0) + (rank.ep_rank * 104729 if expert else 0)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()) + shard)
             draw = torch.randn(param.shape, generator=g)
             param.copy_(1.0 + 0.1 * draw if param.dim() == 1 else STD * draw)
+        for name, buffer in rank.model.named_buffers():
+            if name.endswith("router.expert_bias"):  # a buffer that travels: drawn too, the same on every rank
+                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{name}@stage{rank.pp_rank}".encode()))
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=g))
 
 
 def causal_mask(seq: int) -> torch.Tensor:
@@ -341,3 +348,72 @@ class VerlMegatronEngine:
 
     def get_per_tensor_param(self, **kwargs: Any) -> Any:  # verl's generator: never called by hal with senders "all"
         raise AssertionError("hal called the Megatron engine's weight generator, which gathers every tensor")
+
+
+# ---- MoE: a Qwen3-MoE-shaped model (q/k norms, a router, experts) with expert parallelism ----
+MOE_DIMS = dict(hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32, ffn_hidden_size=256, num_layers=2)
+EXPERTS, TOPK, MOE_FFN = 4, 2, 64
+
+
+def build_moe(ep: int, *, expert_bias: bool = False, seed: int = 0) -> Rank:
+    """This rank's MoE GPTModel: TP=1, PP=1, `ep` expert-parallel ranks (the data-parallel
+    ranks), all-gather token dispatch. `expert_bias`: a sigmoid router with Megatron's
+    `router.expert_bias` buffer (DeepSeek-V3's e_score_correction_bias); else a softmax
+    top-k router, as Qwen3-MoE's (its logits are compared with transformers')."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import TransformerConfig
+
+    # megatron-core 0.16.1 reads Transformer Engine's `te_general_gemm` in its router's
+    # gating without defining it when TE is absent (NameError): None is its "no TE" value
+    moe_utils.te_general_gemm = None
+    with cpu_patches(building=True):
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=ep)
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        config = TransformerConfig(
+            **MOE_DIMS, normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+            add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32, bias_activation_fusion=False,
+            masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+            gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=EPS,
+            num_moe_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_router_topk=TOPK, moe_token_dispatcher_type="allgather",
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, qk_layernorm=True,
+            expert_model_parallel_size=ep, moe_router_enable_expert_bias=expert_bias,
+            moe_router_score_function="sigmoid" if expert_bias else "softmax",
+        )
+        spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm")
+        model = GPTModel(
+            config, spec, vocab_size=VOCAB, max_sequence_length=256, pre_process=True, post_process=True,
+            share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=int(ROPE_THETA),
+        )
+    rank = Rank(model, 0, 1, 0, 1, False, ep_rank=ps.get_expert_model_parallel_rank())
+    redraw(rank, seed)
+    return rank
+
+
+def moe_reference(hf: dict[str, torch.Tensor]) -> Any:
+    """transformers' Qwen3-MoE on the per-expert Hugging Face state (the checkpoint's names,
+    which vLLM loads); transformers 5 keeps each layer's experts fused (`gate_up_proj`
+    (E, 2I, H), `down_proj` (E, H, I)), filled here from them."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=MOE_DIMS["hidden_size"], intermediate_size=MOE_DIMS["ffn_hidden_size"],
+        num_hidden_layers=MOE_DIMS["num_layers"], num_attention_heads=MOE_DIMS["num_attention_heads"],
+        num_key_value_heads=MOE_DIMS["num_query_groups"], head_dim=MOE_DIMS["kv_channels"], rms_norm_eps=EPS,
+        rope_theta=ROPE_THETA, max_position_embeddings=256, tie_word_embeddings=False, num_experts=EXPERTS,
+        num_experts_per_tok=TOPK, moe_intermediate_size=MOE_FFN, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        attention_bias=False, torch_dtype="float32",
+    )
+    model = Qwen3MoeForCausalLM(config).eval()
+    state = {n: t for n, t in hf.items() if ".experts." not in n}
+    for layer in range(MOE_DIMS["num_layers"]):
+        p = f"model.layers.{layer}.mlp.experts."
+        state[p + "gate_up_proj"] = torch.stack([torch.cat([hf[f"{p}{e}.gate_proj.weight"], hf[f"{p}{e}.up_proj.weight"]]) for e in range(EXPERTS)])
+        state[p + "down_proj"] = torch.stack([hf[f"{p}{e}.down_proj.weight"] for e in range(EXPERTS)])
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise AssertionError(f"the converted MoE state does not fit transformers' Qwen3-MoE: {result}")
+    return model
