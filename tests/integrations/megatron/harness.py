@@ -45,6 +45,7 @@ class Rank:
     pp_size: int
     tied: bool
     ep_rank: int = 0
+    qwen2: bool = False  # q/k/v biases (Qwen2's attention)
 
 
 @contextlib.contextmanager
@@ -66,9 +67,10 @@ def _cpu() -> str:
     return "cpu"
 
 
-def build(tp: int, pp: int, *, tied: bool = False, seed: int = 0) -> Rank:
-    """This rank's GPTModel (Llama shape: RMSNorm, SwiGLU, GQA, RoPE) with weights re-drawn
-    from `seed` (Megatron's default init sets every norm to 1, which hides swapped norms)."""
+def build(tp: int, pp: int, *, tied: bool = False, seed: int = 0, qwen2: bool = False) -> Rank:
+    """This rank's GPTModel (Llama shape: RMSNorm, SwiGLU, GQA, RoPE; `qwen2`: with Qwen2's
+    q/k/v biases) with weights re-drawn from `seed` (Megatron's default init sets every norm
+    to 1, which hides swapped norms)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -84,13 +86,14 @@ def build(tp: int, pp: int, *, tied: bool = False, seed: int = 0) -> Rank:
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, bias_activation_fusion=False,
             masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=EPS,
+            add_qkv_bias=qwen2,
         )
         model = GPTModel(
             config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB, max_sequence_length=256,
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=tied, position_embedding_type="rope", rotary_base=int(ROPE_THETA),
         )
-    rank = Rank(model, ps.get_tensor_model_parallel_rank(), tp, ps.get_pipeline_model_parallel_rank(), pp, tied)
+    rank = Rank(model, ps.get_tensor_model_parallel_rank(), tp, ps.get_pipeline_model_parallel_rank(), pp, tied, qwen2=qwen2)
     redraw(rank, seed)
     return rank
 
@@ -193,11 +196,11 @@ def full_logits(rank: Rank, tokens: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if rank.tp_rank == 0 else None
 
 
-def hf_config(tied: bool) -> Any:
+def hf_config(tied: bool, qwen2: bool = False) -> Any:
     """The Hugging Face config of the model `build` makes."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen2Config
 
-    return LlamaConfig(
+    return (Qwen2Config if qwen2 else LlamaConfig)(
         vocab_size=VOCAB, hidden_size=DIMS["hidden_size"], intermediate_size=DIMS["ffn_hidden_size"],
         num_hidden_layers=DIMS["num_layers"], num_attention_heads=DIMS["num_attention_heads"],
         num_key_value_heads=DIMS["num_query_groups"], head_dim=DIMS["kv_channels"], rms_norm_eps=EPS,
@@ -232,9 +235,9 @@ def logits_gap(rank: Rank, source: Any, seed: int = 7) -> float | None:
     dist.all_gather_object(everyone, logits)
     if dist.get_rank() != 0:
         return None
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
-    reference = LlamaForCausalLM(hf_config(rank.tied)).eval()
+    reference = (Qwen2ForCausalLM if rank.qwen2 else LlamaForCausalLM)(hf_config(rank.tied, rank.qwen2)).eval()
     result = reference.load_state_dict(hf, strict=False)
     expected_missing = ["lm_head.weight"] if rank.tied else []
     if list(result.missing_keys) != expected_missing or result.unexpected_keys:

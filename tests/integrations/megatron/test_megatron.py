@@ -8,7 +8,7 @@ are in test_megatron_vllm.py). One run of the four ranks checks, in order:
 
 1. the logits check: Megatron's own forward (the stages by hand) against transformers'
    on the Hugging Face state hal's rules make of every rank's shards, within 1e-5 (fp32),
-   untied and tied;
+   untied, tied, and with Qwen2's q/k/v biases;
 2. three syncs through `WeightSync(senders="all")` with an Adam step before the second and
    third: the engine holds the Hugging Face conversion bit for bit, each rank's
    `metrics.bytes` is its own shards plus its part of its stage's norms (counted from
@@ -155,6 +155,11 @@ def _megatron_rank(rank: int, scenario: str) -> dict[str, Any]:
         tied_source = MegatronSource(tied.model)
         out["tied_logits_gap"] = h.logits_gap(tied, tied_source)
         out["tied_names"] = sorted(h.gather_hf(tied_source) or {})
+        ps.destroy_model_parallel()
+        qwen2 = h.build(2, 2, seed=6, qwen2=True)  # q/k/v biases, de-interleaved like the weights
+        qwen2_source = MegatronSource(qwen2.model)
+        out["qwen2_logits_gap"] = h.logits_gap(qwen2, qwen2_source)
+        out["qwen2_names"] = sorted(h.gather_hf(qwen2_source) or {})
     return out
 
 
@@ -167,6 +172,9 @@ def test_megatrons_logits_equal_transformers_on_the_converted_state(main_run):
     gap, tied_gap = main_run[0]["logits_gap"], main_run[0]["tied_logits_gap"]
     assert gap < 1e-5, f"untied: Megatron's logits and transformers' differ by {gap}"
     assert tied_gap < 1e-5, f"tied: Megatron's logits and transformers' differ by {tied_gap}"
+    qwen2_gap = main_run[0]["qwen2_logits_gap"]
+    assert qwen2_gap < 1e-5, f"Qwen2 (q/k/v biases): Megatron's logits and transformers' differ by {qwen2_gap}"
+    assert "model.layers.3.self_attn.k_proj.bias" in main_run[0]["qwen2_names"]
     assert "lm_head.weight" in main_run[0]["hf_names"] and "lm_head.weight" not in main_run[0]["tied_names"]
     layers = {n.split(".")[2] for n in main_run[0]["hf_names"] if n.startswith("model.layers.")}
     assert layers == {"0", "1", "2", "3"}  # global names over both stages
