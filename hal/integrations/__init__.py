@@ -19,6 +19,10 @@ of them, and no engine):
 - `hal.integrations.verl_plugin`: verl's platform and checkpoint engine "hal"
   (verl_platform, verl_checkpoint with verl_settings, verl_weights and verl_topology: the
   sync groups of one update, one per sending trainer rank with `senders: all`). Imports verl.
+- `hal.integrations.megatron`: a Megatron-core trainer as a source of the M-to-N sync
+  (`MegatronSource`: each TP x PP rank's shards under Hugging Face names; `convert`: the
+  rules; `_internals`: every megatron-core name read; `verl_engine`: verl's Megatron
+  engine). Imports neither megatron-core nor verl until called (docs/megatron.md).
 - `hal.integrations.vllm_internals`: every private vLLM name verl-hal uses, behind a
   version check; `vllm_needs` lists them with how hal calls them and in which releases
   (tests/hosts/ reads them against real vLLM sources). Imports vLLM only inside its functions.
