@@ -422,6 +422,8 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tu
             o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)
         ):
             return f"a block of {sizes} at {offsets} does not fit in {shape}"
+    if math.prod(shape):  # an empty block covers nothing (an empty tensor's one share covers it all)
+        boxes = [box for box in boxes if math.prod(box[1])]
     if all(sizes[1:] == shape[1:] for _, sizes in boxes):
         at = 0
         for lo, hi in sorted((o[0], o[0] + n[0]) for o, n in boxes):

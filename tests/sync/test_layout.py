@@ -255,6 +255,9 @@ def test_tiling_of_boxes_finds_gaps_overlaps_and_accepts_a_checkerboard():
     assert tiling_problem((4, 6), quads[:3], "sent") == "6 of 24 elements missing"
     assert "overlap (sent twice)" in tiling_problem((4, 6), [*quads, ((1, 1), (1, 1))], "sent")
     assert tiling_problem((4, 6), [*quads, ((1, 1), (0, 1))], "sent") is None  # an empty block covers nothing
+    # rows, with an empty block among them (a TP rank whose vocab rows are all padding)
+    assert tiling_problem((8, 2), [((0, 0), (4, 2)), ((2, 0), (0, 2)), ((4, 0), (4, 2))], "sent") is None
+    assert tiling_problem((3, 0), [((0, 0), (3, 0))], "sent") is None  # an empty tensor's one share
     assert tiling_problem((), [((), ())], "sent") is None  # a 0-d tensor: one share
 
 
