@@ -17,12 +17,21 @@ Test code, not hal's: the CPU patches are device-specific and live here, not und
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import pytest
 import torch
 import torch.distributed as dist
+
+# The tests' skips: found, not imported (the cpu lane collects the files and leaves them out by
+# their marker; importing megatron-core there would cost every worker seconds)
+NEEDS = [
+    pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=f"{module} is not installed: {why}")
+    for module, why in (("megatron", "the [megatron] extra"), ("vllm", "the [vllm] extra (WeightSync needs it)"), ("transformers", "the [vllm] extra"))
+]
 
 # 8 query heads in 4 groups: two query groups per TP rank at TP=2 (one group per rank hides
 # a wrong q/k/v de-interleave); head_dim 32 (one vLLM's CPU attention takes)

