@@ -38,7 +38,10 @@ fails unless every trainer rank sent exactly its plan share and the receivers ho
 model bit for bit. The JSON holds {"preset", "mode": "senders", "ratio_senders_to_one",
 "results": [one row per method, with its byte check]}. It takes `--preset`,
 `--receivers`, `--repeats`, `--warmup`, `--bucket-mb`, `--sync-backend`, `--threads`,
-`--timeout`, `--no-verify` and `--json`.
+`--timeout`, `--no-verify`, `--json` and `--tp T`: the trainer ranks hold a Megatron-shaped
+layout of T tensor-parallel ranks x M / T pipeline stages instead (row and column blocks
+under Hugging Face names, norms replicated over TP: hal.tools.bench.senders_megatron), and
+each rank's bytes are checked against that layout (docs/megatron.md, "Numbers").
 
     VERL_DEVICE=cuda hal bench --delta-kernels --segment-mb 32   # hal.tools.bench.delta_kernels
 
