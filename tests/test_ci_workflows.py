@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cpu
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO / ".github" / "workflows"
 # Where each lane runs: a hosted runner image, or the labels a self-hosted runner carries.
-HOSTED = {"cpu", "verl", "vllm-versions"}
+HOSTED = {"cpu", "verl", "vllm-versions", "megatron"}
 SELF_HOSTED_LABELS = {"cuda": "gpu", "npu": "ascend"}
 
 

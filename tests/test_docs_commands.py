@@ -72,6 +72,8 @@ ELSEWHERE = {
     "make demo-ray": "tests/integrations/test_ray.py::test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor",
     "hal demo --ray": "tests/integrations/test_ray.py::test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor",
     "make test-vllm-versions": "Makefile:test-vllm-versions",  # 10 minutes with its environments built (docs/ci.md)
+    "make test-megatron": "Makefile:test-megatron",  # the megatron lane, about 10 minutes (docs/ci.md)
+    "bash ci/megatron.sh": "Makefile:test-megatron",
 }
 
 # Options whose value the cheap form replaces (None: dropped with its value).

@@ -13,11 +13,16 @@ and no host):
 - `hal.integrations.verl`: verl's platform and checkpoint engine "hal"; `verl.plugin` is
   the `verl.plugins` entry point (imports verl).
 - `hal.integrations.ray`: Ray placement and tear-down. Imports no Ray until called.
+- `hal.integrations.megatron`: a Megatron-core trainer as a source of the M-to-N sync
+  (`MegatronSource`: each TP x PP rank's shards under Hugging Face names; `convert`: the
+  rules; `_internals`: every megatron-core name read; `verl_engine`: verl's Megatron
+  engine). Imports neither megatron-core nor verl until called (docs/megatron.md).
 - `_shared`: small helpers the hosts' packages share (threads, results, version strings).
 
 Every private vLLM or verl name verl-hal uses is behind one fenced module per host
 (`vllm.internals`, `verl.internals`), version-checked; `vllm.needs` and `vllm.needs_v023`
-list them with the releases they hold in (tests/hosts/ reads them against real sources).
+list them with the releases they hold in (tests/hosts/ reads them against real sources);
+every megatron-core name read is in `megatron._internals`.
 
 The flat modules of before the split by host (`hal.integrations.vllm_client`,
 `vllm_engines`, `vllm_internals`, `vllm_lora`, `verl_checkpoint`, `verl_internals`,

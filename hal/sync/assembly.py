@@ -67,13 +67,14 @@ _Ready = tuple[TensorSpec, torch.Tensor, torch.Tensor]  # a whole tensor to hand
 
 @dataclass(frozen=True, slots=True)
 class ShareInfo:
-    """Where one wire tensor's rows go."""
+    """Where one wire tensor's rows (or block) go."""
 
     spec: TensorSpec  # the whole tensor
     index: int  # its place in the sync's order
     lo: int
     hi: int
     shares: int  # how many shares the tensor travels in
+    region: tuple[slice, ...] | None = None  # a block that is not whole rows: where it goes (else rows lo..hi)
 
 
 class PartSink:
@@ -139,7 +140,10 @@ class Assembler:
             if entry is None:  # the sync failed: keep nothing
                 return
             entries.append((info, entry))
-            targets.append(entry.tensor[info.lo : info.hi] if info.spec.shape else entry.tensor)
+            if info.region is not None:
+                targets.append(entry.tensor[info.region])
+            else:
+                targets.append(entry.tensor[info.lo : info.hi] if info.spec.shape else entry.tensor)
             rows.append(share)
         self._copy(self.streams[sender], targets, rows)
         with self._cond:

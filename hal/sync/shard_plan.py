@@ -8,6 +8,12 @@ its global shape, dtype and how it holds it,
 - `whole`: the whole tensor (a plain tensor, or a DTensor `Replicate()`). Held by several
   ranks it is replicated there, and they split its rows between them the same way, so
   that each sends a share; held by one rank (a pipeline stage's layers) that rank sends it.
+- `block`: a contiguous block of the tensor, at given offsets in every dimension (a
+  `Block`: a tensor-parallel rank's column block of a row-parallel weight, its rows of a
+  fused weight's part; a DTensor `Shard(d)` for d > 0 over the trainer group, the block
+  `torch.chunk` gives the rank along d). The distinct blocks of a tensor must tile it
+  exactly once; ranks declaring the same block hold replicas of it and split its rows
+  between them, as replicated whole tensors do.
 
 A 0-d tensor, and an empty one (no elements, whatever its rows), goes whole from one of
 its holders.
@@ -19,8 +25,10 @@ declaration that does not fit the others (another shape or dtype, `shard0` missi
 rank) is refused on every rank with an error naming the parameter and the ranks.
 
 On the wire, each rank's share of a tensor is a tensor of its own named
-`"<name>@<first row>"` (`shard_name`), so the sync core carries it unchanged and each
-receiver knows from the header alone where the rows go (`parse_shard_name`).
+`"<name>@<first row>"` (`shard_name`), or `"<name>@<o0>:<o1>..."` for a block that does
+not start at column 0 (offsets up to the last non-zero one), so the sync core carries it
+unchanged and each receiver knows from the header alone where the block goes
+(`parse_block_name`); the wire tensor's shape is the block's.
 """
 
 from __future__ import annotations
@@ -38,20 +46,41 @@ from hal.sync.header_json import WIRE_DTYPES, dtype_from_name, dtype_name
 from hal.sync.plan import TensorSpec
 from hal.sync.protocol import GroupChannel
 
-SHARD0, WHOLE = "shard0", "whole"
+SHARD0, WHOLE, BLOCK = "shard0", "whole", "block"
+KINDS = (SHARD0, WHOLE, BLOCK)
 _TRAVELS = frozenset(WIRE_DTYPES.values())
 
 
-def shard_name(name: str, first_row: int) -> str:
-    return f"{name}@{first_row}"
+def shard_name(name: str, first: int | tuple[int, ...]) -> str:
+    """A share's wire name: `first` is its first row, or its offset in every dimension."""
+    if isinstance(first, int):
+        return f"{name}@{first}"
+    offsets = list(first) or [0]
+    while len(offsets) > 1 and offsets[-1] == 0:  # one spelling per block
+        offsets.pop()
+    return f"{name}@{':'.join(map(str, offsets))}"
+
+
+def parse_block_name(wire_name: str) -> tuple[str, tuple[int, ...]]:
+    """(the tensor's name, the block's offsets, at least one) of a share's wire name;
+    ValueError if it is none, or not spelled as `shard_name` spells it."""
+    name, at, where = wire_name.rpartition("@")
+    parts = where.split(":")
+    if (
+        not at or not name
+        or any(not p.isdigit() or (len(p) > 1 and p[0] == "0") for p in parts)
+        or (len(parts) > 1 and parts[-1] == "0")
+    ):
+        raise ValueError(f"{wire_name!r} is not a share's name (<name>@<first row>[:<offset>...])")
+    return name, tuple(int(p) for p in parts)
 
 
 def parse_shard_name(wire_name: str) -> tuple[str, int]:
-    """(the tensor's name, its first row) of a share's wire name; ValueError if it is none."""
-    name, at, row = wire_name.rpartition("@")
-    if not at or not name or not row.isdigit() or (len(row) > 1 and row[0] == "0"):
-        raise ValueError(f"{wire_name!r} is not a share's name (<name>@<first row>)")
-    return name, int(row)
+    """(the tensor's name, its first row) of a row share's wire name; ValueError if it is none."""
+    name, offsets = parse_block_name(wire_name)
+    if len(offsets) != 1:
+        raise ValueError(f"{wire_name!r} is not a share's name (<name>@<first row>): a block at {offsets}")
+    return name, offsets[0]
 
 
 def rows_of(shape: tuple[int, ...]) -> int:
@@ -67,29 +96,69 @@ def chunk_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True, slots=True)
+class Block:
+    """A tensor this rank holds as a block of a larger one: `tensor` (its local values, of
+    the block's shape) sits at `offsets` (one per dimension) in a tensor of `shape`. What a
+    source hands a sharded sync for a tensor-parallel shard that no DTensor describes (a
+    Megatron rank's column block of `o_proj`, its rows of `q_proj` cut out of a fused
+    `linear_qkv`). Checked here: same dimensions, inside the tensor."""
+
+    tensor: torch.Tensor
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        shape, offsets = tuple(int(d) for d in self.shape), tuple(int(o) for o in self.offsets)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "offsets", offsets)
+        if not isinstance(self.tensor, torch.Tensor):
+            raise TypeError(f"Block: a {type(self.tensor).__name__}, not a tensor")
+        local = tuple(self.tensor.shape)
+        if len(shape) != len(local) or len(offsets) != len(local) or any(
+            o < 0 or o + n > d for o, n, d in zip(offsets, local, shape)
+        ):
+            raise ValueError(f"Block: a block of shape {local} at offsets {offsets} does not fit in a tensor of shape {shape}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+
+@dataclass(frozen=True, slots=True)
 class Declared:
     """One tensor as one trainer rank holds it."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    kind: str  # SHARD0 or WHOLE
+    kind: str  # SHARD0, WHOLE or BLOCK
+    offsets: tuple[int, ...] = ()  # BLOCK: where the rank's block starts, per dimension
+    block: tuple[int, ...] = ()  # BLOCK: the block's shape
 
 
-def declare(named: Iterable[tuple[str, torch.Tensor]], rank: int, world_size: int) -> list[Declared]:
-    """What this rank holds, from each tensor's metadata (a DTensor's placements)."""
+def declare(named: Iterable[tuple[str, Any]], rank: int, world_size: int) -> list[Declared]:
+    """What this rank holds, from each tensor's metadata (a DTensor's placements, a `Block`)."""
     out: list[Declared] = []
     dtensor = _dtensor_types()
     for name, tensor in named:
+        if isinstance(tensor, Block):
+            out.append(_travels(Declared(name, tensor.shape, tensor.dtype, BLOCK, tensor.offsets, tuple(tensor.tensor.shape))))
+            continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"parameter {name!r}: a {type(tensor).__name__}, not a tensor")
-        kind = WHOLE
         if dtensor is not None and isinstance(tensor, dtensor[0]):
-            kind = _dtensor_kind(name, tensor, rank, world_size, dtensor)
-        if tensor.dtype not in _TRAVELS:  # refused here, on every rank, by name
-            raise ValueError(f"parameter {name!r}: dtype {tensor.dtype} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}")
-        out.append(Declared(name, tuple(tensor.shape), tensor.dtype, kind))
+            declared = _dtensor_declared(name, tensor, rank, world_size, dtensor)
+        else:
+            declared = Declared(name, tuple(tensor.shape), tensor.dtype, WHOLE)
+        out.append(_travels(declared))
     return out
+
+
+def _travels(declared: Declared) -> Declared:
+    """`declared`, if its dtype can travel; refused here, on every rank, by name."""
+    if declared.dtype not in _TRAVELS:
+        raise ValueError(f"parameter {declared.name!r}: dtype {declared.dtype} cannot travel in a sync; supported: {', '.join(WIRE_DTYPES)}")
+    return declared
 
 
 def _dtensor_types() -> tuple[type, type, type] | None:
@@ -100,7 +169,7 @@ def _dtensor_types() -> tuple[type, type, type] | None:
     return DTensor, Shard, Replicate
 
 
-def _dtensor_kind(name: str, tensor: Any, rank: int, world_size: int, types: tuple[type, type, type]) -> str:
+def _dtensor_declared(name: str, tensor: Any, rank: int, world_size: int, types: tuple[type, type, type]) -> Declared:
     _, shard, replicate = types
     placements = tuple(tensor.placements)
     mesh = tensor.device_mesh
@@ -110,20 +179,30 @@ def _dtensor_kind(name: str, tensor: Any, rank: int, world_size: int, types: tup
             "of the trainer group (FSDP2's fully_shard over that group)"
         )
     placement = placements[0]
+    shape = tuple(tensor.shape)
     if isinstance(placement, replicate):
-        return WHOLE
-    if type(placement) is not shard or placement.dim != 0:
-        raise ValueError(f"parameter {name!r}: placement {placement!r} is not supported: a sharded sync takes Shard(0) or Replicate()")
+        return Declared(name, shape, tensor.dtype, WHOLE)
+    if type(placement) is not shard or not 0 <= placement.dim < len(shape):
+        raise ValueError(f"parameter {name!r}: placement {placement!r} is not supported: a sharded sync takes Shard(d) or Replicate()")
     if mesh.size() != world_size or mesh.get_local_rank() != rank:
         raise ValueError(
             f"parameter {name!r}: sharded over a mesh of {mesh.size()} ranks where this is rank {mesh.get_local_rank()}, "
             f"but the trainer group has {world_size} ranks and this is rank {rank}: shard it over the trainer group"
         )
-    return SHARD0
+    if placement.dim == 0:
+        return Declared(name, shape, tensor.dtype, SHARD0)
+    # Shard(d), d > 0: the block torch.chunk gives this rank along d (columns of a matrix)
+    lo, hi = chunk_rows(shape[placement.dim], world_size, rank)
+    offsets = tuple(lo if i == placement.dim else 0 for i in range(len(shape)))
+    block = tuple(hi - lo if i == placement.dim else n for i, n in enumerate(shape))
+    return Declared(name, shape, tensor.dtype, BLOCK, offsets, block)
 
 
 def encode_declared(declared: list[Declared]) -> bytes:
-    rows = [[d.name, list(d.shape), dtype_name(d.dtype), d.kind] for d in declared]
+    rows = [
+        [d.name, list(d.shape), dtype_name(d.dtype), d.kind] + ([list(d.offsets), list(d.block)] if d.kind == BLOCK else [])
+        for d in declared
+    ]
     return json.dumps(rows, separators=(",", ":")).encode()
 
 
@@ -132,10 +211,12 @@ def decode_declared(payload: bytes, rank: int) -> list[Declared]:
     try:
         rows = json.loads(payload)
         out = []
-        for name, shape, dtype, kind in rows:
-            if kind not in (SHARD0, WHOLE):
-                raise ValueError(f"kind {kind!r}")
-            out.append(Declared(str(name), tuple(int(d) for d in shape), dtype_from_name(dtype), kind))
+        for row in rows:
+            name, shape, dtype, kind, *where = row
+            if kind not in KINDS or len(where) != (2 if kind == BLOCK else 0):
+                raise ValueError(f"kind {kind!r} or {len(where)} more fields")
+            offsets, block = (tuple(int(d) for d in w) for w in where) if where else ((), ())
+            out.append(Declared(str(name), tuple(int(d) for d in shape), dtype_from_name(dtype), kind, offsets, block))
         return out
     except (ValueError, TypeError, AttributeError) as exc:
         raise errors.HeaderError(f"trainer rank {rank}'s declaration of its tensors is unreadable: {exc}") from None
@@ -147,12 +228,33 @@ def declared_digest(declared: list[Declared]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Share:
-    """Rows [lo, hi) of one tensor, sent by one trainer rank as its own wire tensor."""
+    """A block of one tensor (rows [lo, hi) of it, or a block at `offsets` in every
+    dimension), sent by one trainer rank as its own wire tensor."""
 
     spec: TensorSpec  # the whole tensor
-    lo: int
-    hi: int
-    wire: TensorSpec  # the share as it travels (name `shard_name(spec.name, lo)`)
+    offsets: tuple[int, ...]  # where the share starts, per dimension (() for a 0-d tensor)
+    wire: TensorSpec  # the share as it travels (name `shard_name(spec.name, offsets)`, the block's shape)
+    held: tuple[int, ...] = ()  # where the sending rank's local tensor starts in the whole (() : at 0)
+
+    @property
+    def lo(self) -> int:
+        """The share's first row."""
+        return self.offsets[0] if self.offsets else 0
+
+    @property
+    def hi(self) -> int:
+        """One past the share's last row."""
+        return self.lo + rows_of(self.wire.shape)
+
+    def local_index(self) -> tuple[slice, ...]:
+        """Where the share is in the sending rank's local tensor (which starts at `held`)."""
+        held = self.held or (0,) * len(self.offsets)
+        return tuple(slice(o - h, o - h + n) for o, h, n in zip(self.offsets, held, self.wire.shape))
+
+
+def _row_share(spec: TensorSpec, lo: int, hi: int, held: tuple[int, ...] = ()) -> Share:
+    offsets = (lo, *(0,) * (len(spec.shape) - 1)) if spec.shape else ()
+    return Share(spec, offsets, TensorSpec(shard_name(spec.name, lo), (hi - lo, *spec.shape[1:]) if spec.shape else (), spec.dtype), held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +263,7 @@ class ShardPlan:
 
     specs: tuple[TensorSpec, ...]  # the whole tensors, in order
     shares: tuple[tuple[Share, ...], ...]  # per trainer rank
-    kinds: tuple[str, ...]  # per tensor, SHARD0 or WHOLE, as declared
+    kinds: tuple[str, ...]  # per tensor, SHARD0, WHOLE or BLOCK, as declared
     digests: tuple[int, ...] = field(compare=False)  # the declarations it was built from
 
     @property
@@ -208,23 +310,53 @@ def build_shard_plan(declarations: list[list[Declared]], digests: tuple[int, ...
             problems.append(f"parameter {name!r}: sharded over the trainer group but not declared by trainer rank(s) {missing}")
             continue
         spec = TensorSpec(name, first.shape, first.dtype)
-        specs.append(spec)
-        kinds.append(first.kind)
         ranks = [r for r, _ in holders]
         rows = rows_of(spec.shape)
         if not spec.shape or spec.numel == 0:
             # nothing to split: one holder sends it whole (an empty one as zero bytes of its
             # global shape, never its local shard's: FSDP2 and DTensor give it other shapes)
             owner = ranks[index % len(ranks)]
-            shares[owner].append(Share(spec, 0, rows, TensorSpec(shard_name(name, 0), spec.shape, spec.dtype)))
-            continue
-        for part, rank in enumerate(ranks):
-            lo, hi = chunk_rows(rows, len(ranks), part)
-            if hi > lo:
-                wire = TensorSpec(shard_name(name, lo), (hi - lo, *spec.shape[1:]), spec.dtype)
-                shares[rank].append(Share(spec, lo, hi, wire))
+            shares[owner].append(_row_share(spec, 0, rows))
+        elif first.kind == BLOCK:
+            problem = _block_shares(spec, holders, shares)
+            if problem is not None:
+                problems.append(problem)
+                continue
+        else:
+            for part, rank in enumerate(ranks):
+                lo, hi = chunk_rows(rows, len(ranks), part)
+                if hi > lo:
+                    shares[rank].append(_row_share(spec, lo, hi))
+        specs.append(spec)
+        kinds.append(first.kind)
     errors.refuse_specs(problems, "trainer ranks disagree on the layout: ")
     return ShardPlan(tuple(specs), tuple(tuple(s) for s in shares), tuple(kinds), tuple(digests))
+
+
+def _block_shares(spec: TensorSpec, holders: list[tuple[int, Declared]], shares: list[list[Share]]) -> str | None:
+    """Each holder's shares of a tensor declared as blocks (added to `shares`), or the
+    problem with the blocks: they must tile the tensor exactly once. Ranks that declare
+    the same block are its replicas and split its rows (`chunk_rows`)."""
+    replicas: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for rank, d in holders:
+        replicas.setdefault((d.offsets, d.block), []).append(rank)
+    problem = tiling_problem(spec.shape, [(o, b) for o, b in replicas], "declared")
+    if problem is not None:
+        held = "; ".join(f"ranks {r} the block at {o} of {b}" for (o, b), r in replicas.items())
+        return f"parameter {spec.name!r}: the blocks declared do not tile {spec.shape} exactly once: {problem} ({held})"
+    new: list[tuple[int, Share]] = []
+    for (offsets, block), ranks in replicas.items():
+        if not math.prod(block):
+            continue
+        for part, rank in enumerate(ranks):
+            lo, hi = chunk_rows(block[0], len(ranks), part)
+            if hi > lo:
+                at = (offsets[0] + lo, *offsets[1:])
+                wire = TensorSpec(shard_name(spec.name, at), (hi - lo, *block[1:]), spec.dtype)
+                new.append((rank, Share(spec, at, wire, offsets)))
+    for rank, share in sorted(new, key=lambda item: item[1].offsets):  # one order on every rank: by place
+        shares[rank].append(share)
+    return None
 
 
 class ShardPlanExchange:
@@ -266,24 +398,57 @@ _UNDECLARED = -1  # a digest no declaration has (digests are non-negative)
 
 
 def covering(shares: Iterable[tuple[TensorSpec, int, int]]) -> list[str]:
-    """Problems with a set of shares (whole tensor, first row, end row): each tensor's rows
-    must be covered exactly once. Empty when they are."""
-    rows: dict[str, tuple[TensorSpec, list[tuple[int, int]]]] = {}
-    for spec, lo, hi in shares:
-        rows.setdefault(spec.name, (spec, []))[1].append((lo, hi))
+    """Problems with a set of row shares (whole tensor, first row, end row): each tensor's
+    rows must be covered exactly once. Empty when they are."""
+    return covering_blocks(
+        (spec, (lo, *(0,) * (len(spec.shape) - 1)) if spec.shape else (), (hi - lo, *spec.shape[1:]) if spec.shape else ())
+        for spec, lo, hi in shares
+    )
+
+
+def covering_blocks(shares: Iterable[tuple[TensorSpec, tuple[int, ...], tuple[int, ...]]]) -> list[str]:
+    """Problems with a set of shares (whole tensor, offsets, the block's shape): each
+    tensor must be covered exactly once. Empty when it is."""
+    blocks: dict[str, tuple[TensorSpec, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
+    for spec, offsets, sizes in shares:
+        blocks.setdefault(spec.name, (spec, []))[1].append((tuple(offsets), tuple(sizes)))
     problems = []
-    for name, (spec, ranges) in rows.items():
-        ranges.sort()
-        at = 0
-        for lo, hi in ranges:
-            if lo != at:
-                problems.append(f"parameter {name!r}: rows {at}..{lo} {'missing' if lo > at else 'sent twice'}")
-                break
-            at = hi
-        else:
-            if at != rows_of(spec.shape):
-                problems.append(f"parameter {name!r}: rows {at}..{rows_of(spec.shape)} missing")
+    for name, (spec, boxes) in blocks.items():
+        problem = tiling_problem(spec.shape, boxes, "sent")
+        if problem is not None:
+            problems.append(f"parameter {name!r}: {problem}")
     return problems
+
+
+def tiling_problem(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], verb: str) -> str | None:
+    """What is wrong with `boxes` (offsets, sizes) as a tiling of a tensor of `shape`
+    (each element exactly once), or None. Row blocks (whole in every other dimension, as
+    every FSDP2 share is) are checked as row ranges and named so; others as boxes."""
+    if not shape:
+        boxes = [((0,), (1,)) for o, n in boxes]  # a 0-d tensor: one row
+        shape = (1,)
+    for offsets, sizes in boxes:
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+            o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)
+        ):
+            return f"a block of {sizes} at {offsets} does not fit in {shape}"
+    if math.prod(shape):  # an empty block covers nothing (an empty tensor's one share covers it all)
+        boxes = [box for box in boxes if math.prod(box[1])]
+    if all(sizes[1:] == shape[1:] for _, sizes in boxes):
+        at = 0
+        for lo, hi in sorted((o[0], o[0] + n[0]) for o, n in boxes):
+            if lo != at:
+                return f"rows {at}..{lo} {'missing' if lo > at else verb + ' twice'}"
+            at = hi
+        return None if at == shape[0] else f"rows {at}..{shape[0]} missing"
+    full = [b for b in sorted(boxes) if math.prod(b[1])]
+    for i, (a, an) in enumerate(full):
+        for b, bn in full[i + 1 :]:
+            if all(x < y + m and y < x + n for x, n, y, m in zip(a, an, b, bn)):
+                return f"the blocks at {a} of {an} and at {b} of {bn} overlap ({verb} twice)"
+    covered = sum(math.prod(n) for _, n in full)
+    total = math.prod(shape)
+    return None if covered == total else f"{total - covered} of {total} elements missing"
 
 
 def row_bytes(spec: TensorSpec) -> int:

@@ -43,7 +43,7 @@ from hal.backend import Backend
 from hal.sync import errors
 from hal.sync.config import SyncConfig, wire_dtype_for
 from hal.sync.errors import RankReport
-from hal.sync.shard_plan import SHARD0, ShardPlanExchange, ShardPlan, declare
+from hal.sync.shard_plan import BLOCK, SHARD0, Block, ShardPlan, ShardPlanExchange, declare
 from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import TensorSpec
 from hal.sync.protocol import trainer_channel
@@ -55,8 +55,13 @@ from hal.sync.transport import Transport
 __all__ = ["ShardedReceiver", "ShardedSender", "local_tensors"]
 
 
-def local_tensors(source: Any) -> list[tuple[str, torch.Tensor]]:
-    """A source's tensors as this rank holds them (no gather)."""
+def local_tensors(source: Any) -> list[tuple[str, torch.Tensor | Block]]:
+    """A source's tensors as this rank holds them (no gather). A dict or list of pairs may
+    hold `Block`s beside tensors (what a tensor-parallel rank holds of a larger tensor)."""
+    if isinstance(source, (dict, list, tuple)):
+        pairs = list(source.items()) if isinstance(source, dict) else list(source)
+        if any(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], Block) for pair in pairs):
+            return [(n, t.detach() if isinstance(t, torch.Tensor) else t) for n, t in pairs]
     source = as_source(source)
     if not isinstance(source, LocalSource):
         raise TypeError(
@@ -93,6 +98,8 @@ class _Shares:
         for share in self.shares:
             name = share.spec.name
             tensor = self.tensors[name]
+            if isinstance(tensor, Block):
+                tensor = tensor.tensor
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             if share.spec.numel == 0:
                 # no bytes to read, and the local shard's shape says nothing of the tensor's
@@ -106,6 +113,15 @@ class _Shares:
                         f"gives it rows {share.lo}..{share.hi} ({share.wire.shape})"
                     )
                 yield share.wire.name, local
+            elif self.kinds[name] == BLOCK:
+                index = share.local_index()
+                if any(i.stop > n for i, n in zip(index, local.shape)) or local.dim() != len(index):
+                    raise ValueError(
+                        f"parameter {name!r}: trainer rank {self.rank}'s block has shape {tuple(local.shape)}, the layout gives "
+                        f"it {share.wire.shape} at {share.offsets} (its block starts at {share.held})"
+                    )
+                whole = all(i.start == 0 and i.stop == n for i, n in zip(index, local.shape))
+                yield share.wire.name, local if whole else local[index]
             elif local.dim() and (share.lo, share.hi) != (0, local.shape[0]):
                 yield share.wire.name, local.narrow(0, share.lo, share.hi - share.lo)
             else:

@@ -22,7 +22,7 @@ from hal.sync.config import WaitBounds
 from hal.sync.assembly import Assembler, BufferPool, ShareInfo
 from hal.sync.errors import RankReport
 from hal.sync.delivery import destination_problem
-from hal.sync.shard_plan import covering, parse_shard_name
+from hal.sync.shard_plan import covering_blocks, parse_block_name
 from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import TensorSpec
 from hal.sync.receiver import IncomingSync, Receiver
@@ -219,13 +219,13 @@ class ShardedReceiver:
     def _shares_of(self, headers: tuple[tuple[TensorSpec, ...], ...]) -> tuple[dict[str, ShareInfo], list[TensorSpec]]:
         """Each wire tensor's place in its whole tensor, and the whole tensors in sending order."""
         problems: list[str] = []
-        found: list[tuple[str, TensorSpec, int, int]] = []
+        found: list[tuple[str, TensorSpec, tuple[int, ...], tuple[int, ...]]] = []  # wire name, whole, offsets, block shape
         sequences: list[list[str]] = []  # per sender, the tensors it sends shares of, in order
         for m, specs in enumerate(headers):
             sequences.append([])
             for wire in specs:
                 try:
-                    name, lo = parse_shard_name(wire.name)
+                    name, offsets = parse_block_name(wire.name)
                 except ValueError as exc:
                     problems.append(f"sender {m}: {exc}")
                     continue
@@ -234,26 +234,37 @@ class ShardedReceiver:
                 if self.specs is not None and whole is None:
                     problems.append(f"parameter {name!r}: not a parameter this receiver accepts")
                     continue
-                rows = wire.shape[0] if wire.shape else 1
+                ndim = len(wire.shape)
+                if len(offsets) > max(ndim, 1) or (not ndim and offsets != (0,)):
+                    problems.append(f"parameter {name!r}: sender {m} sends a block at {offsets} of a {ndim}-d tensor")
+                    continue
+                offsets = offsets[:ndim] + (0,) * (ndim - len(offsets))
                 if whole is None:  # no specs of our own: every sender's shares say the shape
-                    whole = TensorSpec(name, (0, *wire.shape[1:]) if wire.shape else (), wire.dtype)
-                if whole.dtype != wire.dtype or whole.shape[1:] != wire.shape[1:] or len(whole.shape) != len(wire.shape):
+                    whole = TensorSpec(name, tuple(o + n for o, n in zip(offsets, wire.shape)), wire.dtype)
+                if whole.dtype != wire.dtype or len(whole.shape) != ndim:
                     problems.append(f"parameter {name!r}: sender {m} sends rows of {wire.shape} {wire.dtype}, the tensor is {whole.shape} {whole.dtype}")
                     continue
-                found.append((wire.name, whole, lo, lo + rows))
-        if self.specs is None:  # the whole shapes from the shares: the furthest row sent
-            ends: dict[str, int] = {}
-            for _, whole, _, hi in found:
-                ends[whole.name] = max(ends.get(whole.name, 0), hi)
-            found = [(w, TensorSpec(s.name, (ends[s.name], *s.shape[1:]) if s.shape else (), s.dtype), lo, hi) for w, s, lo, hi in found]
-        problems += covering((whole, lo, hi) for _, whole, lo, hi in found)
+                found.append((wire.name, whole, offsets, wire.shape))
+        if self.specs is None:  # the whole shapes from the shares: the furthest element sent in each dimension
+            ends: dict[str, tuple[int, ...]] = {}
+            for _, whole, offsets, sizes in found:
+                end = tuple(o + n for o, n in zip(offsets, sizes))
+                ends[whole.name] = tuple(map(max, ends.get(whole.name, end), end))
+            found = [(w, TensorSpec(s.name, ends[s.name], s.dtype), o, n) for w, s, o, n in found]
+        problems += covering_blocks((whole, offsets, sizes) for _, whole, offsets, sizes in found)
         errors.refuse_specs(problems)
         specs = {whole.name: whole for _, whole, _, _ in found}
         count: dict[str, int] = {}
         for _, whole, _, _ in found:
             count[whole.name] = count.get(whole.name, 0) + 1
         order = {name: i for i, name in enumerate(sending_order(sequences))}
-        shares = {wire_name: ShareInfo(specs[whole.name], order[whole.name], lo, hi, count[whole.name]) for wire_name, whole, lo, hi in found}
+        shares = {}
+        for wire_name, whole, offsets, sizes in found:
+            lo = offsets[0] if offsets else 0
+            rows = sizes[0] if sizes else 1
+            # a block that is not whole rows lands in a strided region of its tensor
+            region = None if sizes[1:] == whole.shape[1:] else tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+            shares[wire_name] = ShareInfo(specs[whole.name], order[whole.name], lo, lo + rows, count[whole.name], region)
         return shares, sorted(specs.values(), key=lambda s: order[s.name])
 
     def _deliver(self, m: int, inc: IncomingSync, assembler: Assembler, live: set[int]) -> None:

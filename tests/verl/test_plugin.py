@@ -416,7 +416,10 @@ def test_prepare_reports_senders_and_refuses_an_engine_whose_shards_differ_from_
     reports = Worker(Engine(nn.Linear(4, 4))).execute_checkpoint_engine("prepare")
     assert reports["senders"] == "all" and "port" in reports  # every worker offers a rendezvous
     assert "not FSDP-wrapped" in reports["refused"]
-    assert "is not verl's FSDP engine" in Worker(Engine(nn.Linear(4, 4), strategy="megatron")).execute_checkpoint_engine("prepare")["refused"]
+    assert "is not verl's FSDP engine" in Worker(Engine(nn.Linear(4, 4), strategy="veomni")).execute_checkpoint_engine("prepare")["refused"]
+    # verl's Megatron engine is read by hal.integrations.megatron.verl_engine: one without its list of chunks is refused there
+    megatron = Worker(Engine(nn.Linear(4, 4), strategy="megatron")).execute_checkpoint_engine("prepare")["refused"]
+    assert "the Megatron engine Engine has no list of model chunks" in megatron
     alone = HalCheckpointEngine(bucket_size=1 << 20, senders="all").prepare()  # no worker holds it: nothing to check
     from hal.integrations.verl.internals import is_training_engine
 

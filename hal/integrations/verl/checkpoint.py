@@ -29,7 +29,9 @@ Who sends is `engine_kwargs["hal"]["senders"]`:
   (as it does for its shard-operating backends), else the engine of the worker that holds
   this checkpoint engine (`verl_internals.owning_worker`). What verl's generator would
   transform on the way (LoRA, QAT, packed MoE experts, FSDP1) is refused by name, in
-  `build_topology` when `prepare` could see the engine.
+  `build_topology` when `prepare` could see the engine. verl's Megatron engine sends each
+  rank's Megatron shards under Hugging Face names instead (`verl_internals.engine_shards`,
+  hal.integrations.megatron.verl_engine; docs/megatron.md).
 
 `global_steps` is the weight version: a rollout worker refuses an older one (every rank
 then raises `StaleVersionError`); without it the version counts up from the last one.
@@ -331,7 +333,7 @@ class HalCheckpointEngine(CheckpointEngine):
 
         def sync() -> Any:
             with torch.no_grad():
-                return sender.sync(verl_internals.fsdp_shards(engine), version=version)
+                return sender.sync(verl_internals.engine_shards(engine), version=version)
 
         try:
             metrics = await asyncio.wrap_future(_in_thread(sync))

@@ -111,6 +111,10 @@ def shard_refusal(engine: object) -> str | None:
     asked here of meta tensors of each parameter's shape), and FSDP1 modules (whose state
     dict gathers: `verl.utils.fsdp_utils.fsdp_version`). Each of these is refused by name.
     """
+    from hal.integrations.megatron import verl_engine
+
+    if verl_engine.is_megatron_engine(engine):  # verl's Megatron engine: its own reasons
+        return verl_engine.refusal(engine)
     import torch
     from verl.utils.fsdp_utils import fsdp_version
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
@@ -133,6 +137,15 @@ def shard_refusal(engine: object) -> str | None:
         if unfused != [name]:
             return f"parameter {name!r} is a packed MoE tensor that verl's weight generator unfuses into {len(unfused)} tensors"
     return None
+
+
+def engine_shards(engine: object) -> Any:
+    """What a training engine holds, as a sharded sync's source: an FSDP engine's shards
+    (`fsdp_shards`), or a Megatron engine's under Hugging Face names
+    (hal.integrations.megatron.verl_engine)."""
+    from hal.integrations.megatron import verl_engine
+
+    return verl_engine.source(engine) if verl_engine.is_megatron_engine(engine) else fsdp_shards(engine)
 
 
 def fsdp_shards(engine: object) -> list[tuple[str, Any]]:

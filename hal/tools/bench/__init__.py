@@ -38,7 +38,10 @@ fails unless every trainer rank sent exactly its plan share and the receivers ho
 model bit for bit. The JSON holds {"preset", "mode": "senders", "ratio_senders_to_one",
 "results": [one row per method, with its byte check]}. It takes `--preset`,
 `--receivers`, `--repeats`, `--warmup`, `--bucket-mb`, `--sync-backend`, `--threads`,
-`--timeout`, `--no-verify` and `--json`.
+`--timeout`, `--no-verify`, `--json` and `--tp T`: the trainer ranks hold a Megatron-shaped
+layout of T tensor-parallel ranks x M / T pipeline stages instead (row and column blocks
+under Hugging Face names, norms replicated over TP: hal.tools.bench.senders_megatron), and
+each rank's bytes are checked against that layout (docs/megatron.md, "Numbers").
 
     VERL_DEVICE=cuda hal bench --delta-kernels --segment-mb 32   # hal.tools.bench.delta_kernels
 
@@ -154,6 +157,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="M-to-N: M trainer ranks holding the preset as FSDP2 Shard(0) DTensors, each sending only its own rows "
         "(hal.sync.sharded) to --receivers, against 1 sender into the same receivers; checks every rank's bytes",
     )
+    senders.add_argument(
+        "--tp", type=positive_int, default=None, metavar="T",
+        help="with --senders M: the trainer ranks hold a Megatron-shaped layout of T tensor-parallel ranks x M/T pipeline "
+        "stages (row and column blocks under Hugging Face names, norms replicated over TP; hal.tools.bench.senders_megatron) "
+        "instead of FSDP2's Shard(0) rows; the bytes each rank sends are checked against that layout",
+    )
     device = parser.add_argument_group("--device-transfer (hal.tools.bench.device_transfer)")
     device.add_argument(
         "--device-transfer", action="store_true",
@@ -203,6 +212,8 @@ def main(args: argparse.Namespace) -> int:
     started, load_average = record.utc_now(), record.load_average()
     if getattr(args, "timeout", None) is None:
         args.timeout = DEFAULT_TIMEOUT_S[_benchmark(args)]
+    if getattr(args, "tp", None) is not None and getattr(args, "senders", None) is None:
+        raise SystemExit("hal bench: --tp T describes the layout of --senders M trainer ranks: give --senders too")
     if getattr(args, "senders", None) is not None:
         from hal.tools.bench.senders import format_table as format_senders_table, run_from_args
 

@@ -198,6 +198,11 @@ def run_senders(config: SendersConfig) -> dict[str, Any]:
         trainer_rows = rows[:senders]
         expected = expected_shares(params, senders)
         uneven = uneven_params(params, senders)
+        if method == "sharded" and config.tp is not None:  # the Megatron-shaped layout's shares, from the preset alone
+            from hal.tools.bench.senders_megatron import expected_megatron_shares, unevenly_split
+
+            expected = expected_megatron_shares(params, config.tp, config.pp)
+            uneven = unevenly_split(params, config.tp, config.pp)
         share = check_byte_shares(
             model_bytes=model,
             expected=expected,
@@ -256,6 +261,7 @@ def run_senders(config: SendersConfig) -> dict[str, Any]:
         "config": {**{k: v for k, v in asdict(config).items() if k != "methods"}, "methods": list(config.methods)},
         "timing": f"median of {config.repeats} interleaved rounds after {config.warmup} warm-up sync(s) per method",
         "torch_threads_per_process": config.threads,
+        "layout": "fsdp2" if config.tp is None else f"megatron tp={config.tp} pp={config.pp}",
         "ratio_senders_to_one": ratio("sharded", "one_sender"),
         "ratio_senders_to_plain": ratio("sharded", "plain_sender"),
         "results": results,
@@ -285,10 +291,15 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
             preset=args.preset, senders=args.senders, receivers=args.receivers, repeats=args.repeats, warmup=args.warmup,
             bucket_bytes=int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else None,
             timeout_s=args.timeout, verify=args.verify, threads=args.threads, sync_backend=args.sync_backend,
+            tp=getattr(args, "tp", None),
         )
     except ValueError as exc:
         raise SystemExit(f"hal bench: {exc}") from None
     return run_senders(config)
+
+
+def _layout_words(layout: str) -> str:
+    return "Shard(0) DTensors" if layout == "fsdp2" else f"a Megatron-shaped layout ({layout}: row and column blocks, norms replicated over TP)"
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -296,8 +307,9 @@ def format_table(report: dict[str, Any]) -> str:
     m, k = report["senders"], report["receivers"]
     model = report["bytes"]
     lines = [
-        f"preset {report['preset']}: {model / GIB:.3f} GiB in {report['tensors']} tensors; {m} trainer rank(s) holding Shard(0) "
-        f"DTensors -> {k} receiver(s); {report['timing']}; {report['torch_threads_per_process']} torch thread(s) per process",
+        f"preset {report['preset']}: {model / GIB:.3f} GiB in {report['tensors']} tensors; {m} trainer rank(s) holding "
+        f"{_layout_words(report.get('layout', 'fsdp2'))} -> {k} receiver(s); {report['timing']}; "
+        f"{report['torch_threads_per_process']} torch thread(s) per process",
         f"{'method':<12} {'senders':>7} {'seconds':>8} {'best':>8} {'GiB/s':>7} {'x one_sender':>12} {'x plain':>8} {'peak extra MiB':>15}  bytes sent per trainer rank",
     ]
     for r in report["results"]:
@@ -320,16 +332,18 @@ def format_table(report: dict[str, Any]) -> str:
         else:
             names = c["uneven_params"]
             listed = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+            split = "rows do NOT divide evenly by" if report.get("layout", "fsdp2") == "fsdp2" or n == 1 else "the layout does not split evenly over"
             how = (
-                f"rows do NOT divide evenly by {n} for {len(names)} parameter(s) ({listed}): the shares differ from "
+                f"{split} {n} for {len(names)} parameter(s) ({listed}): the shares differ from "
                 f"model / {n} by up to {c['max_deviation_from_model_over_m_bytes']:,.0f} bytes ({c['max_deviation_from_model_over_m']:.2%})"
             )
         syncs = c["syncs_checked_per_rank"][0] if c["syncs_checked_per_rank"] else 0
         if n == 1:
             lines.append(f"checked {r['method']}: trainer rank 0 sent the whole model ({model:,} bytes, its plan share) in each of {syncs} sync(s)")
         else:
+            held = "Shard(0) rows" if report.get("layout", "fsdp2") == "fsdp2" else "blocks, and its rows of its stage's norms"
             lines.append(
-                f"checked {r['method']}: every trainer rank sent its plan share (= the bytes of its Shard(0) rows) in each of {syncs} "
+                f"checked {r['method']}: every trainer rank sent its plan share (= the bytes of its {held}) in each of {syncs} "
                 f"sync(s); the shares sum to the model ({model:,} bytes); {how}"
             )
         lines.append(

@@ -43,6 +43,10 @@ class SendersConfig:
     """torch intra-op threads per process."""
     sync_backend: str = "cpu"
     """The backend hal's syncs run on (cpu or sim; the weights are in host memory either way)."""
+    tp: int | None = None
+    """None: the trainer ranks hold FSDP2's Shard(0) rows. T: a Megatron-shaped layout of
+    T tensor-parallel ranks x M / T pipeline stages (hal.tools.bench.senders_megatron):
+    row and column blocks under Hugging Face names, norms replicated over TP."""
 
     def __post_init__(self) -> None:
         for p in get_preset(self.preset).params():
@@ -67,6 +71,13 @@ class SendersConfig:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise ValueError("timeout_s and collective_timeout_s must be positive")
+        if self.tp is not None and (not isinstance(self.tp, int) or self.tp < 1 or self.senders % self.tp):
+            raise ValueError(f"tp must divide senders (M = TP x PP): tp {self.tp!r}, senders {self.senders}")
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages of the Megatron-shaped layout (1 without one)."""
+        return self.senders // self.tp if self.tp else 1
 
     @property
     def world_size(self) -> int:

@@ -82,6 +82,40 @@ def local_shards(params: list[Param], offsets: list[int], total: int, senders: i
     return flat, locals_
 
 
+def megatron_blocks(params: list[Param], offsets: list[int], total: int, config: SendersConfig, rank: int) -> tuple[torch.Tensor, list[tuple[str, Any]], int]:
+    """This trainer rank's part of a Megatron-shaped layout (hal.tools.bench.senders_megatron):
+    `Block`s (and whole norms) in one flat buffer of its own, holding the bytes the whole
+    model's flat pattern has there; and the bytes it is to send (for the share check).
+    Each block is cut from its parameter's pattern, made whole for a moment (set-up, not timed)."""
+    from hal.sync.shard_plan import Block
+    from hal.tools.bench.senders_megatron import megatron_held
+
+    period = min(PATTERN_PERIOD, total)
+    block2 = torch.cat([pattern_block(period, 0)] * 2)
+    held = megatron_held(params, config.tp, config.pp, rank)
+    where = dict(zip((p.name for p in params), offsets))
+    sizes = [h.param.dtype.itemsize * _numel(h.block) for h in held]
+    flat = torch.empty(sum(sizes) + 8 * len(held), dtype=torch.uint8)
+    out, cursor = [], 0
+    for h, size in zip(held, sizes):
+        cursor = (cursor + 7) // 8 * 8
+        whole = torch.empty(h.param.nbytes, dtype=torch.uint8)
+        fill_pattern_range(whole, where[h.param.name], block2)
+        values = whole.view(h.param.dtype).view(h.param.shape)[tuple(slice(o, o + n) for o, n in zip(h.offsets, h.block))]
+        local = flat[cursor : cursor + size].view(h.param.dtype).view(h.block)
+        local.copy_(values)
+        out.append((h.param.name, local if h.whole else Block(local, tuple(h.param.shape), h.offsets)))
+        cursor += size
+    return flat, out, sum(h.sent_bytes for h in held)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _count_segments(transport: Any, counter: list[int]) -> None:
     """Shadow `transport.send_segment` (on this instance only) to add each segment's bytes to counter[0]."""
     real = transport.send_segment
@@ -125,13 +159,16 @@ def _rank_body(rank: int, config: SendersConfig) -> dict[str, Any]:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Shard
 
-        shard_flat, locals_ = local_shards(params, offsets, total, m, rank)
-        mesh = DeviceMesh.from_group(trainer_group, "cpu")
-        dtensors = [
-            (p.name, DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(p.shape), stride=_contiguous_stride(p.shape)))
-            for p, t in zip(params, locals_)
-        ]
-        held = sum(t.to_local().nbytes for _, t in dtensors)
+        if config.tp is not None:  # a Megatron-shaped layout: blocks and replicated norms
+            shard_flat, dtensors, held = megatron_blocks(params, offsets, total, config, rank)
+        else:
+            shard_flat, locals_ = local_shards(params, offsets, total, m, rank)
+            mesh = DeviceMesh.from_group(trainer_group, "cpu")
+            dtensors = [
+                (p.name, DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(p.shape), stride=_contiguous_stride(p.shape)))
+                for p, t in zip(params, locals_)
+            ]
+            held = sum(t.to_local().nbytes for _, t in dtensors)
         if rank == 0 and one:
             whole = torch.empty(total, dtype=torch.uint8)
             fill_pattern(whole)
