@@ -168,9 +168,10 @@ def _request(url: str, body: dict[str, Any] | None, timeout_s: float, headers: d
 
 def engine_prompt_logprobs(engine: Any, prompts: list[list[int]], *, timeout_s: float, lora_request: Any = None) -> list[list[float]]:
     """`prompts`' per-token log-probs as `engine` (one of `WeightSync`'s engines) serves them."""
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
-
     from hal.integrations.vllm.engines import ClientEngine, ExtensionEngine, OfflineEngine
+
+    # vLLM's clients (0.26 on); before, classes nothing is an instance of (the fence says)
+    _, HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient = vllm_internals.weight_sync_clients()
 
     name = getattr(engine, "name", type(engine).__name__)
     own = getattr(engine, "prompt_logprobs", None)
