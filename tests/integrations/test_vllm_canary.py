@@ -43,6 +43,7 @@ from hal.sync import SyncConfig  # noqa: E402
 from hal.sync.canary import Canary, CanaryConfig, CanaryError  # noqa: E402
 from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
+from hal.integrations._shared import release_of  # noqa: E402
 from tests.integrations.llm import in_process_llm, weight_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
@@ -127,6 +128,13 @@ def tied(tmp_path_factory):
         yield setup
 
 
+# The stale tied head is vLLM's own reload behaviour, recorded for 0.29-0.32
+# (tests/integrations/test_vllm_tied.py): on 0.23 and 0.27 hal's engine path leaves this tied
+# Qwen2 head current without hal's refresh, so there is no fault to see there.
+STALE_TIED_HEAD = release_of(vllm_internals.vllm_version()) >= (0, 29)
+
+
+@pytest.mark.skipif(not STALE_TIED_HEAD, reason="this vLLM's reload leaves the tied head current: no stale-head fault to inject")
 class TestTied:
     def test_a_stale_tied_lm_head_fires_while_the_sync_passes(self, tied, monkeypatch):
         llm, sync, model = tied
