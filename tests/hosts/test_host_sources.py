@@ -476,6 +476,17 @@ def _worker_sequence(tree: SourceTree, module: str, cls: str) -> dict[str, objec
     }
 
 
+# What hal's 0.23-0.24 engine expects of a worker that owns each update (vLLM's and
+# vllm-ascend's NPUWorker); the two differ in whether a failed update is closed.
+WORKER_OWNS_EACH_UPDATE = {
+    "start begins the reload": True,
+    "finish ends the reload": True,
+    "update hands load_weights": True,
+    "engine built with": ["self.vllm_config.weight_transfer_config", "self.vllm_config.parallel_config",
+                          "self.model_runner.get_model()"],
+}
+
+
 @pytest.mark.parametrize("release", [(0, 23), (0, 24)], ids=lambda r: f"vllm-{r[0]}.{r[1]}")
 def test_the_workers_of_vllm_0_23_and_0_24_own_each_update_as_hal_expects(release):
     tree = _vllm_tree(release)
@@ -483,15 +494,8 @@ def test_the_workers_of_vllm_0_23_and_0_24_own_each_update_as_hal_expects(releas
         seen = _worker_sequence(tree, "vllm.v1.worker.gpu_worker", "Worker")
     finally:
         tree.close()
-    assert seen == {
-        "start begins the reload": True,
-        "finish ends the reload": True,
-        "update hands load_weights": True,
-        "engine built with": ["self.vllm_config.weight_transfer_config", "self.vllm_config.parallel_config",
-                              "self.model_runner.get_model()"],
-        # a failed update is over for vLLM's worker: its finish then refuses, so hal's engine ends the reload itself
-        "update closed on failure": True,
-    }
+    # a failed update is over for vLLM's worker: its finish then refuses, so hal's engine ends the reload itself
+    assert seen == {**WORKER_OWNS_EACH_UPDATE, "update closed on failure": True}
 
 
 @pytest.fixture(scope="module")
@@ -520,14 +524,7 @@ def test_vllm_ascends_worker_owns_each_update_as_hal_expects(vllm_ascend_sources
     # NPUWorker copies vLLM 0.23's worker, with one difference hal meets: a failed update stays
     # open until finish_weight_update (OfflineEngine closes it before the next start).
     seen = _worker_sequence(vllm_ascend_sources, "vllm_ascend.worker.worker", "NPUWorker")
-    assert seen == {
-        "start begins the reload": True,
-        "finish ends the reload": True,
-        "update hands load_weights": True,
-        "engine built with": ["self.vllm_config.weight_transfer_config", "self.vllm_config.parallel_config",
-                              "self.model_runner.get_model()"],
-        "update closed on failure": False,
-    }
+    assert seen == {**WORKER_OWNS_EACH_UPDATE, "update closed on failure": False}
 
 
 def _registered_engines(tree: SourceTree, package: str) -> dict[str, str]:
