@@ -187,3 +187,56 @@ class KnownDestinations:
         self._dtypes: list[torch.dtype] = []
         self._contiguous: list[bool] = []
         self._ptrs: list[int] = []
+
+
+class KnownDeclaration:
+    """A trainer rank's memory of what it declared in the last M-to-N sync (hal.sync.sharded):
+    the listing of its source's local tensors and the declaration made from it. The same
+    tensor objects with the same global shapes, dtypes and placements are the same
+    declaration, so the same digest and plan: no declaration per tensor, no encoding of it.
+    Their bytes are read every sync from the objects themselves (a local shard whose memory
+    was replaced in place is read where it is now)."""
+
+    def __init__(self) -> None:
+        self.listing: Listing | None = None
+        self.declared: list | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._shapes: list[tuple[int, ...]] = []
+        self._dtypes: list[torch.dtype] = []
+        self._placed: list[torch.Tensor] = []  # the distributed tensors: their placements and meshes
+        self._placements: list[Any] = []
+        self._meshes: list[Any] = []
+
+    def recall(self, listing: Listing) -> list | None:
+        """The last declaration when `listing` holds the same tensors, as they were; else None."""
+        last = self.listing
+        if last is None:
+            return None
+        if listing is not last and (
+            listing.names != last.names or len(listing.tensors) != len(last.tensors) or not all(map(is_, listing.tensors, last.tensors))
+        ):
+            return None
+        placed = self._placed
+        if not (
+            same_shapes_and_dtypes(listing.tensors, self._shapes, self._dtypes)
+            and all(map(is_, map(_placements, placed), self._placements))
+            and all(map(is_, map(_mesh, placed), self._meshes))
+        ):
+            return None
+        self.listing = listing
+        return self.declared
+
+    def remember(self, listing: Listing, declared: list) -> None:
+        self.listing, self.declared = listing, declared
+        self.tensors = dict(zip(listing.names, listing.tensors))
+        self._shapes = [tuple(t.shape) for t in listing.tensors]
+        self._dtypes = [t.dtype for t in listing.tensors]
+        self._placed = [t for t in listing.tensors if type(t) not in PLAIN and hasattr(t, "placements")]
+        self._placements = list(map(_placements, self._placed))
+        self._meshes = list(map(_mesh, self._placed))
+
+    def forget(self) -> None:
+        self.__init__()
+
+
+_placements, _mesh = attrgetter("placements"), attrgetter("device_mesh")
