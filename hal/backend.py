@@ -23,9 +23,11 @@ import torch
 
 from hal.backend_hooks import BackendHooks, copy_many_non_blocking, copy_non_blocking
 from hal.backend_runtime import RuntimeQuestions
-from hal.backend_types import BackendUnavailableError, Event, MemoryInfo, Stream
+from hal.backend_types import BackendUnavailableError, Event, MemoryInfo, PreparedCopies, Stream
 
-__all__ = ["Backend", "BackendUnavailableError", "Event", "MemoryInfo", "Stream", "copy_many_non_blocking", "copy_non_blocking"]
+__all__ = [
+    "Backend", "BackendUnavailableError", "Event", "MemoryInfo", "PreparedCopies", "Stream", "copy_many_non_blocking", "copy_non_blocking",
+]
 
 
 class Backend(RuntimeQuestions, BackendHooks):
@@ -164,6 +166,28 @@ class Backend(RuntimeQuestions, BackendHooks):
                     raise ValueError(f"copy_many_: pair {i}: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)}")
         if dsts:
             self._copy_many(stream, list(dsts), list(srcs))
+
+    def prepare_copies(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], /, *, shapes_checked: bool = False) -> PreparedCopies:
+        """The pairs of a `copy_many_`, made ready once to run many times (`copy_prepared_`):
+        a sync copies the same pairs every time its layout repeats, and what this backend
+        does per pair to launch them is then done once (the host backend takes a view of
+        each small tensor's bytes, copied without torch's cost per tensor). It holds the
+        tensors and stays valid while each keeps its memory: the same address and strides
+        (hal.sync.steady checks that before running one again). Shapes as for `copy_many_`."""
+        if len(dsts) != len(srcs):
+            raise ValueError(f"prepare_copies: {len(dsts)} destinations for {len(srcs)} sources")
+        if not shapes_checked and any(map(operator.ne, map(_shape_of, dsts), map(_shape_of, srcs))):
+            for i, (dst, src) in enumerate(zip(dsts, srcs)):
+                if dst.shape != src.shape:
+                    raise ValueError(f"prepare_copies: pair {i}: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)}")
+        return PreparedCopies(self.name, len(dsts), self._prepare_copies(list(dsts), list(srcs)))
+
+    def copy_prepared_(self, prepared: PreparedCopies, /, *, stream: Stream | None = None) -> None:
+        """Run copies made ready by `prepare_copies` of this backend, as one piece of device work on `stream`."""
+        if prepared.backend != self.name:
+            raise ValueError(f"copy_prepared_: copies prepared by backend {prepared.backend!r}, run on {self.name!r}")
+        if prepared.count:
+            self._copy_prepared(stream, prepared.handle)
 
     def synchronize(self) -> None:
         """Wait for all work on every stream of the current device."""

@@ -68,6 +68,13 @@ class BackendHooks:
     def _copy_many(self, stream: Stream | None, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         self._launch(stream, copy_many_non_blocking, (dsts, srcs))
 
+    def _prepare_copies(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
+        # by default nothing is done ahead: the lists, run as one multi-tensor copy
+        return dsts, srcs
+
+    def _copy_prepared(self, stream: Stream | None, handle: Any) -> None:
+        self._copy_many(stream, *handle)
+
     def _synchronize(self) -> None:
         raise NotImplementedError
 
@@ -129,4 +136,8 @@ def copy_non_blocking(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def copy_many_non_blocking(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+    # Out of autograd: a sync may copy straight from parameters that require grad (a listed
+    # source, hal.sync.steady), and a copy into a buffer must not join their graph. Here, not
+    # at the caller: a stream's worker thread (sim) has grad mode of its own.
+    with torch.no_grad():
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)

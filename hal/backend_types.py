@@ -4,7 +4,7 @@ the error of a backend that cannot be used."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class BackendUnavailableError(RuntimeError):
@@ -35,3 +35,12 @@ class MemoryInfo:
 
     free: int
     total: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PreparedCopies:
+    """Copies made ready by `Backend.prepare_copies`, run by `Backend.copy_prepared_`."""
+
+    backend: str  # the name of the backend that made them: only it can run them
+    count: int  # pairs
+    handle: Any  # what that backend keeps to run them (its own business)

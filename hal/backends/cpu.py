@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from hal.backend import Backend, Event, Stream
+from hal.backends._host_copies import HostCopies
 from hal.backends._ipc import HandleReader, check_view, dtype_name
 
 
@@ -168,6 +169,12 @@ class CpuBackend(Backend):
 
     def _launch(self, stream: Any, fn: Callable[..., Any], args: tuple) -> None:
         fn(*args)
+
+    def _prepare_copies(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> HostCopies:
+        return HostCopies(dsts, srcs)  # small pairs as byte copies (hal/backends/_host_copies.py)
+
+    def _copy_prepared(self, stream: Any, handle: HostCopies) -> None:
+        self._launch(stream, handle.run, ())  # sim: on the stream's worker thread
 
     def _synchronize(self) -> None:
         pass

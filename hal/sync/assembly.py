@@ -80,7 +80,7 @@ class ShareInfo:
 class PartSink:
     """The sink of one sender's `Receiver`: shares go to the assembler."""
 
-    policy = SinkPolicy(in_place=False, apply_unchanged=True)
+    policy = SinkPolicy(in_place=False, apply_unchanged=True, destinations="none")
 
     def __init__(self, assembler: "Assembler", sender: int) -> None:
         self.assembler = assembler

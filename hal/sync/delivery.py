@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from hal import kernels
-from hal.backend import Backend
+from hal.backend import Backend, PreparedCopies
 from hal.sync import errors
 from hal.sync.errors import RankReport
 from hal.sync.metrics import PhaseTimer
 from hal.sync.plan import Bucket, BucketPlan, Segment, TensorSpec, is_solo
 from hal.sync.protocol import SegmentStatus
-from hal.sync.sink import Pairs, Sink
+from hal.sync.sink import Pairs, Sink, SinkPolicy
 
 _MAX_REPORTED = 5
 
@@ -53,7 +53,7 @@ class Destinations:
     identity with the last sync's to know whether the cached handovers still hold."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Handover:
     """Whole tensors a segment (or a bucket) completes in the receiver's buffer: the copies
     into their destinations, then what the sink is handed. Kept across syncs (`Kept`)."""
@@ -62,6 +62,11 @@ class Handover:
     copy_srcs: list[torch.Tensor]
     applied: Pairs
     """(name, where its new bytes are: the destination, else the view of the buffer)."""
+    kept: bool = False
+    """Kept across syncs: its copies are worth preparing (`copies`)."""
+    copies: PreparedCopies | None = None
+    """Its copies made ready once (`Backend.prepare_copies`), while the destinations are
+    those the receiver kept, at the same addresses (`Kept.steady`)."""
 
 
 class Kept:
@@ -77,6 +82,11 @@ class Kept:
         self.reassembly: dict[str, torch.Tensor] = {}
         self._handovers: dict[tuple[int, int, int, int], Handover] = {}
         self._handover_basis: tuple[str | None, list[Any]] = (None, [])  # (plan digest, destination objects)
+        self._checked: Destinations | None = None  # the destinations of the last sync
+        self.steady = False
+        """This sync's destinations are the very check of the last sync, which the receiver
+        kept because the sink said nothing changed, memory included (hal.sync.steady): the
+        copies prepared into them hold."""
 
     @property
     def reassembly_bytes(self) -> int:
@@ -89,10 +99,17 @@ class Kept:
             multi_piece = {p.spec.name for b in plan.buckets for p in b.pieces if not p.is_whole}
             for name in set(self.reassembly) - multi_piece:
                 del self.reassembly[name]
-        same = digest == plan.digest and len(objects) == len(destinations.objects) and all(map(operator.is_, objects, destinations.objects))
-        if not same:
-            self._handovers = {}
-            self._handover_basis = (plan.digest, destinations.objects)
+        self.steady = digest == plan.digest and destinations is self._checked
+        self._checked = destinations
+        if self.steady:
+            return
+        if digest == plan.digest and len(objects) == len(destinations.objects) and all(map(operator.is_, objects, destinations.objects)):
+            # the same objects, checked again: the lists hold, copies prepared into their memory may not
+            for handover in self._handovers.values():
+                handover.copies = None
+            return
+        self._handovers = {}
+        self._handover_basis = (plan.digest, destinations.objects)
 
     def reassembly_buffer(self, spec: TensorSpec) -> torch.Tensor:
         """Where a tensor that arrives in chunks across buckets is gathered (kept across syncs)."""
@@ -107,6 +124,7 @@ class Kept:
         return self._handovers.get(key)
 
     def keep_handover(self, key: tuple[int, int, int, int], handover: Handover) -> Handover:
+        handover.kept = True
         self._handovers[key] = handover
         return handover
 
@@ -126,12 +144,15 @@ class Delivery:
     `touched`, `exact` and `reassembly_buffer` as this path does.
     """
 
-    def __init__(self, kept: Kept, transport: Any, plan: BucketPlan, sink: Sink, destinations: Destinations, timer: PhaseTimer) -> None:
+    def __init__(
+        self, kept: Kept, transport: Any, plan: BucketPlan, sink: Sink, policy: SinkPolicy, destinations: Destinations, timer: PhaseTimer
+    ) -> None:
         self.kept = kept
         self.transport = transport
         self.backend = kept.backend
         self.plan = plan
         self.sink = sink
+        self.policy = policy
         self.timer = timer
         self.applier: Any = None  # set by the receiver for a delta sync (hal.sync.delta)
         self.changed: set[str] = set()  # tensors of a delta sync some of whose words changed
@@ -141,7 +162,7 @@ class Delivery:
         self.landing: set[str] = set()  # tensors landing in place with ranges still outstanding
         self.in_place: dict[str, bool] = {}  # the decision taken at each tensor's first range
         self.ready: list[Pairs | Handover] = []  # complete tensors waiting for the end of their bucket
-        self.whole_buckets = sink.policy.whole_buckets or plan.verify
+        self.whole_buckets = policy.whole_buckets or plan.verify
         self.notes: list[str] = []
         self.destinations = destinations
         self.exact = destinations.exact
@@ -292,7 +313,7 @@ class Delivery:
         A delta sync hands over only the tensors that changed: the others are as they were."""
         if self.error is not None:
             return
-        if self.applier is not None and not self.sink.policy.apply_unchanged:
+        if self.applier is not None and not self.policy.apply_unchanged:
             # a delta sync's appliers hand over pairs, never a cached handover
             changed = self.changed
             completed = [[(n, t) for n, t in pairs if n in changed] for pairs in completed]
@@ -311,8 +332,14 @@ class Delivery:
             if self.backend.supports_async_streams:
                 stream.wait_stream(self.backend.current_stream())
             # one multi-tensor copy for the segment (per copy, a launch cost more than the copy: H100);
-            # every destination's shape was checked against its spec this sync, every view is made from it
-            self.backend.copy_many_(dsts, srcs, stream=stream, shapes_checked=True)
+            # every destination's shape was checked against its spec, every view is made from it
+            one = handovers[0] if len(handovers) == 1 else None
+            if one is not None and one.kept and self.kept.steady:
+                if one.copies is None:  # once while the destinations are kept
+                    one.copies = self.backend.prepare_copies(dsts, srcs, shapes_checked=True)
+                self.backend.copy_prepared_(one.copies, stream=stream)
+            else:
+                self.backend.copy_many_(dsts, srcs, stream=stream, shapes_checked=True)
             stream.synchronize()  # the views are reused once this returns
         self.sink.apply(applied)
 

@@ -13,12 +13,13 @@ from typing import Any, Iterator
 import torch
 
 from hal import kernels
-from hal.backend import Backend
+from hal.backend import Backend, PreparedCopies
 from hal.sync import errors
 from hal.sync.config import SyncConfig
 from hal.sync.delta import NO_DELTA
 from hal.sync.metrics import PhaseTimer
 from hal.sync.plan import Bucket, BucketPlan, Segment, TensorSpec
+from hal.sync.steady import KnownSource
 from hal.sync.transport import Transport
 
 
@@ -32,8 +33,9 @@ class SegmentPacker:
         self.backend = backend
         self.stream = backend.new_stream()
         self._views = kernels.PieceViews()  # typed views of the pack targets, per plan
-        self._packs: dict[tuple, _SegmentPack] = {}  # per segment of several pieces, per plan and target (`_pack_whole`)
+        self._packs: dict[tuple, SegmentPack] = {}  # per segment of several pieces, per plan and target (`_pack_whole`)
         self._staging: torch.Tensor | None = None
+        self._epoch = -1  # the listing the packs' `srcs` were made from (`ListedCursor.epoch`)
 
     def ensure_staging(self, nbytes: int) -> None:
         """A pinned host buffer of at least `nbytes` to pack into (host-staged syncs)."""
@@ -105,37 +107,47 @@ class SegmentPacker:
         one stream wait and one launch per segment, whatever its tensor count. Returns the
         segment's other ranges (chunks of larger tensors), for the caller to pack."""
         key = (packing.plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start)
-        packs = self._packs.get(key)
-        if packs is None:
-            packs = self._packs[key] = self._segment_packs(packing.plan, bucket, segment, target)
-        whole, dsts, others = packs
+        pack = self._packs.get(key)
+        if pack is None:
+            pack = self._packs[key] = self._segment_packs(packing.plan, bucket, segment, target)
+        if packing.epoch != self._epoch:  # lists made from another listing hold tensors no longer sent: let them go
+            for other in self._packs.values():
+                other.srcs, other.copies, other.epoch = [], None, -1
+            self._epoch = packing.epoch
         began = time.perf_counter()
-        srcs = packing.gather(whole)
+        srcs = packing.sources(pack)
         timer.add("gather", time.perf_counter() - began)
         keep.extend(srcs)
         if self.backend.supports_async_streams:  # a gather (e.g. full_tensor) may still be running
             self.stream.wait_stream(self.backend.current_stream())
-        # every source was checked against its spec (`gather`), every view is made from it
-        self.backend.copy_many_(dsts, srcs, stream=self.stream, shapes_checked=True)
-        return others
+        # every source was checked against its spec (`gather`, or the listing's check), every view is made from it
+        if packing.epoch < 0 or pack.fresh:
+            # iterated, or the first sync of these tensors (a source may hand out new objects
+            # every sync, `state_dict()` does): one multi-tensor copy, nothing prepared
+            pack.fresh = False
+            self.backend.copy_many_(pack.dsts, srcs, stream=self.stream, shapes_checked=True)
+            return pack.others
+        if pack.copies is None:  # once per listing: the same tensors at the same addresses, until the epoch changes
+            pack.copies = self.backend.prepare_copies(pack.dsts, srcs, shapes_checked=True)
+        self.backend.copy_prepared_(pack.copies, stream=self.stream)
+        return pack.others
 
-    def _segment_packs(self, plan: BucketPlan, bucket: Bucket, segment: Segment, target: torch.Tensor) -> "_SegmentPack":
+    def _segment_packs(self, plan: BucketPlan, bucket: Bucket, segment: Segment, target: torch.Tensor) -> "SegmentPack":
         """What packing a segment of several pieces needs, made once per plan and target
-        (kept in `_packs` by the caller): per whole piece its spec and whether it has bytes, their views in
-        order, and the other ranges."""
+        (kept in `_packs` by the caller)."""
         if len(self._packs) >= 4 * sum(len(b.segments) for b in plan.buckets) + 8:
             self._packs.clear()  # buffers were reallocated or the layout changed: the old keys are stale
         views = self._views.of(plan, target, bucket)
-        whole, dsts, others = [], [], []
+        pack = SegmentPack()
         for index, lo, hi in segment.ranges:
             piece = bucket.pieces[index]
             if piece.is_whole:
-                whole.append((piece.spec, hi > 0))
+                pack.whole.append((piece.spec, hi > 0))
                 if hi:
-                    dsts.append(views[index])
+                    pack.dsts.append(views[index])
             else:
-                others.append((index, lo, hi))
-        return whole, dsts, others
+                pack.others.append((index, lo, hi))
+        return pack
 
     def _direct(self, plan: BucketPlan, spec: TensorSpec, tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
         """Whether every range of this tensor goes straight from its memory, skipping the
@@ -152,8 +164,23 @@ class SegmentPacker:
         )
 
 
-# Per whole piece its spec and whether it has bytes; the views they pack into; the other ranges.
-_SegmentPack = tuple[list[tuple[TensorSpec, bool]], list[torch.Tensor], list[tuple[int, int, int]]]
+class SegmentPack:
+    """What packing one segment of several pieces needs, made once per plan and target: per
+    whole piece its spec and whether it has bytes (`whole`), the views they pack into
+    (`dsts`), the segment's other ranges (`others`); and the tensors the views are copied
+    from, when they are read from a listing (`srcs`, and the copies prepared between them,
+    `copies`: made once per listing, `epoch`)."""
+
+    __slots__ = ("whole", "dsts", "others", "srcs", "copies", "epoch", "fresh")
+
+    def __init__(self) -> None:
+        self.whole: list[tuple[TensorSpec, bool]] = []
+        self.dsts: list[torch.Tensor] = []
+        self.others: list[tuple[int, int, int]] = []
+        self.srcs: list[torch.Tensor] = []
+        self.copies: PreparedCopies | None = None
+        self.epoch = -1
+        self.fresh = False  # `srcs` were made this sync
 
 
 class SourceCursor:
@@ -165,6 +192,7 @@ class SourceCursor:
         self.it = it
         self.tensor: torch.Tensor | None = None
         self.direct = False
+        self.epoch = -1  # no listing
 
     def next_tensor(self, spec: TensorSpec) -> torch.Tensor:
         try:
@@ -173,6 +201,10 @@ class SourceCursor:
             raise errors.SpecMismatchError(f"source ended before parameter {spec.name!r} that its metadata() declared") from None
         _check_yielded(spec, name, tensor)
         return tensor
+
+    def sources(self, pack: SegmentPack) -> list[torch.Tensor]:
+        """The tensors a segment's whole pieces are copied from: the next ones of the source."""
+        return self.gather(pack.whole)
 
     def gather(self, whole: list[tuple[TensorSpec, bool]]) -> list[torch.Tensor]:
         """The next tensors of the source, for these specs (checked as `next_tensor` checks
@@ -199,6 +231,33 @@ class SourceCursor:
             backend.copy_(wire, tensor, stream=stream)
             tensor = wire
         self.tensor = tensor
+
+
+class ListedCursor(SourceCursor):
+    """The tensors of one sync read from the source's listing, which the sender found to list
+    the same tensors, shapes and dtypes as the plan's specs (hal.sync.steady): no iterator,
+    and per segment of small tensors the list made once per listing (`SegmentPack.srcs`)."""
+
+    def __init__(self, plan: BucketPlan, known: KnownSource) -> None:
+        super().__init__(plan, iter(()))
+        self.known = known
+        self.tensors = known.listing.tensors
+        self.epoch = known.epoch
+
+    def next_tensor(self, spec: TensorSpec) -> torch.Tensor:
+        tensor = self.tensors[self.known.position(spec.name)]
+        # out of autograd, as a source's iteration yields it (copied or viewed as bytes next)
+        return tensor.detach() if tensor.requires_grad else tensor
+
+    def sources(self, pack: SegmentPack) -> list[torch.Tensor]:
+        # the listed objects themselves: a multi-tensor copy reads each as it is now (one whose
+        # memory was replaced in place reads the new memory) and runs out of autograd
+        # (hal.backend_hooks.copy_many_non_blocking)
+        if pack.epoch != self.epoch:
+            tensors, at = self.tensors, self.known.position
+            pack.srcs = [tensors[at(spec.name)] for spec, has_bytes in pack.whole if has_bytes]
+            pack.copies, pack.epoch, pack.fresh = None, self.epoch, True
+        return pack.srcs
 
 
 def _check_yielded(spec: TensorSpec, name: Any, tensor: Any) -> None:

@@ -33,7 +33,8 @@ from hal.sync.errors import RankReport
 from hal.sync.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
 from hal.sync.plan import BucketPlan, PlanCache, TensorSpec
-from hal.sync.sink import Sink, as_sink
+from hal.sync.sink import Sink, SinkPolicy, as_sink
+from hal.sync.steady import KnownDestinations
 from hal.sync.transport import Transport
 
 class Receiver:
@@ -89,6 +90,8 @@ class Receiver:
         self.abort_error: str | None = None
         self.plans = PlanCache()
         self._accepted: tuple[TensorSpec, ...] | None = None  # the last spec tuple `_check_specs` passed
+        self.known = KnownDestinations()
+        """The sink's destinations checked last sync, kept while the sink says they are unchanged."""
         self.kept = Kept(self.backend)
         """What delivering syncs keeps across them (hal.sync.delivery)."""
         self.delta = DeltaReceiver(self.backend)
@@ -101,7 +104,7 @@ class Receiver:
 
     # ---- header -----------------------------------------------------------------------
     def _check_header(
-        self, payload: bytes, sink: Sink, challenge: str
+        self, payload: bytes, sink: Sink, policy: SinkPolicy, challenge: str
     ) -> tuple[SyncHeader | None, BucketPlan | None, Destinations | None, RankReport]:
         """(the header, decoded or None; the plan and the sink's destinations, or None if
         refused; this rank's verdict)."""
@@ -116,7 +119,7 @@ class Receiver:
             except ValueError as exc:
                 raise errors.HeaderError(f"header describes no valid bucket layout: {exc}") from None
             # in place: only tensors that travel alone can land there; a delta may patch any
-            destinations = self._check_specs(header.specs, sink, None if header.delta else plan.solo_tensors)
+            destinations = self._check_specs(header.specs, sink, policy, None if header.delta else plan.solo_tensors)
             if self.validate is not None:
                 self.validate(list(header.specs))
             if plan.digest != header.digest:
@@ -129,18 +132,32 @@ class Receiver:
             return header, None, None, errors.report_exception(exc, sender=False)
         return header, plan, destinations, RankReport()
 
-    def _check_specs(self, specs: tuple[TensorSpec, ...], sink: Sink, exact_for: frozenset[str] | None) -> Destinations:
+    def _check_specs(
+        self, specs: tuple[TensorSpec, ...], sink: Sink, policy: SinkPolicy, exact_for: frozenset[str] | None
+    ) -> Destinations:
         """Refuse specs this receiver does not accept, or that the sink's destinations do not
         fit; returns the sink's destinations for this sync, asked once each, and which of
-        those named in `exact_for` (None: all) may be written in place."""
+        those named in `exact_for` (None: all) may be written in place. What was checked last
+        sync is kept while the sink says its destinations are unchanged (hal.sync.steady)."""
+        device = self.backend.device()
+        in_place = policy.in_place and (exact_for is None or bool(exact_for))
+        # what a kept check depends on: the same objects (the header's tuple, the plan's set;
+        # the sink, when its generation is what says it is unchanged), and equal values (what
+        # the sink declares, this device). A mapped sink's tensors are compared instead of
+        # the sink: `copy_into(weights)` may be made anew each sync over the same weights.
+        mode = policy.destinations
+        same = (specs, exact_for, in_place, sink if mode == "generation" else None)
+        equal = (mode, policy.generation if mode == "generation" else 0, device)
+        kept = self.known.recall(same, equal, sink)
+        if kept is not None:
+            return kept
+        self.known.forget()
         problems: list[str] = []
         # checked against `self.specs` already (the same tuple), or nothing to check against
         known = specs is self._accepted or self.specs is None
-        device = self.backend.device()
-        in_place = sink.policy.in_place and (exact_for is None or bool(exact_for))
         every: dict[str, torch.Tensor] = {}
         exact: dict[str, torch.Tensor] = {}
-        objects = [sink.destination(spec.name) for spec in specs]
+        objects = [None] * len(specs) if mode == "none" else [sink.destination(spec.name) for spec in specs]
         for spec, dest in zip(specs, objects):
             if not known:
                 expected = self.specs.get(spec.name)
@@ -166,7 +183,10 @@ class Receiver:
                 exact[spec.name] = dest
         errors.refuse_specs(problems)
         self._accepted = specs
-        return Destinations(every, exact, objects)
+        checked = Destinations(every, exact, objects)
+        if mode != "ask":
+            self.known.remember(same, equal, checked, [spec.name for spec in specs], objects)
+        return checked
 
     # ---- one sync ---------------------------------------------------------------------
     def receive(self, sink: Any) -> SyncMetrics:
@@ -200,6 +220,8 @@ class IncomingSync:
     def __init__(self, receiver: Receiver, sink: Sink) -> None:
         self.receiver = receiver
         self.sink = sink
+        self.policy: SinkPolicy = sink.policy
+        """The sink's policy as it was when this sync started."""
         self.start, self.host_start = time.perf_counter(), time.thread_time()
         self.timer = PhaseTimer()
         self.builds = receiver.plans.builds
@@ -219,13 +241,14 @@ class IncomingSync:
     def check(self) -> RankReport:
         """Draw the challenge, take the sender's header and check it; this rank's verdict."""
         receiver, channel = self.receiver, self.channel
+        receiver.known.precheck(self.sink, self.policy)  # while the sender reads its source
         try:
             challenge = channel.challenge()
         except errors.AuthError as exc:  # forged by a member: still take the header, to stay in step
             channel.exchange_header(None)
             return errors.report_exception(exc, sender=False)
         payload = channel.exchange_header(None)
-        self.header, self.plan, self.destinations, report = receiver._check_header(payload, self.sink, challenge)
+        self.header, self.plan, self.destinations, report = receiver._check_header(payload, self.sink, self.policy, challenge)
         self.where = f"sync of version {self.header.version}" if self.header is not None else "sync"
         return report
 
@@ -256,7 +279,7 @@ class IncomingSync:
         try:
             receiver.transport.prepare(receiver.backend, plan)
             self._kept_in = scatter_key(plan, self.sink, receiver.backend.device()) if self.header.delta else None
-            delivery = self.delivery = Delivery(receiver.kept, receiver.transport, plan, self.sink, self.destinations, self.timer)
+            delivery = self.delivery = Delivery(receiver.kept, receiver.transport, plan, self.sink, self.policy, self.destinations, self.timer)
             delivery.applier = receiver.delta.begin(self.header, plan, self._kept_in, delivery)
             delivery.run()
         except Exception as exc:  # noqa: BLE001 - concluded by `conclude` / `settle`

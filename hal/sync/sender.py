@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -27,9 +27,10 @@ from hal.sync.config import SyncConfig, default_bucket_bytes, wire_dtype_for
 from hal.sync.delta import NO_DELTA, DeltaSender, agree_or_go_whole
 from hal.sync.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
-from hal.sync.packing import SegmentPacker, SourceCursor
+from hal.sync.packing import ListedCursor, SegmentPacker, SourceCursor
 from hal.sync.plan import BucketPlan, PlanCache, TensorSpec
-from hal.sync.source import as_source
+from hal.sync.source import ListedSource, as_source
+from hal.sync.steady import KnownSource
 from hal.sync.transport import Transport
 
 
@@ -65,6 +66,9 @@ class Sender:
         """How many senders send into the same receivers at once (hal.sync.sharded sets it):
         buckets sized from free memory take that share of it."""
         self._last_wire: tuple[list[TensorSpec], list[TensorSpec]] = ([], [])  # (metadata, its wire specs) of the last sync
+        self.known = KnownSource()
+        """The source's last listing and its specs (hal.sync.steady): a sync of the same
+        tensors makes no spec and reads no iterator."""
         self.delta = DeltaSender(self.config.delta, self.backend) if self.config.delta is not None else None
         """Delta sync's state across syncs (hal.sync.delta), or None without delta."""
 
@@ -83,7 +87,7 @@ class Sender:
         if wire is None:
             return metadata
         last_metadata, last_wire = self._last_wire
-        if len(metadata) == len(last_metadata) and all(map(operator.is_, metadata, last_metadata)):
+        if metadata is last_metadata or (len(metadata) == len(last_metadata) and all(map(operator.is_, metadata, last_metadata))):
             return last_wire  # the same specs as last time: the same wire specs (and plan)
         specs = [s if (d := wire_dtype_for(s.dtype, wire)) is s.dtype else TensorSpec(s.name, s.shape, d) for s in metadata]
         self._last_wire = (metadata, specs)
@@ -121,15 +125,30 @@ class Sender:
             self.bucket_bytes = default_bucket_bytes(self.backend, largest, self.sender_count)
             self._sized_for = largest
 
-    def _send_buckets(
-        self, plan: BucketPlan, it: Iterator[tuple[str, torch.Tensor]], timer: PhaseTimer, segments: Any = NO_DELTA
-    ) -> BaseException | None:
+    def _metadata(self, source: Any) -> tuple[list[TensorSpec], bool]:
+        """The source's specs, and whether this sync may read its tensors from its listing
+        (decided by `known.settle()` before the first pack): the last sync's specs when the
+        source lists the same tensors (hal.sync.steady)."""
+        known = self.known
+        if not isinstance(source, ListedSource):
+            known.forget()
+            return list(source.metadata()), False
+        listing = source.listing(known.listing)
+        metadata = known.recall(listing)
+        if metadata is None:
+            metadata = list(source.metadata())
+            if len(metadata) != len(listing.names) or [s.name for s in metadata] != listing.names:
+                known.forget()  # a listing that is not what the source declares is not kept
+                return metadata, False
+            known.remember(listing, metadata)
+        return metadata, True
+
+    def _send_buckets(self, plan: BucketPlan, cursor: SourceCursor, timer: PhaseTimer, segments: Any = NO_DELTA) -> BaseException | None:
         """Send every segment, or stop at the first one whose source or pack failed, after
         announcing that failure in its place. Returns that failure; a transport failure
         (PeerError) propagates instead: the group can no longer agree on anything."""
         transport, async_streams = self.transport, self.backend.supports_async_streams
         packer, stream = self.packer, self.packer.stream
-        cursor = SourceCursor(plan, it)
         alive: dict[int, list[torch.Tensor]] = {}  # tensors sent from their own memory, until their bucket is sent
         failure: BaseException | None = None
         for bucket in plan.buckets:
@@ -182,6 +201,7 @@ class OutgoingSync:
         self.host_start = time.thread_time()
         self.timer = PhaseTimer()
         self.plan: BucketPlan | None = None
+        self.listed = False  # the source listed its tensors: `known` says whether to read them from there
         self.segments: Any = NO_DELTA
         self._builds = sender.plans.builds
         self._state = "new"
@@ -195,7 +215,8 @@ class OutgoingSync:
 
     def _offer(self) -> None:
         sender, transport = self.sender, self.sender.transport
-        wire_specs = sender._wire_specs(list(self.source.metadata()))
+        metadata, self.listed = sender._metadata(self.source)
+        wire_specs = sender._wire_specs(metadata)
         sender._size_buckets(wire_specs)
         segment_bytes = transport.segment_bytes(sender.config.segment_bytes)
         plan = self.plan = sender.plans.get(wire_specs, sender.bucket_bytes, sender.config.verify, segment_bytes)
@@ -215,6 +236,7 @@ class OutgoingSync:
                 delta=delta is not None, delta_base=offer[0],
             )
             channel.exchange_header(header.encode())
+            sender.known.settle()  # which tensors to read: while the receivers check the header
             errors.raise_if_any(channel.agree(report, "header check"), channel.rank, self.where)
 
         def go_whole() -> None:
@@ -240,7 +262,11 @@ class OutgoingSync:
         """Every segment, then every rank's agreement; this sync's metrics. Raises as `Sender.send`."""
         self._take()
         with self.sender.transport.bounded(self.sender.config.timeout_s):
-            failure = self.sender._send_buckets(self.plan, iter(self.source), self.timer, self.segments)
+            sender = self.sender
+            sender.known.settle()  # (done already unless the header was never agreed on)
+            listed = self.listed and sender.known.readable
+            cursor = ListedCursor(self.plan, sender.known) if listed else SourceCursor(self.plan, iter(self.source))
+            failure = sender._send_buckets(self.plan, cursor, self.timer, self.segments)
             return self._end(failure)
 
     def cancel(self, error: errors.SyncError) -> SyncMetrics:

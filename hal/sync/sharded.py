@@ -48,7 +48,8 @@ from hal.sync.metrics import SyncMetrics
 from hal.sync.plan import TensorSpec
 from hal.sync.protocol import trainer_channel
 from hal.sync.sender import Sender
-from hal.sync.source import LocalSource, TensorSource, as_source
+from hal.sync.source import ListedSource, LocalSource, ModuleSource, TensorSource, as_source
+from hal.sync.steady import KnownDeclaration
 from hal.sync.sharded_receiver import ShardedReceiver
 from hal.sync.transport import Transport
 
@@ -82,6 +83,20 @@ class AgreedShares:
     refused: errors.SyncError | None = None
 
 
+def _listed(source: Any) -> ListedSource | None:
+    """`source` as a source that lists its tensors for a steady state, if it is one whose
+    local tensors are its listing's (not a subclass reading them otherwise; not pairs
+    holding `Block`s, which `local_tensors` reads as they are)."""
+    if isinstance(source, (dict, list, tuple)):
+        pairs = list(source.items()) if isinstance(source, dict) else list(source)
+        if any(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], Block) for pair in pairs):
+            return None
+    source = as_source(source)
+    if type(source) in (ModuleSource, TensorSource):
+        return source
+    return None
+
+
 class _Shares:
     """One sync's source on one trainer rank: its shares of the plan, as wire tensors."""
 
@@ -101,6 +116,8 @@ class _Shares:
             if isinstance(tensor, Block):
                 tensor = tensor.tensor
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            if local.requires_grad:  # a parameter as listed (hal.sync.steady): read out of autograd
+                local = local.detach()
             if share.spec.numel == 0:
                 # no bytes to read, and the local shard's shape says nothing of the tensor's
                 # (FSDP2 gives every rank (0, 0) of a (3, 0) parameter, distribute_tensor
@@ -150,6 +167,8 @@ class ShardedSender:
         self.exchange = ShardPlanExchange(self.channel)
         self.sender.sender_count = self.channel.world_size  # buckets from free memory: a share of them each
         self.version: int | None = None
+        self.known = KnownDeclaration()
+        """The last sync's listing and declaration (hal.sync.steady)."""
         self._model_bytes_of: tuple[ShardPlan | None, int] = (None, 0)
 
     @property
@@ -174,18 +193,32 @@ class ShardedSender:
         some rank cannot declare, or declarations that do not fit, make `refused` the same
         `SpecMismatchError` on every trainer rank; nothing is sent yet. The same call on
         every trainer rank."""
-        tensors: list[tuple[str, torch.Tensor]] = []
+        tensors: dict[str, Any] = {}
         declared: list | BaseException
         try:
-            tensors = local_tensors(source)
-            declared = declare(tensors, self.rank, self.channel.world_size)
+            tensors, declared = self._declare(source)
         except (ValueError, TypeError) as exc:  # still take part in the exchange: the others hear of it at once
             declared = exc
         with self.channel.bounded(self.config.bounds.step_s):
             try:
-                return AgreedShares(self.exchange.agree(declared), dict(tensors))
+                return AgreedShares(self.exchange.agree(declared), tensors)
             except errors.SyncError as exc:  # the same on every trainer rank (a broken group: PeerError)
-                return AgreedShares(None, dict(tensors), exc)
+                return AgreedShares(None, tensors, exc)
+
+    def _declare(self, source: Any) -> tuple[dict[str, Any], list]:
+        """This rank's tensors and what it declares of them: the last sync's declaration
+        when the source lists the same tensors as they were (hal.sync.steady)."""
+        listed = _listed(source)
+        if listed is None:
+            self.known.forget()
+            pairs = local_tensors(source)
+            return dict(pairs), declare(pairs, self.rank, self.channel.world_size)
+        listing = listed.listing(self.known.listing)
+        declared = self.known.recall(listing)
+        if declared is None:
+            declared = declare(zip(listing.names, listing.tensors), self.rank, self.channel.world_size)
+            self.known.remember(listing, declared)
+        return self.known.tensors, declared
 
     def send(self, agreed: AgreedShares, *, version: int) -> SyncMetrics:
         """Send this rank's shares as `agreed` (`agree_shares`) as `version`; a refused

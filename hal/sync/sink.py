@@ -39,6 +39,17 @@ What a sink needs of the receiver beyond that it declares once, as `policy`, a
 - `apply_unchanged` (False): in a delta sync (`SyncConfig.delta`) `apply` gets only the
   tensors that changed since the previous version, unless this is set (a sink that
   re-processes whole layers must see every tensor).
+- `destinations` ("ask"): how the receiver learns where tensors go, and that this changed
+  (another tensor under a name, one resized, re-typed or moved). "ask": it asks
+  `destination(name)` for every tensor of every sync and checks each answer. A sink that
+  can say more saves that per-tensor work on every sync after the first: "none" (it never
+  names a destination: nothing is asked), "mapped" (they are the tensors of its mapping
+  `tensors`, `MappedSink`: read in bulk and compared by identity, shape, dtype, strides
+  and address with those checked), "generation" (it raises `generation` whenever one
+  changes, `self.policy = self.policy.bumped()`: kept while the same sink shows the same
+  generation). Whatever differs is checked again, in the same sync.
+
+The receiver reads `policy` once, at the start of each sync.
 
 When every tensor has an exact destination (wire dtype, contiguous, this device), the sync
 is not verified and `in_place` holds, the destinations are a delta's base: changed words
@@ -51,6 +62,7 @@ A plain callable `apply(pairs)` is accepted wherever a sink is (`as_sink`).
 from __future__ import annotations
 
 import dataclasses
+from operator import itemgetter
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
@@ -65,12 +77,29 @@ class SinkPolicy:
     in_place: bool = True
     whole_buckets: bool = False
     apply_unchanged: bool = False
+    destinations: str = "ask"
+    """How the receiver learns the destinations: "ask", "none", "mapped" or "generation" (above)."""
+    generation: int = 0
+    """With destinations="generation": raised by the sink whenever a destination changes."""
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            if not isinstance(getattr(self, field.name), bool):
-                raise TypeError(f"SinkPolicy.{field.name} must be a bool, got {getattr(self, field.name)!r}")
+        for field in ("in_place", "whole_buckets", "apply_unchanged"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"SinkPolicy.{field} must be a bool, got {getattr(self, field)!r}")
+        if self.destinations not in DESTINATIONS:
+            raise ValueError(f"SinkPolicy.destinations must be one of {', '.join(map(repr, DESTINATIONS))}, got {self.destinations!r}")
+        if type(self.generation) is not int or self.generation < 0:
+            raise TypeError(f"SinkPolicy.generation must be an int >= 0, got {self.generation!r}")
 
+    def bumped(self) -> "SinkPolicy":
+        """This policy with the generation raised: the sink's destinations changed."""
+        if self.destinations != "generation":
+            raise ValueError(f"SinkPolicy.bumped: destinations={self.destinations!r} keeps no generation")
+        return dataclasses.replace(self, generation=self.generation + 1)
+
+
+# SinkPolicy.destinations, from the most work per sync to the least (the module doc)
+DESTINATIONS = ("ask", "mapped", "generation", "none")
 
 # What sinks declared before `SinkPolicy`, as attributes: refused by name, never ignored.
 _FORMER_ATTRIBUTES = ("in_place", "whole_buckets", "apply_unchanged")
@@ -85,10 +114,17 @@ class Sink(Protocol):
     def abort(self) -> None: ...
 
 
+@runtime_checkable
+class MappedSink(Sink, Protocol):
+    """A sink declaring `SinkPolicy(destinations="mapped")`: `destination(name)` is `tensors.get(name)`."""
+
+    tensors: Mapping[str, torch.Tensor]
+
+
 class CallableSink:
     """A sink around a plain `apply(pairs)` callable: no destinations, nothing to abort."""
 
-    policy = SinkPolicy()
+    policy = SinkPolicy(destinations="none")
 
     def __init__(self, fn: Callable[[Pairs], Any]) -> None:
         self.fn = fn
@@ -115,6 +151,8 @@ def as_sink(target: Any) -> Sink:
             raise TypeError(
                 f"sink {type(target).__name__} must declare `policy = SinkPolicy(...)` (hal.sync.sink), got {got}{hint}"
             )
+        if policy.destinations == "mapped" and not isinstance(target, MappedSink):
+            raise TypeError(f"sink {type(target).__name__} declares SinkPolicy(destinations='mapped') but has no `tensors` mapping")
         return target
     if callable(target):
         return CallableSink(target)
@@ -139,17 +177,19 @@ class CopyInto:
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], *, in_place: bool = True) -> None:
         self.tensors = tensors
-        self.policy = SinkPolicy(in_place=in_place)
+        # the mapping is the user's, changed behind the sink's back: compared each sync
+        self.policy = SinkPolicy(in_place=in_place, destinations="mapped")
         self.received: list[str] = []
 
     def destination(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
 
     def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in pairs:
-            if name not in self.tensors:
-                raise KeyError(f"parameter {name!r}: the engine holds no tensor of that name")
-        self.received.extend(name for name, _ in pairs)
+        names = list(map(itemgetter(0), pairs))  # called per segment with thousands: no Python step per tensor
+        if not all(map(self.tensors.__contains__, names)):
+            missing = next(n for n in names if n not in self.tensors)
+            raise KeyError(f"parameter {missing!r}: the engine holds no tensor of that name")
+        self.received.extend(names)
 
     def abort(self) -> None:
         pass

@@ -4,11 +4,21 @@ A source declares its tensors (`metadata()`, cheap, no gather) and yields fully
 materialized `(name, tensor)` pairs in the same order on each iteration, a fresh pass
 every time: nothing per-sync survives into the next sync. This mirrors vLLM's
 `WeightSource`, so a vLLM source can be passed as is.
+
+A source may also list its tensors (`ListedSource.listing`): the tensor objects it holds,
+without a spec per tensor. A sender keeps the last listing and, when the next one lists
+the same objects with the same shapes and dtypes, reuses the specs, the plan and the
+lists it packs from (hal.sync.steady): a sync of unchanged tensors then costs per
+segment, not per tensor. `ModuleSource` and `TensorSource` list theirs.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from functools import partial
+from itertools import repeat
+from operator import attrgetter, is_, is_not, itemgetter
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -27,6 +37,32 @@ class LocalSource(Protocol):
     rank sending its own rows reads (hal.sync.sharded). `ModuleSource` and `TensorSource` are."""
 
     def local_tensors(self) -> list[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Listing:
+    """The tensors a source holds for a sync, in `metadata()` order: their names and the
+    tensor objects themselves (a DTensor as it is, not gathered)."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    as_yielded: bool
+    """Iterating the source yields these very tensors (or detached aliases of them), so a
+    sender may read plain ones from here instead of iterating: False for a source whose
+    iteration does more (a subclass that overrides `__iter__`)."""
+    basis: Any = None
+    """What the source recognises its own unchanged listing by, next sync (its own business)."""
+
+
+@runtime_checkable
+class ListedSource(Protocol):
+    """A source that can list its tensors (see the module doc)."""
+
+    def listing(self, last: Listing | None) -> Listing:
+        """This sync's listing. `last` is the listing its sender kept from the last sync (of
+        this source or another): returning it unchanged says the same names map to the same
+        tensor objects (their shapes and dtypes the sender checks itself)."""
+        ...
 
 
 def materialize(tensor: torch.Tensor) -> torch.Tensor:
@@ -66,6 +102,19 @@ class ModuleSource:
         # DTensor reports its global shape, so no gather happens here
         return [TensorSpec.of(name, p) for name, p in self._named()]
 
+    def listing(self, last: Listing | None) -> Listing:
+        """The parameters (the Parameter objects). `named_parameters()` costs microseconds
+        per parameter (names built, modules walked through generators): while the module
+        tree still holds the same modules and parameters under the same names
+        (`_ModuleTree.unchanged`), the last listing is handed back instead."""
+        basis = last.basis if last is not None else None
+        if isinstance(basis, _ModuleTree) and basis.module is self.module and basis.rename is self.rename and basis.unchanged():
+            return last
+        tree = _ModuleTree(self.module, self.rename)  # before the walk: a change during it shows next time
+        named = list(self._named())
+        as_yielded = type(self).__iter__ is ModuleSource.__iter__
+        return Listing(list(map(itemgetter(0), named)), list(map(itemgetter(1), named)), as_yielded, tree)
+
     def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters as this rank holds them (DTensors not gathered), out of autograd."""
         return [(name, param.detach()) for name, param in self._named()]
@@ -80,12 +129,20 @@ class TensorSource:
 
     def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.pairs = list(pairs)
-        for name, tensor in self.pairs:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"TensorSource: {name!r} is a {type(tensor).__name__}, not a tensor")
+        # made anew every sync by many callers: checked without a Python step per tensor, the
+        # loop only to name the offender
+        if not all(map(isinstance, map(itemgetter(1), self.pairs), repeat(torch.Tensor))):
+            for name, tensor in self.pairs:
+                if not isinstance(tensor, torch.Tensor):
+                    raise TypeError(f"TensorSource: {name!r} is a {type(tensor).__name__}, not a tensor")
 
     def metadata(self) -> list[TensorSpec]:
         return [TensorSpec.of(name, t) for name, t in self.pairs]
+
+    def listing(self, last: Listing | None) -> Listing:
+        """The pairs' names and tensors (a fresh listing: the sender compares it with `last`)."""
+        pairs = self.pairs
+        return Listing(list(map(itemgetter(0), pairs)), list(map(itemgetter(1), pairs)), type(self).__iter__ is TensorSource.__iter__)
 
     def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The tensors as this rank holds them (DTensors not gathered), out of autograd."""
@@ -96,6 +153,50 @@ class TensorSource:
         for name, tensor in self.pairs:
             # the common case (a plain tensor out of autograd) without a call per tensor
             yield name, tensor if type(tensor) is plain and not tensor.requires_grad else materialize(_detached(tensor))
+
+
+_not_none = partial(is_not, None)
+_MODULES, _PARAMETERS = attrgetter("_modules"), attrgetter("_parameters")
+
+
+class _ModuleTree:
+    """A module tree as a `ModuleSource` listed it: every module, and each slot (a dict and
+    a key) that held a child module or a parameter, with what it held.
+
+    `unchanged()` reads every slot again, in C (no Python step per parameter: `map` over
+    prepared lists), and compares by identity: a parameter or module replaced (through
+    `setattr` or a write into the dict, as FSDP2 does), added, removed or renamed, and a
+    module's dicts replaced (as `ModuleList.__delitem__` does), all show. Not shown: keys of
+    one dict reordered in place, which changes only the order the sync sends the same
+    names in. A parameter's own shape, dtype and memory may change under the same object
+    (`p.data = ...`): the sender checks shapes and dtypes, and copies from the object."""
+
+    def __init__(self, module: torch.nn.Module, rename: Callable[[str], str | None] | None) -> None:
+        self.module, self.rename = module, rename
+        modules = [module]
+        for m in modules:  # grows as it is walked: breadth first
+            modules.extend(filter(_not_none, m._modules.values()))
+        self.modules = modules
+        self.module_dicts = list(map(_MODULES, modules))
+        self.param_dicts = list(map(_PARAMETERS, modules))
+        self.sizes = list(map(len, self.module_dicts)) + list(map(len, self.param_dicts))
+        self.slot_dicts: list[dict] = []
+        self.slot_keys: list[str] = []
+        self.held: list[Any] = []
+        for d in self.module_dicts + self.param_dicts:
+            for key, value in d.items():
+                self.slot_dicts.append(d)
+                self.slot_keys.append(key)
+                self.held.append(value)
+
+    def unchanged(self) -> bool:
+        modules = self.modules
+        return (
+            all(map(is_, map(_MODULES, modules), self.module_dicts))
+            and all(map(is_, map(_PARAMETERS, modules), self.param_dicts))
+            and list(map(len, self.module_dicts)) + list(map(len, self.param_dicts)) == self.sizes
+            and all(map(is_, map(dict.get, self.slot_dicts, self.slot_keys), self.held))
+        )
 
 
 def as_source(source: object) -> WeightSource:

@@ -167,5 +167,17 @@ def test_policy_is_declared_or_the_sink_is_refused_by_name():
         SinkPolicy(in_place="no")
     with pytest.raises(TypeError):
         SinkPolicy(True)  # keyword only
-    assert as_sink(lambda pairs: None).policy == SinkPolicy()
-    assert copy_into({}, in_place=False).policy == SinkPolicy(in_place=False)
+    # how the receiver learns the destinations (hal.sync.steady): declared, never guessed
+    assert as_sink(lambda pairs: None).policy == SinkPolicy(destinations="none")
+    assert copy_into({}, in_place=False).policy == SinkPolicy(in_place=False, destinations="mapped")
+    with pytest.raises(ValueError, match="SinkPolicy.destinations must be one of 'ask', 'mapped', 'generation', 'none', got 'some'"):
+        SinkPolicy(destinations="some")
+    with pytest.raises(TypeError, match="SinkPolicy.generation must be an int >= 0, got -1"):
+        SinkPolicy(destinations="generation", generation=-1)
+    with pytest.raises(ValueError, match="destinations='ask' keeps no generation"):
+        SinkPolicy().bumped()
+    assert SinkPolicy(destinations="generation").bumped().bumped().generation == 2
+    unmapped = NoPolicy()
+    unmapped.policy = SinkPolicy(destinations="mapped")
+    with pytest.raises(TypeError, match="sink NoPolicy declares SinkPolicy\\(destinations='mapped'\\) but has no `tensors` mapping"):
+        as_sink(unmapped)

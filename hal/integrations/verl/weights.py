@@ -108,7 +108,7 @@ class HandoffSink:
     waiting when the consumer stopped early."""
 
     # with delta syncs too: every tensor, every update (see the module doc)
-    policy = SinkPolicy(in_place=False, apply_unchanged=True)
+    policy = SinkPolicy(in_place=False, apply_unchanged=True, destinations="none")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, backend: Backend) -> None:
         self.loop = loop

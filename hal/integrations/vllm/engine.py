@@ -89,7 +89,9 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
     # (docs/benchmarks.md, vLLM: 64 MiB buckets already doubled the apply time on the CPU).
     # apply_unchanged: vLLM's layerwise reload re-processes a layer from all of its tensors:
     # in a delta sync the unchanged ones are handed over too (the wire carries only changes).
-    policy = SinkPolicy(whole_buckets=True, apply_unchanged=True)
+    # destinations="none": vLLM repacks its parameters, every tensor goes through load_weights,
+    # so the receiver asks for no destination (16k calls a sync for an MoE model).
+    policy = SinkPolicy(whole_buckets=True, apply_unchanged=True, destinations="none")
 
     def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         self._init_vllm_engine(config, vllm_config, device, model)

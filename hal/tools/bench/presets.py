@@ -14,6 +14,7 @@ parameters a Qwen2-architecture checkpoint holds, in checkpoint order:
     split-<n>      64 MiB of bf16 in n equal tensors (n = 64, 1024, 4096, 16384): the same
                    bytes in more and more tensors, so that what a sync costs per tensor,
                    not per byte, is the difference between them (issue 19's measurement)
+    split-<n>-1g   the same at 1 GiB (n = 64, 16384): issue 30's target compares the two
 
 With tied embeddings (both Qwen2.5 sizes here) `lm_head.weight` is the embedding and is
 not a separate tensor.
@@ -135,6 +136,7 @@ class SplitPreset:
 
 
 SPLIT_COUNTS = (64, 1024, 4096, 16384)
+SPLIT_1G_COUNTS = (64, 16384)
 
 PRESETS: dict[str, Preset | SplitPreset] = {
     p.name: p
@@ -196,7 +198,9 @@ PRESETS: dict[str, Preset | SplitPreset] = {
             description="a toy Qwen2 shape for tests: 26 bf16 tensors",
         ),
     )
-} | {f"split-{n}": SplitPreset(name=f"split-{n}", tensors=n) for n in SPLIT_COUNTS}
+} | {f"split-{n}": SplitPreset(name=f"split-{n}", tensors=n) for n in SPLIT_COUNTS} | {
+    f"split-{n}-1g": SplitPreset(name=f"split-{n}-1g", tensors=n, bytes_total=1 << 30) for n in SPLIT_1G_COUNTS
+}
 
 
 def get_preset(name: str) -> Preset | SplitPreset:

@@ -166,6 +166,7 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
 
         class Traced:  # the same sink (destinations included), its apply timed: tracing does not change the path
             policy = untraced.policy
+            tensors = getattr(untraced, "tensors", None)  # a mapped sink's (SinkPolicy.destinations)
 
             def destination(self, name: str) -> torch.Tensor | None:
                 return untraced.destination(name)
