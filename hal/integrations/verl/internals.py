@@ -94,6 +94,23 @@ def training_engine(worker: object) -> Any:
     return None
 
 
+def training_module(engine: object) -> Any:
+    """The torch module a training engine computes with (verl's FSDP engine: `engine.module`,
+    transformer_impl.py), or None (an engine without one, such as verl's Megatron engine,
+    whose `module` is a list of model chunks)."""
+    import torch
+
+    module = getattr(engine, "module", None)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def server_adapter(worker: object) -> Any:
+    """A verl rollout worker's server adapter (`CheckpointEngineWorker.server_adapter`,
+    verl/checkpoint_engine/base.py: the object its `update_weights` hands
+    `receive_weights` to), or None."""
+    return getattr(worker, "server_adapter", None)
+
+
 def is_training_engine(obj: object) -> bool:
     """Whether `obj` is a verl training engine (what verl passes to `send_weights` of
     shard-operating backends) rather than a weight generator."""
