@@ -143,6 +143,8 @@ class HalCheckpointEngine(CheckpointEngine):
         """The weight version of the last sync this worker completed."""
         self.metrics: dict[str, Any] = {}
         """The last sync's `SyncMetrics.as_dict()` on this worker."""
+        self.reported: dict[str, float | int] = {}
+        """What the last `send_weights` returned to verl (on the trainer rank that reports)."""
         self.last_error: str | None = None
         """`"<SyncError class>: <message>"` of the last update that failed here; None after a success."""
         self._role: str | None = None
@@ -313,8 +315,9 @@ class HalCheckpointEngine(CheckpointEngine):
             )
         except CanaryError as exc:
             self._canary_reported(exc.report)
-            self.last_error = f"CanaryError: {exc}"
-            raise CanaryError(f"checkpoint engine 'hal': {exc}", report=exc.report) from None
+            error = CanaryError(f"checkpoint engine 'hal': {exc}", report=exc.report)
+            self.last_error = f"CanaryError: {error}"
+            raise error from None
         if report is not None:
             self._canary_reported(report)
 
@@ -345,6 +348,7 @@ class HalCheckpointEngine(CheckpointEngine):
             "transport": names if self.senders == "all" else (names[0] if names else None),
             "last_error": self.last_error,
             "metrics": dict(self.metrics),
+            "reported": dict(self.reported),
             "canary": self.canary_report.as_dict() if self.canary_report is not None else None,
         }
 
@@ -426,6 +430,7 @@ class HalCheckpointEngine(CheckpointEngine):
         # verl drops what finalize() returns: the last canary check's numbers come with the next update's
         out = {**numeric_metrics(self.metrics), **self._canary_metrics}
         self._canary_metrics = {}
+        self.reported = out
         return out
 
     @torch.no_grad()
