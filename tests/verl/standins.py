@@ -129,6 +129,24 @@ class TrainingWorkerOnHal(_verl_tests.TrainingWorkerTest):
         _register_cpu_engine()
         super().__init__(config, checkpoint_engine_config)
         self._edges: dict[tuple[str, bool], Any] = {}  # the elements set_*_elements changed, as they were
+        self._canary_log: list[str] = []  # the canary's warnings in this process (`canary_warnings`)
+
+    @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
+    def canary_warnings(self) -> list[str]:
+        """The warnings hal's canary logged in this process since the first call (which starts listening)."""
+        import logging
+
+        if not getattr(self, "_canary_listening", False):
+            log = self._canary_log
+
+            class Keep(logging.Handler):
+                def emit(self, record: logging.LogRecord) -> None:
+                    if record.levelno >= logging.WARNING:
+                        log.append(record.getMessage())
+
+            logging.getLogger("hal.sync.canary").addHandler(Keep())
+            self._canary_listening = True
+        return list(self._canary_log)
 
     @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
     def set_first_elements(self, value: float | None) -> int:

@@ -86,6 +86,7 @@ def test_an_engine_computing_with_stale_weights_fires_in_enforce_and_is_logged_i
     assert verl_flow.failing.check_changed_weights(CHANGE) == [[], []]
 
     verl_flow.trainers.set_canary_mode("log")
+    heard = len(verl_flow.trainers.canary_warnings()[0])  # rank 0 judges, and logs
     verl_flow.failing_manager.update_weights(global_steps=held + 2)  # returns: "log" only reports
     trainers = flow.states(verl_flow.trainers)
     assert trainers[0]["reported"]["checkpoint_engine/hal/canary/fired"] == 1.0  # the enforce check's numbers
@@ -93,6 +94,8 @@ def test_an_engine_computing_with_stale_weights_fires_in_enforce_and_is_logged_i
     assert report["fired"] and report["mode"] == "log" and report["version"] == held + 2
     assert not report["engines"]["rollout worker 1"]["passed"] and report["engines"]["rollout worker 0"]["passed"]
     assert all(s["last_error"] is None for s in trainers)
+    logged = verl_flow.trainers.canary_warnings()[0][heard:]
+    assert len(logged) == 1 and f"canary at version {held + 2}" in logged[0] and "engine 'rollout worker 1'" in logged[0], logged
 
     verl_flow.trainers.set_canary_mode("enforce")
     verl_flow.failing.go_stale(rank=1, stale=False)
