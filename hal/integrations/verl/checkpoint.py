@@ -11,7 +11,8 @@ every worker, in verl's order:
     init_process_group(**kwargs)       every worker: join its sync group(s) if they are new
     send_weights(weights, global_steps)      every trainer rank
     receive_weights(global_steps)            every rollout worker: yields (name, tensor)
-    finalize()                         every worker: buckets freed, the groups kept
+    finalize()                         every worker: the canary when due (engine_kwargs["hal"]["canary"],
+                                       hal.integrations.verl.canary); buckets freed, the groups kept
 
 Who sends is `engine_kwargs["hal"]["senders"]`:
 
@@ -41,7 +42,7 @@ trainer rank raise `PeerError`, and the next update builds new groups.
 Settings: verl passes `bucket_size` (`update_weights_bucket_megabytes`) and the mapping
 `engine_kwargs["hal"]`, whose keys are `SyncConfig` fields (`bucket_bytes`,
 `segment_bytes`, `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`, `delta`) plus this
-engine's own `transport` and `senders`; `delta` is true (`DeltaConfig()`), false, or a mapping of
+engine's own `transport`, `senders` and `canary` (hal.integrations.verl.settings.CanarySettings); `delta` is true (`DeltaConfig()`), false, or a mapping of
 `DeltaConfig` fields (`{"anchor_every": 16, "choose": "time"}`); any other key is refused naming the valid ones (`is_master` is verl's).
 verl's default bucket size (2048 MiB) means "hal sizes the buckets" (from free device
 memory); any other value is the bucket size.
