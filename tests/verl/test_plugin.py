@@ -519,3 +519,34 @@ def test_a_rollout_worker_answers_through_its_hook_or_its_adapter_or_says_why_no
 
 def _hook(adapter, sequences):
     return [[0.5] * (len(s) - 1) for s in sequences]
+
+
+def test_the_canary_refuses_an_engine_it_cannot_run_the_probe_through_and_loads_an_offloaded_one():
+    import contextlib
+
+    from hal.integrations.verl import internals
+
+    class Engine:
+        module = torch.nn.Linear(2, 2)
+        ulysses_sequence_parallel_size = 1
+        is_param_offload_enabled = False
+        loaded = 0
+
+        @contextlib.contextmanager
+        def eval_mode(self):
+            Engine.loaded += 1
+            yield
+
+    engine = Engine()
+    assert internals.canary_refusal(engine) is None
+    with internals.module_on_device(engine):
+        pass
+    assert Engine.loaded == 0  # no offload: nothing to load
+    engine.is_param_offload_enabled = True
+    with internals.module_on_device(engine):
+        pass
+    assert Engine.loaded == 1  # verl's own eval_mode() loads the offloaded parameters
+    engine.ulysses_sequence_parallel_size = 2
+    assert "Ulysses sequence parallelism is on (ulysses_sequence_parallel_size=2)" in internals.canary_refusal(engine)
+    engine.module = [torch.nn.Linear(2, 2)]  # Megatron's: a list of model chunks
+    assert "has no torch module to run the probe through" in internals.canary_refusal(engine)

@@ -37,6 +37,7 @@ It sends the engines a probe and nothing else: no weight or version changes. Imp
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -73,13 +74,16 @@ def trainer_check(
     timeout_s: float,
     wire_dtype: torch.dtype | None = None,
     missing: str | None = None,
+    on_device: Callable[[], Any] | None = None,
 ) -> CanaryReport | None:
     """A trainer rank's part after a completed update of `version` (see the module doc).
 
     `rollouts`: sync group 0's channel on trainer rank 0, None on the other trainer ranks;
     `trainers`: the trainer group's channel (None: this is the only trainer rank). `module`
     is the trainer's model (`missing` says why there is none: then nothing is checked, the
-    rollout workers are told so, and ValueError names the reason on every trainer rank).
+    rollout workers are told so, and ValueError names the reason on every trainer rank);
+    `on_device()` is a context the forward runs in (verl's engine with parameter offload
+    loads the parameters there).
     Returns the report when this update is checked, else None; `CanaryError` in "enforce"."""
     started = time.perf_counter()
     due = canary.due()
@@ -95,7 +99,8 @@ def trainer_check(
     if module is None:
         raise ValueError(f"checkpoint engine 'hal': the canary needs the trainer's model: {missing}")
     began = time.perf_counter()
-    reference = module_logprobs(module, probe)  # every trainer rank in step: FSDP2's gathers
+    with on_device() if on_device is not None else contextlib.nullcontext():
+        reference = module_logprobs(module, probe)  # every trainer rank in step: FSDP2's gathers
     reference_s = time.perf_counter() - began
     payload = b""
     report: CanaryReport | None = None

@@ -306,13 +306,13 @@ class HalCheckpointEngine(CheckpointEngine):
         if engine is None:
             missing = "found no training engine (the checkpoint engine's worker holds none as `engine` or `actor.engine`)"
         else:
-            module = verl_internals.training_module(engine)
-            if module is None:
-                missing = f"the training engine {type(engine).__name__} has no torch module to run the probe through"
+            missing = verl_internals.canary_refusal(engine)
+            module = verl_internals.training_module(engine) if missing is None else None
         try:
             report = verl_canary.trainer_check(
                 self.canary, module, version, rollouts=rollouts, trainers=trainers, timeout_s=timeout_s,
                 wire_dtype=self.config.wire_dtype, missing=missing,
+                on_device=(lambda: verl_internals.module_on_device(engine)) if module is not None else None,
             )
         except CanaryError as exc:
             self._canary_reported(exc.report)
