@@ -129,6 +129,24 @@ class TrainingWorkerOnHal(_verl_tests.TrainingWorkerTest):
         _register_cpu_engine()
         super().__init__(config, checkpoint_engine_config)
         self._edges: dict[tuple[str, bool], Any] = {}  # the elements set_*_elements changed, as they were
+        self._canary_log: list[str] = []  # the canary's warnings in this process (`canary_warnings`)
+
+    @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
+    def canary_warnings(self) -> list[str]:
+        """The warnings hal's canary logged in this process since the first call (which starts listening)."""
+        import logging
+
+        if not getattr(self, "_canary_listening", False):
+            log = self._canary_log
+
+            class Keep(logging.Handler):
+                def emit(self, record: logging.LogRecord) -> None:
+                    if record.levelno >= logging.WARNING:
+                        log.append(record.getMessage())
+
+            logging.getLogger("hal.sync.canary").addHandler(Keep())
+            self._canary_listening = True
+        return list(self._canary_log)
 
     @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
     def set_first_elements(self, value: float | None) -> int:
@@ -169,6 +187,12 @@ class TrainingWorkerOnHal(_verl_tests.TrainingWorkerTest):
         return changed
 
     @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
+    def set_canary_mode(self, mode: str) -> None:
+        """Switch this rank's checkpoint-engine canary between "log" and "enforce" (a test
+        switch: verl reads engine_kwargs once, when it builds the engines)."""
+        self.checkpoint_engine.canary.config.mode = mode
+
+    @_register(dispatch_mode=_Dispatch.ONE_TO_ALL)
     def gathers(self) -> int:
         """How many `full_tensor()` gathers this rank's weight generator has run."""
         return self.engine.gathers
@@ -207,6 +231,28 @@ class ServerAdapterOnHal(_verl_tests.MockServerAdapter):
     `update_weights`), and compare what it received bit for bit."""
 
     die_after: int | None = None
+    stale: bool = False
+    """When set: the engine keeps computing with the weights it loaded last, whatever
+    arrives (an engine that holds the new bytes and computes with old ones)."""
+    engine: Any = None
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The engine's side of the checkpoint engine's canary (hal.integrations.verl.canary):
+        the probe's log-probs under the checkpoint's model, loaded with what this adapter
+        received, in the received dtype (unless `stale`: then with what it loaded last)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from hal.sync.canary import Probe, module_logprobs
+
+        weights = self.received_weights
+        if self.engine is None:
+            dtype = next(iter(weights.values())).dtype if weights else torch.float32  # verl's FSDP engine trains in fp32
+            self.engine = AutoModelForCausalLM.from_pretrained(self.model_config.local_path, dtype=dtype, attn_implementation="sdpa")
+        if not self.stale:
+            missing, unexpected = self.engine.load_state_dict(dict(weights), strict=False)
+            assert not unexpected and not [m for m in missing if m in weights], (missing, unexpected)
+        return module_logprobs(self.engine, Probe.of(sequences))
 
     async def update_weights(self, weights: Any, **kwargs: Any) -> None:
         await super().update_weights(self._dying(weights) if self.die_after is not None else weights, **kwargs)
@@ -273,6 +319,13 @@ def rollout_worker_class() -> type:
             bad = self.server_adapter.mismatches(first, last)
             self.server_adapter.received_weights.clear()
             return bad
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def go_stale(self, rank: int, stale: bool) -> None:
+            """Rollout worker `rank`'s engine keeps computing with the weights it holds now
+            (`stale`), or again with what it receives."""
+            if self.rank == rank:
+                self.server_adapter.stale = stale
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def die_during_next_update(self, rank: int, after: int) -> None:

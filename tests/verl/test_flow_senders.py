@@ -35,6 +35,10 @@ HAL_SETTINGS = {
     "verify": True,
     "timeout_s": TIMEOUT_S,
     "delta": {"anchor_every": 100, "choose": "bytes"},
+    # the canary after every other update, with every trainer rank sending: the trainer ranks'
+    # forward with the FSDP2 module, the answers over trainer rank 0's group ("log": verl's own
+    # MockServerAdapter cannot answer, and is reported, not raised)
+    "canary": {"mode": "log", "every": 2, "sequences": 1, "length": 6},
 }
 TRAINERS = 2
 
@@ -88,6 +92,10 @@ def test_every_trainer_rank_sends_its_own_shard_in_verls_flow(verl_flow, shares)
             assert sent["bytes"] == held[rank] * itemsize, (rank, sent["bytes"], held, itemsize)  # its share, no more
             assert (sent["senders"], sent["model_bytes"]) == (TRAINERS, sum(held) * itemsize)
             assert sent["delta_choice"] == ("anchor" if step == 1 else "delta")
+        report = trainers[0]["canary"]
+        assert report == trainers[1]["canary"] and report["version"] == (2 * ((step - 1) // 2) + 1)  # updates 1, 3 checked
+        assert report["fired"] and set(report["engines"]) == {"rollout worker 0", "rollout worker 1"}
+        assert all("has no prompt_logprobs(sequences) method" in e["error"] for e in report["engines"].values()), report
     assert verl_flow.trainers.gathers() == [0, 0], "verl's gathering generator was iterated"
     assert len({s["group"] for s in flow.states(verl_flow.rollouts)}) == 1, "the sync groups were rebuilt between updates"
 
@@ -113,6 +121,10 @@ def test_changes_in_both_ranks_shards_arrive_bit_exact(verl_flow):
             assert verl_flow.failing.check_changed_weights(first, last) == [[], []]
     assert [s["version"] for s in flow.states(verl_flow.trainers) + flow.states(verl_flow.failing)] == [14] * 4
     assert verl_flow.trainers.gathers() == [0, 0]
+    # the canary checked updates 11 and 13 (the trainers' 5th and 7th): the engines that
+    # answer computed what the trainer ranks did, also with both ranks' changes in
+    report = flow.states(verl_flow.trainers)[0]["canary"]
+    assert report["version"] == 13 and not report["fired"] and report["max_abs"] <= report["tolerance"] == 1e-2, report
 
 
 def test_a_trainer_rank_with_another_layout_fails_every_rank_by_name_in_time(verl_flow):

@@ -328,7 +328,7 @@ def test_senders_is_a_setting_refused_by_name_when_invalid():
     for bad in ("every", "ALL", True, None):
         with pytest.raises(ValueError, match=r"senders must be one of master, all, got "):
             HalCheckpointEngine(bucket_size=1 << 20, senders=bad)
-    with pytest.raises(ValueError, match="valid: the SyncConfig fields .*, and is_master, senders, transport"):
+    with pytest.raises(ValueError, match="valid: the SyncConfig fields .*, and canary, is_master, senders, transport"):
         HalCheckpointEngine(bucket_size=1 << 20, sender="all")  # a near miss is an unknown setting
 
 
@@ -446,3 +446,107 @@ def test_the_former_flat_paths_are_the_modules_they_moved_to():
     from hal.integrations.verl.checkpoint import HalCheckpointEngine as moved
 
     assert HalCheckpointEngine is moved
+
+
+# ---- the canary's settings (engine_kwargs["hal"]["canary"]) -------------------------------------
+def test_canary_settings_map_onto_canary_config_by_field_name():
+    from hal.integrations.verl.checkpoint import HalCheckpointEngine
+    from hal.integrations.verl.settings import canary_settings
+    from hal.sync.canary import CanaryConfig, Probe
+
+    off = HalCheckpointEngine(bucket_size=1 << 20)
+    assert off.canary is None and not off.canary_settings.enabled  # off unless asked
+    assert HalCheckpointEngine(bucket_size=1 << 20, canary={"mode": "off"}).canary is None
+    engine = HalCheckpointEngine(
+        bucket_size=1 << 20,
+        canary={"mode": "enforce", "every": 5, "seed": 7, "tolerance": 0.05, "sequences": 2, "length": 8,
+                "engine_logprobs": "mypkg.canary:logprobs", "timeout_s": 30},
+    )
+    assert engine.canary is not None and engine.canary.config == CanaryConfig(
+        mode="enforce", every=5, seed=7, tolerance=0.05, sequences=2, length=8
+    )
+    assert (engine.canary_settings.engine_logprobs, engine.canary_settings.timeout_s) == ("mypkg.canary:logprobs", 30.0)
+    assert canary_settings({"mode": "log", "probe": [[1, 2, 3], [4, 5]]}).config.probe == Probe.of([[1, 2, 3], [4, 5]])
+    assert canary_settings(None).config == CanaryConfig() and canary_settings(False).config == CanaryConfig()
+
+
+@pytest.mark.parametrize(
+    ("canary", "message"),
+    [
+        ({"mode": "loud"}, "engine_kwargs['hal'].canary.mode: CanaryConfig.mode must be one of ['off', 'log', 'enforce'], got 'loud'"),
+        ({"mode": "log", "every": 0}, "engine_kwargs['hal'].canary.every: CanaryConfig.every must be an int >= 1, got 0"),
+        ({"mode": "log", "tolerance": -1.0}, "engine_kwargs['hal'].canary.tolerance: CanaryConfig.tolerance must be None or a positive"),
+        ({"mode": "log", "length": 1}, "engine_kwargs['hal'].canary.length: CanaryConfig.length must be an int >= 2"),
+        ({"mode": "log", "calibrate": "yes"}, "engine_kwargs['hal'].canary.calibrate: CanaryConfig.calibrate must be a bool"),
+        ({"mode": "log", "probe": [[1]]}, "engine_kwargs['hal'].canary.probe must be a list of token-id lists: Probe.sequences[0]"),
+        ({"mode": "log", "evry": 3}, "engine_kwargs['hal'].canary: unknown field(s) 'evry'; valid: mode, every, probe"),
+        ({"mode": "log", "engine_logprobs": "no_colon"}, "canary.engine_logprobs must be 'package.module:function', got 'no_colon'"),
+        ({"mode": "log", "timeout_s": 0}, "canary.timeout_s must be None or a positive number of seconds, got 0"),
+        ("enforce", "engine_kwargs['hal'].canary must be a mapping of mode, every"),
+    ],
+)
+def test_a_bad_canary_setting_is_refused_by_name(canary, message):
+    from hal.integrations.verl.checkpoint import HalCheckpointEngine
+
+    with pytest.raises(ValueError) as error:
+        HalCheckpointEngine(bucket_size=1 << 20, canary=canary)
+    assert message in str(error.value)
+
+
+def test_a_rollout_worker_answers_through_its_hook_or_its_adapter_or_says_why_not():
+    from hal.integrations.verl.canary import engine_answer
+    from hal.integrations.verl.settings import canary_settings
+
+    class Adapter:
+        def prompt_logprobs(self, sequences):
+            return [[-1.0] * (len(s) - 1) for s in sequences]
+
+    class AsyncAdapter:
+        async def prompt_logprobs(self, sequences):
+            return [[-2.0] * (len(s) - 1) for s in sequences]
+
+    settings = canary_settings({"mode": "log"})
+    assert engine_answer(settings, Adapter())([[1, 2, 3]]) == [[-1.0, -1.0]]
+    assert engine_answer(settings, AsyncAdapter())([[1, 2]]) == [[-2.0]]  # verl's adapters are async
+    with pytest.raises(ValueError, match="has no prompt_logprobs.*canary.engine_logprobs names no hook"):
+        engine_answer(settings, object())([[1, 2]])
+    hooked = canary_settings({"mode": "log", "engine_logprobs": "tests.verl.test_plugin:_hook"})
+    assert engine_answer(hooked, Adapter())([[5, 6, 7]]) == [[0.5, 0.5]]
+    missing = canary_settings({"mode": "log", "engine_logprobs": "tests.verl.test_plugin:no_such_hook"})
+    with pytest.raises(ValueError, match="canary.engine_logprobs 'tests.verl.test_plugin:no_such_hook': AttributeError"):
+        engine_answer(missing, Adapter())([[1, 2]])  # raised when asked: the trainer's report names it
+
+
+def _hook(adapter, sequences):
+    return [[0.5] * (len(s) - 1) for s in sequences]
+
+
+def test_the_canary_refuses_an_engine_it_cannot_run_the_probe_through_and_loads_an_offloaded_one():
+    import contextlib
+
+    from hal.integrations.verl import internals
+
+    class Engine:
+        module = torch.nn.Linear(2, 2)
+        ulysses_sequence_parallel_size = 1
+        is_param_offload_enabled = False
+        loaded = 0
+
+        @contextlib.contextmanager
+        def eval_mode(self):
+            Engine.loaded += 1
+            yield
+
+    engine = Engine()
+    assert internals.canary_refusal(engine) is None
+    with internals.module_on_device(engine):
+        pass
+    assert Engine.loaded == 0  # no offload: nothing to load
+    engine.is_param_offload_enabled = True
+    with internals.module_on_device(engine):
+        pass
+    assert Engine.loaded == 1  # verl's own eval_mode() loads the offloaded parameters
+    engine.ulysses_sequence_parallel_size = 2
+    assert "Ulysses sequence parallelism is on (ulysses_sequence_parallel_size=2)" in internals.canary_refusal(engine)
+    engine.module = [torch.nn.Linear(2, 2)]  # Megatron's: a list of model chunks
+    assert "has no torch module to run the probe through" in internals.canary_refusal(engine)

@@ -11,7 +11,8 @@ every worker, in verl's order:
     init_process_group(**kwargs)       every worker: join its sync group(s) if they are new
     send_weights(weights, global_steps)      every trainer rank
     receive_weights(global_steps)            every rollout worker: yields (name, tensor)
-    finalize()                         every worker: buckets freed, the groups kept
+    finalize()                         every worker: the canary when due (engine_kwargs["hal"]["canary"],
+                                       hal.integrations.verl.canary); buckets freed, the groups kept
 
 Who sends is `engine_kwargs["hal"]["senders"]`:
 
@@ -41,7 +42,7 @@ trainer rank raise `PeerError`, and the next update builds new groups.
 Settings: verl passes `bucket_size` (`update_weights_bucket_megabytes`) and the mapping
 `engine_kwargs["hal"]`, whose keys are `SyncConfig` fields (`bucket_bytes`,
 `segment_bytes`, `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`, `delta`) plus this
-engine's own `transport` and `senders`; `delta` is true (`DeltaConfig()`), false, or a mapping of
+engine's own `transport`, `senders` and `canary` (hal.integrations.verl.settings.CanarySettings); `delta` is true (`DeltaConfig()`), false, or a mapping of
 `DeltaConfig` fields (`{"anchor_every": 16, "choose": "time"}`); any other key is refused naming the valid ones (`is_master` is verl's).
 verl's default bucket size (2048 MiB) means "hal sizes the buckets" (from free device
 memory); any other value is the bucket size.
@@ -81,10 +82,19 @@ import hal
 from hal import env
 from hal.integrations.verl import internals as verl_internals
 from hal.integrations._shared import in_daemon_thread
-from hal.integrations.verl.settings import SENDERS_CHOICES, TRANSPORT_CHOICES, choice, numeric_metrics, sync_config_from
+from hal.integrations.verl import canary as verl_canary
+from hal.integrations.verl.settings import (
+    SENDERS_CHOICES,
+    TRANSPORT_CHOICES,
+    canary_settings,
+    choice,
+    numeric_metrics,
+    sync_config_from,
+)
 from hal.integrations.verl.topology import NOT_IN_GROUP, build, group_key, node_address
 from hal.integrations.verl.weights import GeneratorSource, HandoffSink
 from hal.sync import ShardedSender, SyncError, SyncReceiver, TensorSpec, TrainerSync
+from hal.sync.canary import Canary, CanaryError, CanaryReport
 from hal.sync.endpoints import ALL, GATHER, make_receiver, make_sender, open_transport
 from hal.sync.errors import PeerError
 from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
@@ -110,16 +120,32 @@ class HalCheckpointEngine(CheckpointEngine):
     """verl's `CheckpointEngine` on hal.sync (see the module doc for the flow and settings)."""
 
     def __init__(
-        self, bucket_size: int, is_master: bool = False, transport: str = "auto", senders: str = "master", **settings: Any
+        self,
+        bucket_size: int,
+        is_master: bool = False,
+        transport: str = "auto",
+        senders: str = "master",
+        canary: Any = None,
+        **settings: Any,
     ) -> None:
         self.transport = choice("transport", transport, TRANSPORT_CHOICES)
         self.senders = choice("senders", senders, SENDERS_CHOICES)
         self.config = sync_config_from(bucket_size, settings)
+        self.canary_settings = canary_settings(canary)
+        """`engine_kwargs["hal"]["canary"]` (hal.integrations.verl.settings.CanarySettings)."""
+        self.canary: Canary | None = Canary(self.canary_settings.config) if self.canary_settings.enabled else None
+        """The canary's state across updates (trainer ranks count and judge; rollout workers answer); None when off."""
+        self.canary_report: CanaryReport | None = None
+        """The last check's report on a trainer rank (hal.integrations.verl.canary)."""
+        self._canary_version: int | None = None  # the update completed here since the last finalize()
+        self._canary_metrics: dict[str, float] = {}  # the last report's, for the next send_weights to return
         self.is_master = bool(is_master)
         self.version: int | None = None
         """The weight version of the last sync this worker completed."""
         self.metrics: dict[str, Any] = {}
         """The last sync's `SyncMetrics.as_dict()` on this worker."""
+        self.reported: dict[str, float | int] = {}
+        """What the last `send_weights` returned to verl (on the trainer rank that reports)."""
         self.last_error: str | None = None
         """`"<SyncError class>: <message>"` of the last update that failed here; None after a success."""
         self._role: str | None = None
@@ -246,10 +272,61 @@ class HalCheckpointEngine(CheckpointEngine):
         self._rank = None
 
     def finalize(self) -> None:
-        """Free the bucket buffers (the groups stay for the next update)."""
-        for link in self._links:
-            link.close()
-        hal.current().empty_cache()
+        """After a completed update (verl calls it on every worker once every trainer rank
+        sent and every rollout worker's server adapter loaded the weights): the canary, when
+        on and due (hal.integrations.verl.canary); then free the bucket buffers (the groups
+        stay for the next update). In "enforce" mode a canary that fires raises
+        `CanaryError` here on every trainer rank, naming the rollout worker."""
+        try:
+            self._check_canary()
+        finally:
+            for link in self._links:
+                link.close()
+            hal.current().empty_cache()
+
+    def _check_canary(self) -> None:
+        version, self._canary_version = self._canary_version, None
+        if self.canary is None or version is None or self._role is None:
+            return
+        timeout_s = self.canary_settings.timeout_s or self.config.timeout_s
+        if self._role != "trainer":
+            adapter = verl_internals.server_adapter(verl_internals.owning_worker(self))
+            answer = verl_canary.engine_answer(self.canary_settings, adapter)
+            verl_canary.rollout_answer(self._links[0].channel, answer, timeout_s=timeout_s)
+            return
+        import torch.distributed as dist
+
+        from hal.sync.protocol import trainer_channel
+
+        trainers = trainer_channel() if dist.is_initialized() else None
+        first = trainers is None or trainers.rank == 0  # trainer rank 0: sync rank 0 of group 0
+        rollouts = self._links[0].channel if first and self._links else None
+        module, missing = None, None
+        engine = verl_internals.training_engine(verl_internals.owning_worker(self)) or self._engine
+        if engine is None:
+            missing = "found no training engine (the checkpoint engine's worker holds none as `engine` or `actor.engine`)"
+        else:
+            missing = verl_internals.canary_refusal(engine)
+            module = verl_internals.training_module(engine) if missing is None else None
+        try:
+            report = verl_canary.trainer_check(
+                self.canary, module, version, rollouts=rollouts, trainers=trainers, timeout_s=timeout_s,
+                wire_dtype=self.config.wire_dtype, missing=missing,
+                on_device=(lambda: verl_internals.module_on_device(engine)) if module is not None else None,
+            )
+        except CanaryError as exc:
+            self._canary_reported(exc.report)
+            error = CanaryError(f"checkpoint engine 'hal': {exc}", report=exc.report)
+            self.last_error = f"CanaryError: {error}"
+            raise error from None
+        if report is not None:
+            self._canary_reported(report)
+
+    def _canary_reported(self, report: CanaryReport | None) -> None:
+        self.canary_report = report
+        if report is not None:
+            self._canary_metrics = report.as_metrics("checkpoint_engine/hal/canary/")
+            self._canary_metrics["checkpoint_engine/hal/canary/version"] = report.version
 
     # ---- one update ---------------------------------------------------------------------------
     def _next_version(self, global_steps: int | None) -> int:
@@ -272,6 +349,8 @@ class HalCheckpointEngine(CheckpointEngine):
             "transport": names if self.senders == "all" else (names[0] if names else None),
             "last_error": self.last_error,
             "metrics": dict(self.metrics),
+            "reported": dict(self.reported),
+            "canary": self.canary_report.as_dict() if self.canary_report is not None else None,
         }
 
     def _failed(self, exc: SyncError) -> None:
@@ -346,7 +425,14 @@ class HalCheckpointEngine(CheckpointEngine):
         self.version = version
         self.metrics = metrics.as_dict()
         self.last_error = None
-        return numeric_metrics(self.metrics) if report else {}
+        self._canary_version = version
+        if not report:
+            return {}
+        # verl drops what finalize() returns: the last canary check's numbers come with the next update's
+        out = {**numeric_metrics(self.metrics), **self._canary_metrics}
+        self._canary_metrics = {}
+        self.reported = out
+        return out
 
     @torch.no_grad()
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -376,6 +462,7 @@ class HalCheckpointEngine(CheckpointEngine):
         self.version = receiver.version
         self.metrics = metrics.as_dict()
         self.last_error = None
+        self._canary_version = self.version
 
     @staticmethod
     def _receive(receiver: SyncReceiver, handoff: HandoffSink) -> Any:

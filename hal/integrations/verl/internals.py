@@ -94,6 +94,49 @@ def training_engine(worker: object) -> Any:
     return None
 
 
+def training_module(engine: object) -> Any:
+    """The torch module a training engine computes with (verl's FSDP engine: `engine.module`,
+    transformer_impl.py), or None (an engine without one, such as verl's Megatron engine,
+    whose `module` is a list of model chunks)."""
+    import torch
+
+    module = getattr(engine, "module", None)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def canary_refusal(engine: object) -> str | None:
+    """Why the canary cannot run the probe through `engine`'s module as verl would, or None.
+    verl's FSDP engine with Ulysses sequence parallelism (`ulysses_sequence_parallel_size`
+    > 1, transformer_impl.py) patches attention to expect each rank's slice of a sequence:
+    a whole probe on every rank would be scored wrong, so it is refused by name."""
+    if training_module(engine) is None:
+        return f"the training engine {type(engine).__name__} has no torch module to run the probe through"
+    size = getattr(engine, "ulysses_sequence_parallel_size", 1)
+    if isinstance(size, int) and size > 1:
+        return f"Ulysses sequence parallelism is on (ulysses_sequence_parallel_size={size}): the probe's forward would need verl's sequence split"
+    return None
+
+
+def module_on_device(engine: object) -> Any:
+    """A context in which `engine`'s module holds its parameters on the device: with parameter
+    offload on (`is_param_offload_enabled`; verl's `get_per_tensor_param` offloads the module
+    again after reading it, transformer_impl.py), verl's own `engine.eval_mode()`, which loads
+    the parameters and offloads them on exit (verl/workers/engine/base.py, `BaseEngineCtx`);
+    else nothing."""
+    import contextlib
+
+    if getattr(engine, "is_param_offload_enabled", False) is True:
+        return engine.eval_mode()
+    return contextlib.nullcontext()
+
+
+def server_adapter(worker: object) -> Any:
+    """A verl rollout worker's server adapter (`CheckpointEngineWorker.server_adapter`,
+    verl/checkpoint_engine/base.py: the object its `update_weights` hands
+    `receive_weights` to), or None."""
+    return getattr(worker, "server_adapter", None)
+
+
 def is_training_engine(obj: object) -> bool:
     """Whether `obj` is a verl training engine (what verl passes to `send_weights` of
     shard-operating backends) rather than a weight generator."""

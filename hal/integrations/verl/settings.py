@@ -2,16 +2,18 @@
 
 `engine_kwargs["hal"]` takes the `SyncConfig` fields (`bucket_bytes`, `segment_bytes`,
 `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`, `delta`) plus the engine's own
-(`ENGINE_SETTINGS`: `transport`, `senders`); anything else is refused naming the valid
-ones. Imports no verl.
+(`ENGINE_SETTINGS`: `transport`, `senders`, `canary`); anything else is refused naming the
+valid ones. `canary` is a mapping of `CanarySettings` fields (`canary_settings`). Imports no verl.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from hal.sync import DeltaConfig, SyncConfig
+from hal.sync.canary import CanaryConfig, Probe
 from hal.sync.header_json import WIRE_DTYPES, dtype_from_name
 
 # verl's default `update_weights_bucket_megabytes` (CheckpointEngineConfig, verl 0.9.1):
@@ -27,6 +29,7 @@ SENDERS_CHOICES = ("master", "all")
 ENGINE_SETTINGS = {
     "transport": "how bytes travel: " + " | ".join(TRANSPORT_CHOICES) + " (default auto)",
     "senders": "which trainer ranks send: " + " | ".join(SENDERS_CHOICES) + " (default master)",
+    "canary": "the runtime-state canary after an update: a mapping of mode, every, seed, tolerance, ... (docs/canary.md)",
     "is_master": "set by verl on trainer rank 0 (the rank that sends)",
 }
 # SyncConfig fields this engine does not take, and why (docs/verl.md, "Not supported yet").
@@ -108,3 +111,73 @@ def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float | int]:
         elif isinstance(value, (int, float)):  # (bools too: delta)
             out[f"checkpoint_engine/hal/{key}"] = value
     return out
+
+
+# ---- the canary (docs/canary.md, "verl's checkpoint engine") ---------------------------------
+@dataclass(frozen=True, slots=True)
+class CanarySettings:
+    """`engine_kwargs["hal"]["canary"]`: the canary of hal.sync.canary after each completed
+    update, as the checkpoint engine "hal" runs it (hal.integrations.verl.canary).
+
+    Every field but the last two is the `CanaryConfig` field of that name; `config` is
+    that `CanaryConfig`."""
+
+    config: CanaryConfig
+    """mode ("off", "log", "enforce"), every, seed, sequences, length, vocab_size, probe
+    (a list of token-id lists), tolerance, calibrate."""
+    engine_logprobs: str | None = None
+    """"package.module:function", called on each rollout worker as `function(server_adapter,
+    sequences)` for the engine's log-probs of the probe (a list per sequence, one value per
+    token after the first; None: this worker does not answer, e.g. a TP rank other than its
+    replica's first); may return an awaitable. None: the server adapter's own
+    `prompt_logprobs(sequences)` method."""
+    timeout_s: float | None = None
+    """Bound on each of the canary's waits (the engines' answer included); None: `timeout_s`
+    of the sync."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.mode != "off"
+
+
+CANARY_ENGINE_FIELDS = ("engine_logprobs", "timeout_s")
+
+
+def canary_settings(value: Any) -> CanarySettings:
+    """engine_kwargs["hal"]["canary"]: None/false (off), a mapping of `CanaryConfig` fields
+    plus `engine_logprobs` and `timeout_s`, or a `CanarySettings`; ValueError naming the
+    bad field otherwise."""
+    if isinstance(value, CanarySettings):
+        return value
+    where = "checkpoint engine 'hal': engine_kwargs['hal'].canary"
+    if value is None or value is False:
+        return CanarySettings(CanaryConfig())
+    if isinstance(value, CanaryConfig):
+        return CanarySettings(value)
+    config_fields = [f.name for f in dataclasses.fields(CanaryConfig)]
+    valid = config_fields + list(CANARY_ENGINE_FIELDS)
+    if not hasattr(value, "keys"):  # (OmegaConf's DictConfig is a mapping too)
+        raise ValueError(f"{where} must be a mapping of {', '.join(valid)} (or false); got {value!r}")
+    unknown = sorted(str(k) for k in value.keys() if k not in valid)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    values = {k: value[k] for k in value.keys()}
+    probe = values.get("probe")
+    if probe is not None and not isinstance(probe, Probe):
+        try:
+            values["probe"] = Probe.of([list(seq) for seq in probe])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}.probe must be a list of token-id lists: {exc}") from None
+    hook = values.pop("engine_logprobs", None)
+    if hook is not None and (not isinstance(hook, str) or hook.count(":") != 1 or not all(hook.split(":"))):
+        raise ValueError(f"{where}.engine_logprobs must be 'package.module:function', got {hook!r}")
+    timeout = values.pop("timeout_s", None)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"{where}.timeout_s must be None or a positive number of seconds, got {timeout!r}")
+    try:
+        config = CanaryConfig(**values)
+    except ValueError as exc:  # "CanaryConfig.every must be an int >= 1, got 0": name the field as the user wrote it
+        message = str(exc)
+        field = message.split(" ", 1)[0].removeprefix("CanaryConfig.")
+        raise ValueError(f"{where}.{field}: {message}") from None
+    return CanarySettings(config, engine_logprobs=hook, timeout_s=float(timeout) if timeout is not None else None)

@@ -1,0 +1,214 @@
+"""The canary (hal.sync.canary) in verl's checkpoint engine "hal": after a completed update,
+the trainer's log-probs of a fixed probe against each rollout worker's.
+
+Where it runs, and why there. verl 0.9.1's `CheckpointEngineManager.update_weights()`
+calls `send_weights` on every trainer rank and the rollout workers' `update_weights` (the
+server adapter consuming `receive_weights`) at once, waits for both, and only then calls
+`finalize()` on every worker (verl/checkpoint_engine/base.py, steps 5 and 6). A trainer
+rank's `send_weights` returns once the bytes are received, not once the server adapter has
+loaded them; so `finalize` is the first call of the checkpoint engine at which every
+rollout engine holds the update, and the canary runs there, on every worker at once.
+
+The engine's side. verl's serving path (its vLLM server actor's `generate`, which takes
+`prompt_logprobs`) is reachable by actor name, but not from inside an update: the manager
+aborts and parks every request before the update (`abort_replicas`, step 1) and releases
+the KV cache (step 3), and resumes them only after `finalize` returns (steps 7 and 8), so a
+probe sent from `finalize` would wait for a resume that comes after it. So each rollout
+worker answers through a hook on its own side: `CanarySettings.engine_logprobs`
+("package.module:function", called with the worker's server adapter and the probe), else
+the server adapter's own `prompt_logprobs(sequences)`. A rollout worker with neither
+answers with that error, and the canary fires naming it.
+
+The exchange, over sync group 0 (trainer rank 0, sync rank 0; rollout worker i, sync
+rank 1 + i; with senders "all" trainer rank 0's group), each step one all-gather of bytes
+(JSON, never pickles), bounded by the canary's timeout:
+
+1. trainer rank 0 says whether this update is checked (every trainer rank counts alike)
+   and the probe; the rollout workers say nothing;
+2. every trainer rank computes the reference with its module (an FSDP2 forward is a
+   collective of the trainer group: every rank takes part); each rollout worker asks its
+   engine; then each rollout worker sends its answer;
+3. trainer rank 0 compares (`Canary.judge`, which logs) and hands the report to every
+   trainer rank over the trainer's group; each trainer rank then returns it or, in
+   "enforce" mode, raises the same `CanaryError` naming the rollout worker.
+
+It sends the engines a probe and nothing else: no weight or version changes. Imports no verl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import json
+import time
+from typing import Any, Callable
+
+import torch
+
+from hal.integrations._shared import in_daemon_thread
+from hal.integrations.verl.settings import CanarySettings
+from hal.sync.canary import Canary, CanaryError, CanaryReport, Probe, dtype_of, module_logprobs, vocab_size_of
+
+# The largest canary message (a probe, one engine's log-probs, a report): far above any
+# probe of a few hundred tokens.
+PAYLOAD_LIMIT = 16 << 20
+
+
+def engine_name(sync_rank: int) -> str:
+    """How the report names the rollout worker at `sync_rank` of group 0."""
+    return f"rollout worker {sync_rank - 1}"
+
+
+def _encode(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+def trainer_check(
+    canary: Canary,
+    module: torch.nn.Module | None,
+    version: int,
+    *,
+    rollouts: Any,
+    trainers: Any,
+    timeout_s: float,
+    wire_dtype: torch.dtype | None = None,
+    missing: str | None = None,
+    on_device: Callable[[], Any] | None = None,
+) -> CanaryReport | None:
+    """A trainer rank's part after a completed update of `version` (see the module doc).
+
+    `rollouts`: sync group 0's channel on trainer rank 0, None on the other trainer ranks;
+    `trainers`: the trainer group's channel (None: this is the only trainer rank). `module`
+    is the trainer's model (`missing` says why there is none: then nothing is checked, the
+    rollout workers are told so, and ValueError names the reason on every trainer rank);
+    `on_device()` is a context the forward runs in (verl's engine with parameter offload
+    loads the parameters there).
+    Returns the report when this update is checked, else None; `CanaryError` in "enforce"."""
+    started = time.perf_counter()
+    due = canary.due()
+    probe: Probe | None = None
+    if due and module is not None:
+        probe = canary.probe_for(vocab_size_of(module))
+    if rollouts is not None:
+        message = {"version": version, "due": probe is not None, "probe": [list(s) for s in probe.sequences] if probe else None}
+        with rollouts.bounded(timeout_s):
+            rollouts.all_gather_bytes(_encode(message), "canary probe", limit=PAYLOAD_LIMIT)
+    if not due:
+        return None
+    if module is None:
+        raise ValueError(f"checkpoint engine 'hal': the canary needs the trainer's model: {missing}")
+    began = time.perf_counter()
+    with on_device() if on_device is not None else contextlib.nullcontext():
+        reference = module_logprobs(module, probe)  # every trainer rank in step: FSDP2's gathers
+    reference_s = time.perf_counter() - began
+    payload = b""
+    report: CanaryReport | None = None
+    if rollouts is not None:
+        with rollouts.bounded(timeout_s):
+            rows = rollouts.all_gather_bytes(b"", "canary log-probs", limit=PAYLOAD_LIMIT)
+        answers: dict[str, Any] = {}
+        seconds: dict[str, float] = {}
+        for rank, row in enumerate(rows[1:], start=1):
+            answer = json.loads(row.decode())
+            if answer.get("none"):
+                continue  # this worker does not answer for its engine (a TP rank other than the first)
+            name = engine_name(rank)
+            answers[name] = CanaryError(answer["error"]) if "error" in answer else answer["logprobs"]
+            if answer.get("seconds") is not None:
+                seconds[name] = float(answer["seconds"])
+        if not answers:
+            answers["rollout"] = CanaryError("no rollout worker answered the probe (every hook returned None)")
+        report = canary.judge(
+            version, probe, reference, answers, dtypes=(dtype_of(module), wire_dtype), seconds=seconds, reference_s=reference_s
+        )
+        report.seconds = time.perf_counter() - started
+        payload = _encode(report.as_dict())
+    if trainers is not None and trainers.world_size > 1:
+        with trainers.bounded(timeout_s):
+            rows = trainers.all_gather_bytes(payload, "canary report", limit=PAYLOAD_LIMIT)
+        report = CanaryReport.from_dict(json.loads(rows[0].decode()))
+        canary.last = report
+    if report is None:  # (a trainer rank 0 without a sync group: no engine to ask)
+        return None
+    canary.enforce(report)
+    return report
+
+
+def rollout_answer(rollouts: Any, answer: Callable[[list[list[int]]], Any], *, timeout_s: float) -> bool:
+    """A rollout worker's part after a completed update: hear whether it is checked; if so,
+    `answer(sequences)` (the engine's log-probs, or None: not this worker's to answer) and
+    send it, or the error it raised. Returns whether the update was checked."""
+    with rollouts.bounded(timeout_s):
+        rows = rollouts.all_gather_bytes(b"", "canary probe", limit=PAYLOAD_LIMIT)
+    message = json.loads(rows[0].decode())
+    if not message.get("due"):
+        return False
+    began = time.perf_counter()
+    try:
+        got = answer([list(s) for s in message["probe"]])
+        reply: dict[str, Any] = {"none": True} if got is None else {"logprobs": [[float(x) for x in row] for row in got]}
+    except Exception as exc:  # the engine could not compute the probe: the trainer's report says so
+        reply = {"error": f"{type(exc).__name__}: {exc}"}
+    reply["seconds"] = time.perf_counter() - began
+    with rollouts.bounded(timeout_s):
+        rollouts.all_gather_bytes(_encode(reply), "canary log-probs", limit=PAYLOAD_LIMIT)
+    return True
+
+
+def engine_answer(settings: CanarySettings, adapter: Any) -> Callable[[list[list[int]]], Any]:
+    """How this rollout worker gets its engine's log-probs of a probe: the settings' hook
+    called with `adapter` (verl's server adapter of this worker), else the adapter's own
+    `prompt_logprobs(sequences)`. An awaitable result is run to completion on a thread of
+    its own (verl calls `finalize` from its worker's event loop)."""
+    if settings.engine_logprobs is not None:
+        try:
+            hook = load_hook(settings.engine_logprobs)
+        except ValueError as exc:  # answered as this worker's error: the trainer's report names it
+            failure = exc
+
+            def ask(sequences: list[list[int]]) -> Any:
+                raise failure
+
+        else:
+
+            def ask(sequences: list[list[int]]) -> Any:
+                return hook(adapter, sequences)
+
+    else:
+        method = getattr(adapter, "prompt_logprobs", None)
+        if not callable(method):
+            reason = (
+                f"the rollout worker's server adapter ({type(adapter).__name__}) has no prompt_logprobs(sequences) method "
+                "and engine_kwargs['hal'].canary.engine_logprobs names no hook"
+            )
+
+            def ask(sequences: list[list[int]]) -> Any:
+                raise ValueError(reason)
+        else:
+            ask = method
+
+    def answer(sequences: list[list[int]]) -> Any:
+        result = ask(sequences)
+        if inspect.isawaitable(result):
+            import asyncio
+
+            async def wait() -> Any:
+                return await result
+
+            result = in_daemon_thread("hal-verl-canary", lambda: asyncio.run(wait())).result()
+        return result
+
+    return answer
+
+
+def load_hook(path: str) -> Callable[..., Any]:
+    """The function "package.module:function" names; ValueError naming it when it is not one."""
+    module_name, _, name = path.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"checkpoint engine 'hal': canary.engine_logprobs {path!r}: {type(exc).__name__}: {exc}") from None
+    if not callable(function):
+        raise ValueError(f"checkpoint engine 'hal': canary.engine_logprobs {path!r} is not callable")
+    return function
