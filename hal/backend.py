@@ -155,15 +155,7 @@ class Backend(RuntimeQuestions, BackendHooks):
         one per tensor. Casts dtypes like `copy_`; every pair must have equal shapes, which
         is checked unless the caller says it compared them already (`shapes_checked`: the
         sync does, against the specs, for every tensor it packs or hands over)."""
-        if len(dsts) != len(srcs):
-            raise ValueError(f"copy_many_: {len(dsts)} destinations for {len(srcs)} sources")
-        # torch's multi-tensor copy broadcasts like copy_, so shapes are compared here, one
-        # pair at a time inside `map` (a list of thousands of shapes alive at once would set
-        # off the garbage collector, which costs more than the copy); the loop names the pair
-        if not shapes_checked and any(map(operator.ne, map(_shape_of, dsts), map(_shape_of, srcs))):
-            for i, (dst, src) in enumerate(zip(dsts, srcs)):
-                if dst.shape != src.shape:
-                    raise ValueError(f"copy_many_: pair {i}: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)}")
+        _check_pairs("copy_many_", dsts, srcs, shapes_checked)
         if dsts:
             self._copy_many(stream, list(dsts), list(srcs))
 
@@ -174,12 +166,7 @@ class Backend(RuntimeQuestions, BackendHooks):
         each small tensor's bytes, copied without torch's cost per tensor). It holds the
         tensors and stays valid while each keeps its memory: the same address and strides
         (hal.sync.steady checks that before running one again). Shapes as for `copy_many_`."""
-        if len(dsts) != len(srcs):
-            raise ValueError(f"prepare_copies: {len(dsts)} destinations for {len(srcs)} sources")
-        if not shapes_checked and any(map(operator.ne, map(_shape_of, dsts), map(_shape_of, srcs))):
-            for i, (dst, src) in enumerate(zip(dsts, srcs)):
-                if dst.shape != src.shape:
-                    raise ValueError(f"prepare_copies: pair {i}: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)}")
+        _check_pairs("prepare_copies", dsts, srcs, shapes_checked)
         return PreparedCopies(self.name, len(dsts), self._prepare_copies(list(dsts), list(srcs)))
 
     def copy_prepared_(self, prepared: PreparedCopies, /, *, stream: Stream | None = None) -> None:
@@ -370,3 +357,17 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 _shape_of = operator.attrgetter("shape")
+
+
+def _check_pairs(what: str, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], shapes_checked: bool) -> None:
+    """Refuse pairs a multi-tensor copy cannot take, naming the pair. torch's multi-tensor
+    copy broadcasts like copy_, so shapes are compared here, one pair at a time inside `map`
+    (a list of thousands of shapes alive at once would set off the garbage collector, which
+    costs more than the copy); the loop only names the pair. `shapes_checked`: the caller
+    compared them already (the sync does, against the specs)."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"{what}: {len(dsts)} destinations for {len(srcs)} sources")
+    if not shapes_checked and any(map(operator.ne, map(_shape_of, dsts), map(_shape_of, srcs))):
+        for i, (dst, src) in enumerate(zip(dsts, srcs)):
+            if dst.shape != src.shape:
+                raise ValueError(f"{what}: pair {i}: destination has shape {tuple(dst.shape)}, source {tuple(src.shape)}")

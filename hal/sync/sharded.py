@@ -59,10 +59,9 @@ __all__ = ["ShardedReceiver", "ShardedSender", "local_tensors"]
 def local_tensors(source: Any) -> list[tuple[str, torch.Tensor | Block]]:
     """A source's tensors as this rank holds them (no gather). A dict or list of pairs may
     hold `Block`s beside tensors (what a tensor-parallel rank holds of a larger tensor)."""
-    if isinstance(source, (dict, list, tuple)):
-        pairs = list(source.items()) if isinstance(source, dict) else list(source)
-        if any(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], Block) for pair in pairs):
-            return [(n, t.detach() if isinstance(t, torch.Tensor) else t) for n, t in pairs]
+    pairs = _pairs_with_blocks(source)
+    if pairs is not None:
+        return [(n, t.detach() if isinstance(t, torch.Tensor) else t) for n, t in pairs]
     source = as_source(source)
     if not isinstance(source, LocalSource):
         raise TypeError(
@@ -87,13 +86,19 @@ def _listed(source: Any) -> ListedSource | None:
     """`source` as a source that lists its tensors for a steady state, if it is one whose
     local tensors are its listing's (not a subclass reading them otherwise; not pairs
     holding `Block`s, which `local_tensors` reads as they are)."""
+    if _pairs_with_blocks(source) is not None:
+        return None
+    source = as_source(source)
+    return source if type(source) in (ModuleSource, TensorSource) else None
+
+
+def _pairs_with_blocks(source: Any) -> list | None:
+    """The pairs of a dict or list of them that holds `Block`s beside tensors (what a
+    tensor-parallel rank holds of a larger tensor), else None."""
     if isinstance(source, (dict, list, tuple)):
         pairs = list(source.items()) if isinstance(source, dict) else list(source)
         if any(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], Block) for pair in pairs):
-            return None
-    source = as_source(source)
-    if type(source) in (ModuleSource, TensorSource):
-        return source
+            return pairs
     return None
 
 

@@ -36,18 +36,36 @@ _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
-def same_shapes_and_dtypes(tensors: list[torch.Tensor], shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> bool:
-    """Whether every tensor still has its shape and dtype. Compared one at a time inside
-    `map` (a list of thousands of shapes alive at once would set off the collector)."""
-    return all(map(eq, map(_shape, tensors), shapes)) and all(map(is_, map(_dtype, tensors), dtypes))
+class Snapshot:
+    """Tensors as they were when kept: their shapes and dtypes, and for plain tensors read as
+    memory (`memory=True`) their contiguity and addresses. Read back as lists of tuples,
+    dtypes, bools and ints, compared inside `map`: no Python step per tensor, and nothing
+    the collector tracks made per tensor while comparing."""
+
+    __slots__ = ("shapes", "dtypes", "contiguous", "ptrs")
+
+    def __init__(self, tensors: list[torch.Tensor] = (), memory: bool = False) -> None:
+        self.shapes = [tuple(t.shape) for t in tensors]
+        self.dtypes = [t.dtype for t in tensors]
+        self.contiguous = list(map(torch.Tensor.is_contiguous, tensors)) if memory else []
+        self.ptrs = list(map(torch.Tensor.data_ptr, tensors)) if memory else []
+
+    def same_shapes_and_dtypes(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether every tensor still has its shape and dtype (compared one at a time: a list
+        of thousands of shapes alive at once would set off the collector)."""
+        return all(map(eq, map(_shape, tensors), self.shapes)) and all(map(is_, map(_dtype, tensors), self.dtypes))
+
+    def same_memory(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether every tensor is still at its address and as contiguous as it was: the memory
+        a copy prepared from it reads or writes (on another device it is another address)."""
+        return list(map(torch.Tensor.data_ptr, tensors)) == self.ptrs and list(map(torch.Tensor.is_contiguous, tensors)) == self.contiguous
 
 
-def same_memory(tensors: list[torch.Tensor], contiguous: list[bool], ptrs: list[int]) -> bool:
-    """Whether every (plain) tensor is still at its address and as contiguous as it was: the
-    memory a copy prepared from it reads or writes (with its shape and dtype, checked apart;
-    on another device a tensor is at another address). Read as lists of bools and ints:
-    nothing the collector tracks is made per tensor."""
-    return list(map(torch.Tensor.data_ptr, tensors)) == ptrs and list(map(torch.Tensor.is_contiguous, tensors)) == contiguous
+def same_listing(listing: Listing, last: Listing) -> bool:
+    """Whether `listing` names the same tensor objects as `last`, in the same order."""
+    return listing is last or (
+        listing.names == last.names and len(listing.tensors) == len(last.tensors) and all(map(is_, listing.tensors, last.tensors))
+    )
 
 
 class KnownSource:
@@ -61,10 +79,7 @@ class KnownSource:
         is made from one listing (the packer's lists and prepared copies) carries it."""
         self.readable = False
         """The packer may read the tensors from the listing (plain tensors, yielded as listed)."""
-        self._shapes: list[tuple[int, ...]] = []
-        self._dtypes: list[torch.dtype] = []
-        self._contiguous: list[bool] = []
-        self._ptrs: list[int] = []
+        self._kept = Snapshot()  # the listed tensors as they were (their memory only when readable)
         self._position: dict[str, int] | None = None
         self._pending: Listing | None = None  # accepted by `recall`, not yet settled
 
@@ -75,9 +90,7 @@ class KnownSource:
         last = self.listing
         if last is None:
             return None
-        if listing is not last and (len(listing.names) != len(last.names) or listing.names != last.names):
-            return None
-        if not same_shapes_and_dtypes(listing.tensors, self._shapes, self._dtypes):
+        if (listing is not last and listing.names != last.names) or not self._kept.same_shapes_and_dtypes(listing.tensors):
             return None
         self._pending = listing
         return self.metadata
@@ -90,17 +103,13 @@ class KnownSource:
         if listing is None:
             return
         last = self.listing
-        if (listing is not last and (listing.as_yielded != last.as_yielded or not all(map(is_, listing.tensors, last.tensors)))) or (
-            self.readable and not same_memory(listing.tensors, self._contiguous, self._ptrs)
-        ):
+        if not same_listing(listing, last) or listing.as_yielded != last.as_yielded or (self.readable and not self._kept.same_memory(listing.tensors)):
             self._take(listing)
         self.listing = listing
 
     def remember(self, listing: Listing, metadata: list[TensorSpec]) -> None:
         """`metadata` is what the source declared for `listing` this sync."""
         self.metadata = metadata
-        self._shapes = [tuple(t.shape) for t in listing.tensors]
-        self._dtypes = [t.dtype for t in listing.tensors]
         self._take(listing)
 
     def forget(self) -> None:
@@ -112,9 +121,7 @@ class KnownSource:
         self.epoch += 1
         self._position = None
         self.readable = listing.as_yielded and set(map(type, listing.tensors)) <= PLAIN
-        tensors = listing.tensors if self.readable else []
-        self._contiguous = list(map(torch.Tensor.is_contiguous, tensors))
-        self._ptrs = [t.data_ptr() for t in tensors]
+        self._kept = Snapshot(listing.tensors, memory=self.readable)
 
     def position(self, name: str) -> int:
         """Where tensor `name` is in the listing (made once per listing)."""
@@ -158,8 +165,8 @@ class KnownDestinations:
         return (
             self._comparable
             and all(map(is_, map(sink.tensors.get, self._names), self._objects))
-            and same_shapes_and_dtypes(tensors, self._shapes, self._dtypes)
-            and same_memory(tensors, self._contiguous, self._ptrs)
+            and self._kept.same_shapes_and_dtypes(tensors)
+            and self._kept.same_memory(tensors)
         )
 
     def remember(self, same: tuple, equal: tuple, checked: Any, names: list[str], objects: list[Any]) -> None:
@@ -169,10 +176,7 @@ class KnownDestinations:
         tensors = [o for o in objects if o is not None]
         self._comparable = set(map(type, tensors)) <= PLAIN  # a subclass may have no address to compare
         self._tensors = tensors if self._comparable else []
-        self._shapes = [tuple(t.shape) for t in self._tensors]
-        self._dtypes = [t.dtype for t in self._tensors]
-        self._contiguous = list(map(torch.Tensor.is_contiguous, self._tensors))
-        self._ptrs = [t.data_ptr() for t in self._tensors]
+        self._kept = Snapshot(self._tensors, memory=True)
 
     def forget(self) -> None:
         self._compared: Any = None  # the sink `precheck` found unchanged, for the next `recall`
@@ -183,10 +187,7 @@ class KnownDestinations:
         self._objects: list[Any] = []
         self._comparable = False
         self._tensors: list[torch.Tensor] = []
-        self._shapes: list[tuple[int, ...]] = []
-        self._dtypes: list[torch.dtype] = []
-        self._contiguous: list[bool] = []
-        self._ptrs: list[int] = []
+        self._kept = Snapshot()
 
 
 class KnownDeclaration:
@@ -201,8 +202,7 @@ class KnownDeclaration:
         self.listing: Listing | None = None
         self.declared: list | None = None
         self.tensors: dict[str, torch.Tensor] = {}
-        self._shapes: list[tuple[int, ...]] = []
-        self._dtypes: list[torch.dtype] = []
+        self._kept = Snapshot()
         self._placed: list[torch.Tensor] = []  # the distributed tensors: their placements and meshes
         self._placements: list[Any] = []
         self._meshes: list[Any] = []
@@ -212,13 +212,11 @@ class KnownDeclaration:
         last = self.listing
         if last is None:
             return None
-        if listing is not last and (
-            listing.names != last.names or len(listing.tensors) != len(last.tensors) or not all(map(is_, listing.tensors, last.tensors))
-        ):
+        if not same_listing(listing, last):
             return None
         placed = self._placed
         if not (
-            same_shapes_and_dtypes(listing.tensors, self._shapes, self._dtypes)
+            self._kept.same_shapes_and_dtypes(listing.tensors)
             and all(map(is_, map(_placements, placed), self._placements))
             and all(map(is_, map(_mesh, placed), self._meshes))
         ):
@@ -229,8 +227,7 @@ class KnownDeclaration:
     def remember(self, listing: Listing, declared: list) -> None:
         self.listing, self.declared = listing, declared
         self.tensors = dict(zip(listing.names, listing.tensors))
-        self._shapes = [tuple(t.shape) for t in listing.tensors]
-        self._dtypes = [t.dtype for t in listing.tensors]
+        self._kept = Snapshot(listing.tensors)
         self._placed = [t for t in listing.tensors if type(t) not in PLAIN and hasattr(t, "placements")]
         self._placements = list(map(_placements, self._placed))
         self._meshes = list(map(_mesh, self._placed))

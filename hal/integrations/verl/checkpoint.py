@@ -302,7 +302,7 @@ class HalCheckpointEngine(CheckpointEngine):
         first = trainers is None or trainers.rank == 0  # trainer rank 0: sync rank 0 of group 0
         rollouts = self._links[0].channel if first and self._links else None
         module, missing = None, None
-        engine = verl_internals.training_engine(verl_internals.owning_worker(self)) or self._engine
+        engine = self._found_engine()
         if engine is None:
             missing = "found no training engine (the checkpoint engine's worker holds none as `engine` or `actor.engine`)"
         else:
@@ -384,12 +384,16 @@ class HalCheckpointEngine(CheckpointEngine):
         self._learned_specs = source.specs
         return self._completed(version, metrics, self._trainer.is_sender)
 
-    def _training_engine(self) -> Any:
-        """The training engine of the worker that holds this checkpoint engine (on the
-        caller's thread: `verl_internals.owning_worker` reads its callers)."""
+    def _found_engine(self) -> Any:
+        """The training engine of the worker that holds this checkpoint engine, or the one
+        prepare() found in this worker, or None (on the caller's thread:
+        `verl_internals.owning_worker` reads its callers)."""
         engine = verl_internals.training_engine(verl_internals.owning_worker(self))
-        if engine is None:
-            engine = self._engine  # found by prepare() in this worker
+        return self._engine if engine is None else engine
+
+    def _training_engine(self) -> Any:
+        """`_found_engine()`, which senders 'all' cannot do without."""
+        engine = self._found_engine()
         if engine is None:
             raise RuntimeError(
                 "checkpoint engine 'hal': senders 'all' sends the training engine's own shards, and found no engine: "
