@@ -101,7 +101,7 @@ class Probe:
         return cls(tuple(tuple(int(t) for t in seq) for seq in sequences))
 
     @classmethod
-    def draw(cls, vocab_size: int, *, sequences: int = 4, length: int = 32, seed: int = 0) -> "Probe":
+    def draw(cls, vocab_size: int, *, sequences: int = 4, length: int = 16, seed: int = 0) -> "Probe":
         """`sequences` sequences of `length` token ids drawn uniformly from [0, vocab_size)
         with `seed` (the same probe on every rank and every run)."""
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
@@ -134,8 +134,11 @@ class CanaryConfig:
     """The user's probe; None: drawn once with `seed` from the vocabulary (`sequences` x `length`)."""
     sequences: int = 4
     """Sequences of a drawn probe."""
-    length: int = 32
-    """Tokens per sequence of a drawn probe (the first of each is not scored)."""
+    length: int = 16
+    """Tokens per sequence of a drawn probe (the first of each is not scored). 4 x 16: on a
+    CPU the trainer's forward costs about its FLOPs, 2 x parameters per token, so a probe of
+    a hundred tokens or more costs the 0.5B model over a tenth of a sync at every 10th
+    (docs/canary.md, "Cost"); on an accelerator a longer probe costs milliseconds."""
     seed: int = 0
     """Seed of a drawn probe."""
     vocab_size: int | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter, is_, is_not, itemgetter
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
@@ -80,43 +80,56 @@ def _detached(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ModuleSource:
-    """The parameters of a module, optionally renamed or filtered.
+    """The parameters and persistent buffers of a module (what its `state_dict()` holds,
+    each tensor once), optionally renamed or filtered.
 
-    `rename(name)` returns the name the engine expects, or None to leave the
-    parameter out of the sync (e.g. LoRA adapters when only the base travels).
+    `rename(name)` returns the name the engine expects, or None to leave the tensor out of
+    the sync (e.g. LoRA adapters when only the base travels). Persistent buffers travel
+    because training may change them and the engine loads them from a checkpoint (a MoE
+    router's `e_score_correction_bias` in DeepSeek-V3's layout); non-persistent ones
+    (rotary `inv_freq`) are the module's own cache and stay. `buffers=False`: parameters only.
     """
 
-    def __init__(self, module: torch.nn.Module, rename: Callable[[str], str | None] | None = None) -> None:
+    def __init__(self, module: torch.nn.Module, rename: Callable[[str], str | None] | None = None, *, buffers: bool = True) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ModuleSource needs a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(buffers, bool):
+            raise TypeError(f"ModuleSource: buffers must be a bool, got {type(buffers).__name__}")
         self.module = module
         self.rename = rename
+        self.buffers = buffers
 
     def _named(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self.module.named_parameters():
+        named = self.module.named_parameters()
+        if self.buffers:
+            named = chain(named, persistent_buffers(self.module))
+        for name, tensor in named:
             target = self.rename(name) if self.rename else name
             if target is not None:
-                yield target, param
+                yield target, tensor
 
     def metadata(self) -> list[TensorSpec]:
         # DTensor reports its global shape, so no gather happens here
         return [TensorSpec.of(name, p) for name, p in self._named()]
 
     def listing(self, last: Listing | None) -> Listing:
-        """The parameters (the Parameter objects). `named_parameters()` costs microseconds
+        """The parameters and buffers (the objects themselves). `named_parameters()` costs microseconds
         per parameter (names built, modules walked through generators): while the module
         tree still holds the same modules and parameters under the same names
         (`_ModuleTree.unchanged`), the last listing is handed back instead."""
         basis = last.basis if last is not None else None
-        if isinstance(basis, _ModuleTree) and basis.module is self.module and basis.rename is self.rename and basis.unchanged():
+        if (
+            isinstance(basis, _ModuleTree) and basis.module is self.module and basis.rename is self.rename
+            and basis.buffers == self.buffers and basis.unchanged()
+        ):
             return last
-        tree = _ModuleTree(self.module, self.rename)  # before the walk: a change during it shows next time
+        tree = _ModuleTree(self.module, self.rename, self.buffers)  # before the walk: a change during it shows next time
         named = list(self._named())
         as_yielded = type(self).__iter__ is ModuleSource.__iter__
         return Listing(list(map(itemgetter(0), named)), list(map(itemgetter(1), named)), as_yielded, tree)
 
     def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters as this rank holds them (DTensors not gathered), out of autograd."""
+        """The tensors as this rank holds them (DTensors not gathered), out of autograd."""
         return [(name, param.detach()) for name, param in self._named()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -156,45 +169,59 @@ class TensorSource:
 
 
 _not_none = partial(is_not, None)
-_MODULES, _PARAMETERS = attrgetter("_modules"), attrgetter("_parameters")
+_MODULES, _PARAMETERS, _BUFFERS = attrgetter("_modules"), attrgetter("_parameters"), attrgetter("_buffers")
+_NON_PERSISTENT = attrgetter("_non_persistent_buffers_set")
+
+
+def persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`module`'s buffers that its `state_dict()` holds, under their full names, each
+    tensor once (`named_buffers` drops a buffer held twice)."""
+    for name, buffer in module.named_buffers():
+        owner, _, key = name.rpartition(".")
+        if key not in module.get_submodule(owner)._non_persistent_buffers_set:
+            yield name, buffer
 
 
 class _ModuleTree:
     """A module tree as a `ModuleSource` listed it: every module, and each slot (a dict and
-    a key) that held a child module or a parameter, with what it held.
+    a key) that held a child module, a parameter or (when listed) a buffer, with what it held.
 
     `unchanged()` reads every slot again, in C (no Python step per parameter: `map` over
-    prepared lists), and compares by identity: a parameter or module replaced (through
-    `setattr` or a write into the dict, as FSDP2 does), added, removed or renamed, and a
-    module's dicts replaced (as `ModuleList.__delitem__` does), all show. Not shown: keys of
-    one dict reordered in place, which changes only the order the sync sends the same
-    names in. A parameter's own shape, dtype and memory may change under the same object
-    (`p.data = ...`): the sender checks shapes and dtypes, and copies from the object."""
+    prepared lists), and compares by identity: a parameter, buffer or module replaced
+    (through `setattr`, `register_buffer` or a write into the dict, as FSDP2 does), added,
+    removed or renamed, a buffer made persistent or not, and a module's dicts replaced (as
+    `ModuleList.__delitem__` does), all show. Not shown: keys of one dict reordered in
+    place, which changes only the order the sync sends the same names in. A tensor's own
+    shape, dtype and memory may change under the same object (`p.data = ...`): the sender
+    checks shapes and dtypes, and copies from the object."""
 
-    def __init__(self, module: torch.nn.Module, rename: Callable[[str], str | None] | None) -> None:
-        self.module, self.rename = module, rename
+    def __init__(self, module: torch.nn.Module, rename: Callable[[str], str | None] | None, buffers: bool = False) -> None:
+        self.module, self.rename, self.buffers = module, rename, buffers
         modules = [module]
         for m in modules:  # grows as it is walked: breadth first
             modules.extend(filter(_not_none, m._modules.values()))
         self.modules = modules
-        self.module_dicts = list(map(_MODULES, modules))
-        self.param_dicts = list(map(_PARAMETERS, modules))
-        self.sizes = list(map(len, self.module_dicts)) + list(map(len, self.param_dicts))
+        self.dict_getters = (_MODULES, _PARAMETERS) + ((_BUFFERS, _NON_PERSISTENT) if buffers else ())
+        self.dicts = [list(map(get, modules)) for get in self.dict_getters]
+        self.sizes = self._sizes()
         self.slot_dicts: list[dict] = []
         self.slot_keys: list[str] = []
         self.held: list[Any] = []
-        for d in self.module_dicts + self.param_dicts:
-            for key, value in d.items():
-                self.slot_dicts.append(d)
-                self.slot_keys.append(key)
-                self.held.append(value)
+        for dicts in self.dicts[:3]:  # the non-persistent sets hold names, not slots: their sizes say enough
+            for d in dicts:
+                for key, value in d.items():
+                    self.slot_dicts.append(d)
+                    self.slot_keys.append(key)
+                    self.held.append(value)
+
+    def _sizes(self) -> list[int]:
+        return [n for dicts in self.dicts for n in map(len, dicts)]
 
     def unchanged(self) -> bool:
         modules = self.modules
         return (
-            all(map(is_, map(_MODULES, modules), self.module_dicts))
-            and all(map(is_, map(_PARAMETERS, modules), self.param_dicts))
-            and list(map(len, self.module_dicts)) + list(map(len, self.param_dicts)) == self.sizes
+            all(all(map(is_, map(get, modules), dicts)) for get, dicts in zip(self.dict_getters, self.dicts))
+            and self._sizes() == self.sizes
             and all(map(is_, map(dict.get, self.slot_dicts, self.slot_keys), self.held))
         )
 

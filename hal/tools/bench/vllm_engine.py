@@ -94,7 +94,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--vllm-canary", type=_probe_shapes, default=None, metavar="SxL[,SxL...]",
         help="--engine vllm: also time the canary after each hal sync of the rounds, on a probe of S sequences of L "
-        "tokens (4x32 is CanaryConfig's default), once per shape given, outside the sync's time (docs/canary.md)",
+        "tokens (4x16 is CanaryConfig's default), once per shape given, outside the sync's time (docs/canary.md)",
     )
     parser.add_argument(
         "--vllm-in-process", action="store_true",
