@@ -155,3 +155,55 @@ def test_deepseek_v3s_router_bias_is_sent_as_its_state_dict_holds_it():
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in listed
     assert not any("inv_freq" in name for name in listed)
     assert set(listed) == set(model.state_dict())
+
+
+def sharded_buffer_worker(rank, world):
+    """Trainer ranks 0 and 1 hold FSDP2 shards of a model with a persistent buffer; each sends
+    its own share (hal.sync.sharded) to receiver rank 2, twice, the buffer changed between."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hal.sync.sharded import ShardedReceiver, ShardedSender
+    from hal.sync.plan import TensorSpec
+
+    timeout = datetime.timedelta(seconds=60)
+    trainer_group = dist.new_group([0, 1], timeout=timeout)
+    sync_groups = [dist.new_group([0, 2], timeout=timeout), dist.new_group([1, 2], timeout=timeout)]
+    config = SyncConfig(bucket_bytes=4096, timeout_s=60)
+    if rank in (0, 1):
+        torch.manual_seed(0)
+        model = Model()
+        mesh = DeviceMesh.from_group(trainer_group, "cpu")
+        fully_shard(model.router, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        source = ModuleSource(model)
+        sender = ShardedSender(BroadcastTransport(sync_groups[rank], src=0), config=config, trainer_group=trainer_group)
+        sent = []
+        for version in (1, 2):
+            with torch.no_grad():
+                model.router.e_score_correction_bias.copy_(bias_at(version))  # the same on every rank, as a balancing step makes it
+            metrics = sender.sync(source, version=version)
+            sent.append((metrics.bytes, metrics.model_bytes))
+        return sent
+    torch.manual_seed(0)
+    local = dict(ModuleSource(Model()).local_tensors())
+    specs = [TensorSpec.of(name, t) for name, t in local.items()]
+    dests = {name: torch.zeros_like(t) for name, t in local.items()}
+    receiver = ShardedReceiver([BroadcastTransport(g, src=0) for g in sync_groups], specs, timeout_s=60)
+    seen = []
+    for _ in (1, 2):
+        receiver.receive(copy_into(dests))
+        seen.append((dests["router.e_score_correction_bias"].tolist(), torch.equal(dests["router.weight"], local["router.weight"])))
+    return seen
+
+
+@pytest.mark.multiprocess
+def test_every_trainer_rank_sends_the_buffer_once_between_them():
+    first, second, seen = run_group(sharded_buffer_worker, world_size=3, timeout=180, collective_timeout=60)
+    assert seen == [(bias_at(v).tolist(), True) for v in (1, 2)]
+    model_bytes = sum(t.numel() * t.element_size() for _, t in ModuleSource(Model()).local_tensors())
+    for (a, total_a), (b, total_b) in zip(first, second):
+        assert total_a == total_b == model_bytes and a + b == model_bytes  # nothing sent twice: the buffer split between its holders
