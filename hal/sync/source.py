@@ -115,7 +115,7 @@ class ModuleSource:
     def listing(self, last: Listing | None) -> Listing:
         """The parameters and buffers (the objects themselves). `named_parameters()` costs microseconds
         per parameter (names built, modules walked through generators): while the module
-        tree still holds the same modules and parameters under the same names
+        tree still holds the same modules, parameters and buffers under the same names
         (`_ModuleTree.unchanged`), the last listing is handed back instead."""
         basis = last.basis if last is not None else None
         if (
@@ -189,7 +189,8 @@ class _ModuleTree:
     `unchanged()` reads every slot again, in C (no Python step per parameter: `map` over
     prepared lists), and compares by identity: a parameter, buffer or module replaced
     (through `setattr`, `register_buffer` or a write into the dict, as FSDP2 does), added,
-    removed or renamed, a buffer made persistent or not, and a module's dicts replaced (as
+    removed or renamed, a buffer made persistent or not (each module's set of non-persistent
+    names is compared by its size), and a module's dicts replaced (as
     `ModuleList.__delitem__` does), all show. Not shown: keys of one dict reordered in
     place, which changes only the order the sync sends the same names in. A tensor's own
     shape, dtype and memory may change under the same object (`p.data = ...`): the sender
