@@ -81,7 +81,9 @@ def _detached(tensor: torch.Tensor) -> torch.Tensor:
 
 class ModuleSource:
     """The parameters and persistent buffers of a module (what its `state_dict()` holds,
-    each tensor once), optionally renamed or filtered.
+    each tensor once), optionally renamed or filtered. Names are the module's own, without
+    the wrappers torch inserts (`WRAPPER_COMPONENTS`: activation checkpointing, FSDP1,
+    `torch.compile`), as the engine's checkpoint names them.
 
     `rename(name)` returns the name the engine expects, or None to leave the tensor out of
     the sync (e.g. LoRA adapters when only the base travels). Persistent buffers travel
@@ -104,6 +106,8 @@ class ModuleSource:
         if self.buffers:
             named = chain(named, persistent_buffers(self.module))
         for name, tensor in named:
+            if "._" in name or name.startswith("_"):  # the cheap test first: a wrapper's component starts with "_"
+                name = unwrapped_name(name)
             target = self.rename(name) if self.rename else name
             if target is not None:
                 yield target, tensor
@@ -171,6 +175,20 @@ class TensorSource:
 _not_none = partial(is_not, None)
 _MODULES, _PARAMETERS, _BUFFERS = attrgetter("_modules"), attrgetter("_parameters"), attrgetter("_buffers")
 _NON_PERSISTENT = attrgetter("_non_persistent_buffers_set")
+
+
+# Modules torch inserts around a user's module, whose attribute name is in `named_parameters()`
+# but not in the checkpoint the engine loads: activation checkpointing's `checkpoint_wrapper`
+# and FSDP1's wrapper (their `state_dict()` drops it too) and `torch.compile`'s
+# `OptimizedModule` (its `state_dict()` keeps it; no engine checkpoint has it).
+WRAPPER_COMPONENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+
+
+def unwrapped_name(name: str) -> str:
+    """`name` without the components of `WRAPPER_COMPONENTS`:
+    `layers.0._checkpoint_wrapped_module.mlp.weight` is `layers.0.mlp.weight`."""
+    parts = name.split(".")
+    return ".".join(p for p in parts if p not in WRAPPER_COMPONENTS) if any(p in WRAPPER_COMPONENTS for p in parts) else name
 
 
 def persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -207,3 +207,17 @@ def test_every_trainer_rank_sends_the_buffer_once_between_them():
     model_bytes = sum(t.numel() * t.element_size() for _, t in ModuleSource(Model()).local_tensors())
     for (a, total_a), (b, total_b) in zip(first, second):
         assert total_a == total_b == model_bytes and a + b == model_bytes  # nothing sent twice: the buffer split between its holders
+
+
+def test_names_leave_out_the_wrappers_torch_inserts():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = Model()
+    model.router = checkpoint_wrapper(model.router)  # activation checkpointing, as torchtitan-style trainers apply it
+    assert "router._checkpoint_wrapped_module.weight" in dict(model.named_parameters())
+    expected = ["embed.weight", "router.weight", "router.e_score_correction_bias"]
+    assert names(ModuleSource(model)) == expected
+    assert set(expected) == set(model.state_dict()) - {"lm_head.weight"}  # what its state_dict calls them
+    compiled = torch.compile(model)  # an OptimizedModule (compiled lazily, at its first call)
+    assert names(ModuleSource(compiled)) == expected
+    assert [n for n, _ in ModuleSource(compiled, rename=lambda n: f"model.{n}")][:1] == ["model.embed.weight"]  # rename sees the plain name
