@@ -37,6 +37,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 MODES = ("off", "log", "enforce")
+# A drawn probe's shape unless the user sets one: 4 x 16 tokens. On a CPU the trainer's
+# forward costs about its FLOPs, 2 x parameters per token, so a probe of a hundred tokens
+# or more costs the 0.5B model over a tenth of a sync at every 10th (docs/canary.md,
+# "Cost"); on an accelerator a longer probe costs milliseconds.
+PROBE_SEQUENCES, PROBE_LENGTH = 4, 16
 
 # The largest |Δ log-prob| of a healthy engine, by the least precise dtype among the
 # trainer's parameters, the wire and the engine (an fp32 trainer and a bf16 engine are
@@ -101,7 +106,7 @@ class Probe:
         return cls(tuple(tuple(int(t) for t in seq) for seq in sequences))
 
     @classmethod
-    def draw(cls, vocab_size: int, *, sequences: int = 4, length: int = 16, seed: int = 0) -> "Probe":
+    def draw(cls, vocab_size: int, *, sequences: int = PROBE_SEQUENCES, length: int = PROBE_LENGTH, seed: int = 0) -> "Probe":
         """`sequences` sequences of `length` token ids drawn uniformly from [0, vocab_size)
         with `seed` (the same probe on every rank and every run)."""
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
@@ -132,13 +137,10 @@ class CanaryConfig:
     """Run at the 1st completed sync and every `every`-th after it (syncs 1, 1+N, 1+2N, ...)."""
     probe: Probe | None = None
     """The user's probe; None: drawn once with `seed` from the vocabulary (`sequences` x `length`)."""
-    sequences: int = 4
+    sequences: int = PROBE_SEQUENCES
     """Sequences of a drawn probe."""
-    length: int = 16
-    """Tokens per sequence of a drawn probe (the first of each is not scored). 4 x 16: on a
-    CPU the trainer's forward costs about its FLOPs, 2 x parameters per token, so a probe of
-    a hundred tokens or more costs the 0.5B model over a tenth of a sync at every 10th
-    (docs/canary.md, "Cost"); on an accelerator a longer probe costs milliseconds."""
+    length: int = PROBE_LENGTH
+    """Tokens per sequence of a drawn probe (the first of each is not scored)."""
     seed: int = 0
     """Seed of a drawn probe."""
     vocab_size: int | None = None

@@ -106,8 +106,7 @@ class ModuleSource:
         if self.buffers:
             named = chain(named, persistent_buffers(self.module))
         for name, tensor in named:
-            if "._" in name or name.startswith("_"):  # the cheap test first: a wrapper's component starts with "_"
-                name = unwrapped_name(name)
+            name = unwrapped_name(name)
             target = self.rename(name) if self.rename else name
             if target is not None:
                 yield target, tensor
@@ -187,8 +186,9 @@ WRAPPER_COMPONENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_or
 def unwrapped_name(name: str) -> str:
     """`name` without the components of `WRAPPER_COMPONENTS`:
     `layers.0._checkpoint_wrapped_module.mlp.weight` is `layers.0.mlp.weight`."""
-    parts = name.split(".")
-    return ".".join(p for p in parts if p not in WRAPPER_COMPONENTS) if any(p in WRAPPER_COMPONENTS for p in parts) else name
+    if "._" not in name and not name.startswith("_"):  # the common case: every wrapper's component starts with "_"
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
 
 
 def persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
