@@ -290,6 +290,28 @@ def test_copy_many_copies_every_pair_and_refuses_another_shape_before_launching(
         backend.copy_many_(targets, targets[:1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.complex64])
+def test_copy_many_and_prepared_copies_move_bits_not_values(backend, dtype):
+    """Random bytes hold NaNs of every sign and payload, and negative zeros: a same-dtype
+    copy must land them bit for bit (torch's multi-tensor copy on a GPU does not: it
+    converts through float, seen on an H200). Contiguous, strided and odd sizes."""
+    gen = torch.Generator().manual_seed(7)
+    raw = [torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=gen) for n in (1, 7, 4096, 3 * 64)]
+    srcs = [r.view(dtype).to(backend.device()) for r in raw]
+    srcs[-1] = srcs[-1].view(3, 64).t()  # a transposed view
+    for prepared in (False, True):
+        dsts = [backend.empty(tuple(s.shape), dtype) for s in srcs]
+        dsts[-1] = backend.empty((3, 64), dtype).t()
+        stream = backend.new_stream()
+        if prepared:
+            backend.copy_prepared_(backend.prepare_copies(dsts, srcs), stream=stream)
+        else:
+            backend.copy_many_(dsts, srcs, stream=stream)
+        stream.synchronize()
+        for d, s in zip(dsts, srcs):
+            assert torch.equal(d.contiguous().cpu().view(torch.uint8), s.contiguous().cpu().view(torch.uint8)), (prepared, tuple(s.shape))
+
+
 def test_copy_element_count_mismatch(backend):
     dst = backend.empty((2, 3), torch.float32)
     src = backend.empty((7,), torch.float32)

@@ -940,3 +940,32 @@ def test_the_library_of_a_one_library_group_holds_for_a_device_it_has_no_backend
     assert _group_library(Named("cpu:gloo,cuda:gloo"), "npu") == "gloo"
     assert _group_library(Named("cuda:nccl,cpu:gloo"), "cuda") == "nccl"
     assert _group_library(Named("cuda:nccl,cpu:gloo"), "npu") is None
+
+
+def _copy_through_float(dsts, srcs, non_blocking=False):
+    """torch's multi-tensor copy as a GPU runs it: every floating element through a wider
+    float and back, which keeps values and loses NaN signs and payloads (H200, 2026-11-27)."""
+    for d, s in zip(dsts, srcs):
+        d.copy_(s.to(torch.float64).to(d.dtype) if s.dtype.is_floating_point else s)
+
+
+def test_fake_cuda_multi_tensor_copies_move_bits(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch, "_foreach_copy_", _copy_through_float)
+    backend = hal.get_backend("cuda")
+    nan_bits = torch.tensor([0x7FC1, -0x0001, 0x7F81, -0x8000], dtype=torch.int16)  # NaNs of other payloads and signs, -0.0
+    src = nan_bits.view(torch.bfloat16)
+    wider = torch.tensor([0x7FC00001, -0x00000002], dtype=torch.int32).view(torch.float32)
+    # the emulation does lose them: a copy of values would fail below
+    lost = torch.empty_like(src)
+    _copy_through_float([lost], [src])
+    assert not torch.equal(lost.view(torch.int16), nan_bits)
+    for prepared in (False, True):
+        dsts = [torch.empty_like(src), torch.empty_like(wider), torch.empty(4, dtype=torch.float32)]
+        srcs = [src, wider, src]  # the last pair is a cast: a value copy, as copy_ does
+        if prepared:
+            backend.copy_prepared_(backend.prepare_copies(dsts, srcs))
+        else:
+            backend.copy_many_(dsts, srcs)
+        assert torch.equal(dsts[0].view(torch.int16), nan_bits), prepared
+        assert torch.equal(dsts[1].view(torch.int32), wider.view(torch.int32)), prepared
+        assert torch.equal(dsts[2].isnan(), src.float().isnan()), prepared
