@@ -26,6 +26,8 @@ class CudaBackend(TorchDeviceBackend):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_resource = "GPU"
     vendor = "nvidia"
+    # the driver's file of a process's IPC events, never removed by the driver (H200, 2026-11-27)
+    process_files = ("cuda.shm.*.{pid:x}.*",)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
