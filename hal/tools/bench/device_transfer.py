@@ -99,6 +99,21 @@ def _matches(flat: torch.Tensor) -> bool:
     return torch.equal(flat[:period], block) and (n == period or torch.equal(flat[period:], flat[: n - period]))
 
 
+def _mismatch(flat: torch.Tensor, names: list[str], offsets: list[int], sizes: list[int]) -> str:
+    """What is wrong in `flat` (the failure path only): how many bytes, how many of them are
+    zero (never written: destinations are zeroed between rounds), and which tensors."""
+    n = flat.numel()
+    period = min(PATTERN_PERIOD, n)
+    expected = pattern_block(period, 0).to(flat.device).repeat((n + period - 1) // period)[:n]
+    wrong = flat != expected
+    count = int(wrong.sum())
+    zeros = int((wrong & (flat == 0)).sum())
+    bad = [(name, int(wrong[o : o + size].sum()), size) for name, o, size in zip(names, offsets, sizes) if bool(wrong[o : o + size].any())]
+    listed = ", ".join(f"{name} ({w} of {size} bytes)" for name, w, size in bad[:6])
+    return (f"{count} of {n} bytes wrong ({zeros} of them zero), in {len(bad)} of {len(names)} tensors: {listed}"
+            f"{', ...' if len(bad) > 6 else ''}")
+
+
 def _setup_floor_ipc(r: _Rank) -> Callable[[], None]:
     import torch.distributed as dist
 
@@ -156,7 +171,7 @@ def _rank_body(rank: int, config: DeviceTransferConfig) -> dict[str, Any]:
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in config.methods}
     verified = {m: 0 for m in config.methods}
 
-    def one(method: str) -> tuple[float, float]:
+    def one(method: str, when: str) -> tuple[float, float]:
         dist.barrier()
         t0 = time.perf_counter()
         runs[method]()
@@ -166,19 +181,21 @@ def _rank_body(rank: int, config: DeviceTransferConfig) -> dict[str, Any]:
         if rank != SENDER:
             if config.verify:
                 if not _matches(flat):
-                    raise RuntimeError(f"{method}: receiver {rank} holds wrong bytes")
+                    sizes = [p.nbytes for p in params]
+                    detail = _mismatch(flat, [p.name for p in params], offsets, sizes)
+                    raise RuntimeError(f"{method}, {when}: receiver {rank} holds wrong bytes: {detail}")
                 verified[method] += 1
             flat.zero_()
             backend.synchronize()
         return t0, t1
 
     for method in config.methods:
-        for _ in range(max(1, config.warmup)):
-            one(method)
+        for w in range(max(1, config.warmup)):
+            one(method, f"warm-up {w + 1}")
     n = len(config.methods)
     for r in range(config.repeats):
         for method in config.methods[r % n :] + config.methods[: r % n]:
-            times[method].append(one(method))
+            times[method].append(one(method, f"round {r + 1}"))
     dist.barrier()
     return {
         "rank": rank, "pid": os.getpid(), "device": str(flat.device), "total_bytes": total, "times": times,
