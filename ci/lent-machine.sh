@@ -39,14 +39,14 @@ step() {
 
 step install 120 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 step install 30 env VERL_DEVICE=cuda "$PY" -m hal info
-step lane 300 env HAL_PYTHON="$PY" PYTEST_ADDOPTS="-n 8" bash ci/cuda.sh
-step kernels 90 env VERL_DEVICE=cuda "$PY" -m hal bench --delta-kernels --json "$out/kernels-cuda.json"
-step d2d 150 env VERL_DEVICE=cuda "$PY" -m hal bench --device-transfer --json "$out/d2d.json"
-step d2d-moe 200 env VERL_DEVICE=cuda "$PY" -m hal bench --device-transfer --preset moe-16k --json "$out/d2d-moe.json"
+step lane 200 env HAL_PYTHON="$PY" PYTEST_ADDOPTS="-n 8" bash ci/cuda.sh
+step kernels 60 env VERL_DEVICE=cuda "$PY" -m hal bench --delta-kernels --json "$out/kernels-cuda.json"
+step d2d 90 env VERL_DEVICE=cuda "$PY" -m hal bench --device-transfer --json "$out/d2d.json"
+step d2d-moe 120 env VERL_DEVICE=cuda "$PY" -m hal bench --device-transfer --preset moe-16k --json "$out/d2d-moe.json"
 # Issue 30's CPU targets with a core per process (on 2 cores the two processes and gloo contend).
-step moe-cpu 150 "$PY" -m hal bench --preset moe-16k --methods floor,floor_with_copy,hal_bucketed,hal_shm --json "$out/moe-cpu.json"
-step split-cpu 150 "$PY" -m hal bench --preset split-16384 --methods floor,floor_with_copy,hal_bucketed --json "$out/split-16384-cpu.json"
-step mn 200 "$PY" -m hal bench --senders 4 --receivers 4 --preset qwen2.5-0.5b --json "$out/mn-4x4.json"
+step moe-cpu 80 "$PY" -m hal bench --preset moe-16k --methods floor,floor_with_copy,hal_bucketed,hal_shm --json "$out/moe-cpu.json"
+step split-cpu 80 "$PY" -m hal bench --preset split-16384 --methods floor,floor_with_copy,hal_bucketed --json "$out/split-16384-cpu.json"
+step mn 120 "$PY" -m hal bench --senders 4 --receivers 4 --preset qwen2.5-0.5b --json "$out/mn-4x4.json"
 
 if [[ ${#failed[@]} -gt 0 ]]; then
     echo "== failed: ${failed[*]}" | tee -a "$log"
