@@ -3,16 +3,25 @@
 # lane, then the device benchmarks, then the 16-core CPU benchmarks. Each step has its own
 # time limit, so a slow or hung step costs its limit and no more; the log and every JSON
 # record land in OUT_DIR as they are made (docs/ci.md, "A lent machine in one call").
-#   bash ci/lent-machine.sh [OUT_DIR] [STEPS]
+#   bash ci/hardware/lent-machine.sh [OUT_DIR] [STEPS]
 #   STEPS: comma-separated subset of install,lane,kernels,d2d,d2d-moe,moe-cpu,split-cpu,mn
 #          (default: all, in that order)
 #   HAL_PYTHON: the interpreter with a CUDA build of torch (default python3, as on the
 #               lent machines, where torch is installed system-wide and there is no network)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out="${1:-${OUT:-/tmp/hal-lent}}"
 steps=",${2:-install,lane,kernels,d2d,d2d-moe,moe-cpu,split-cpu,mn},"
 PY="${HAL_PYTHON:-python3}"
+# Like the cuda lane: on a machine without a usable GPU, say why and stop, installing nothing.
+reason="$("$PY" -c "
+from hal.device import backend_class
+print(backend_class('cuda').unavailable_reason() or '')
+" 2>&1 | tail -n 1)" || true
+if [[ -n "$reason" ]]; then
+    echo "ci/hardware/lent-machine.sh: skipped: no usable cuda device here ($PY): $reason"
+    exit 0
+fi
 mkdir -p "$out"
 log="$out/lent-machine.log"
 failed=()
