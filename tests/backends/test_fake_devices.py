@@ -969,3 +969,9 @@ def test_fake_cuda_multi_tensor_copies_move_bits(fake_cuda, monkeypatch):
         assert torch.equal(dsts[0].view(torch.int16), nan_bits), prepared
         assert torch.equal(dsts[1].view(torch.int32), wider.view(torch.int32)), prepared
         assert torch.equal(dsts[2].isnan(), src.float().isnan()), prepared
+
+
+def test_fake_cuda_export_has_the_drivers_file_removed_at_exit(cuda_ipc):
+    from hal.backends import process_files
+
+    assert (os.getpid(), CudaBackend.process_files) in process_files._at_exit
