@@ -359,6 +359,21 @@ def test_bench_device_transfer_checks_every_receivers_bytes_for_every_method(dev
     assert rows["floor_ipc"]["ratio_to_floor"] == 1.0
 
 
+def test_bench_device_transfer_profile_says_where_each_ranks_time_went(tmp_path, monkeypatch, hal_reset, capsys):
+    monkeypatch.setenv("VERL_DEVICE", "sim")
+    out_json = tmp_path / "device.json"
+    argv = ["bench", "--device-transfer", "--preset", "tiny", "--repeats", "1", "--device-methods", "hal_ipc", "--profile",
+            "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    report = json.loads(out_json.read_text())
+    assert set(report["profiles"]) == {"0", "1"}
+    for text in report["profiles"].values():  # pstats' table of the measured round, the sync inside it
+        assert "function calls" in text and "tottime" in text and "hal/sync/" in text
+    assert "rank 1 (receiver), its measured rounds, by own time:" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--profile applies to --device-transfer only"):
+        cli.main(["bench", "--preset", "tiny", "--profile"])
+
+
 def test_device_transfer_pattern_check_catches_one_wrong_byte():
     from hal.tools.bench import device_transfer
 

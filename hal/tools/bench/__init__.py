@@ -172,6 +172,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-methods", type=comma_list(_DEVICE_METHODS, "method"), default=None,
         help=f"comma-separated subset of {','.join(_DEVICE_METHODS)} (default: all; floor_ipc always)",
     )
+    device.add_argument(
+        "--profile", action="store_true",
+        help="--device-transfer: cProfile every rank's measured rounds; the top functions by own time go in the report",
+    )
     kernels = parser.add_argument_group("--delta-kernels (hal.tools.bench.delta_kernels)")
     kernels.add_argument(
         "--delta-kernels", action="store_true",
@@ -212,6 +216,8 @@ def main(args: argparse.Namespace) -> int:
     started, load_average = record.utc_now(), record.load_average()
     if getattr(args, "timeout", None) is None:
         args.timeout = DEFAULT_TIMEOUT_S[_benchmark(args)]
+    if getattr(args, "profile", False) and _benchmark(args) != "device-transfer":
+        raise SystemExit("hal bench: --profile applies to --device-transfer only")
     if getattr(args, "tp", None) is not None and getattr(args, "senders", None) is None:
         raise SystemExit("hal bench: --tp T describes the layout of --senders M trainer ranks: give --senders too")
     if getattr(args, "senders", None) is not None:
@@ -291,7 +297,7 @@ def _run_device_transfer(args: argparse.Namespace) -> dict[str, Any]:
         config = DeviceTransferConfig(
             preset=args.preset, methods=tuple(methods), receivers=args.receivers, repeats=args.repeats, warmup=args.warmup,
             bucket_bytes=int(args.bucket_mb * 1024 * 1024) if args.bucket_mb is not None else None,
-            timeout_s=args.timeout, verify=args.verify,
+            timeout_s=args.timeout, verify=args.verify, profile=args.profile,
         )
     except ValueError as exc:
         raise SystemExit(f"hal bench: {exc}") from None

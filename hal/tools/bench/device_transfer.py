@@ -19,6 +19,10 @@ The ranks share one gloo group for control, as a trainer and its engines on one 
     hal_gloo         BroadcastTransport over the gloo group: gloo moves device tensors
                      through host memory (what a trainer without NCCL/HCCL pays).
 
+With `--profile` every rank runs its measured rounds under cProfile and the report (and the
+table) carries each rank's top functions by their own time: one lent-machine call then
+says where a device sync's host time goes.
+
 Timing: a barrier, then each rank runs the method and synchronizes its device; a round's
 time runs from the earliest start to the latest end (perf_counter: one clock per node),
 and `seconds` is the median over interleaved rounds, `ratio_to_floor` the median of
@@ -29,8 +33,11 @@ The JSON holds {"mode": "device-transfer", "backend", "device_model", "results":
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -61,6 +68,8 @@ class DeviceTransferConfig:
     verify: bool = True
     backend: str | None = None
     """The backend's name; None: the one VERL_DEVICE resolves to."""
+    profile: bool = False
+    """cProfile each rank's measured rounds (not the warm-ups): where a sync's host time goes."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -193,14 +202,29 @@ def _rank_body(rank: int, config: DeviceTransferConfig) -> dict[str, Any]:
         for w in range(max(1, config.warmup)):
             one(method, f"warm-up {w + 1}")
     n = len(config.methods)
+    profiler = cProfile.Profile() if config.profile else None
     for r in range(config.repeats):
         for method in config.methods[r % n :] + config.methods[: r % n]:
+            if profiler is not None:
+                profiler.enable()
             times[method].append(one(method, f"round {r + 1}"))
+            if profiler is not None:
+                profiler.disable()
     dist.barrier()
     return {
         "rank": rank, "pid": os.getpid(), "device": str(flat.device), "total_bytes": total, "times": times,
-        "verified": verified,
+        "verified": verified, "profile": _top_functions(profiler) if profiler is not None else None,
     }
+
+
+PROFILE_LINES = 30
+
+
+def _top_functions(profiler: cProfile.Profile) -> str:
+    """The functions that took the most time of their own, as pstats prints them."""
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(PROFILE_LINES)
+    return text.getvalue()
 
 
 # ---- the parent --------------------------------------------------------------------------------
@@ -247,6 +271,7 @@ def run_device_transfer(config: DeviceTransferConfig) -> dict[str, Any]:
         "timing": f"median of {config.repeats} interleaved rounds after {max(1, config.warmup)} warm-up, each rank device-synchronized",
         "wall_s": time.perf_counter() - began,
         "results": results,
+        **({"profiles": {str(r["rank"]): r["profile"] for r in reports}} if config.profile else {}),
     }
 
 
@@ -260,4 +285,6 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{r['method']:<18}{r['seconds']:>10.4f}{r['gib_per_s']:>9.1f}{r['ratio_to_floor']:>9.2f}{r['best_seconds']:>9.4f}  {r['verified_receivers']}"
         )
+    for rank, text in report.get("profiles", {}).items():
+        lines.append(f"\nrank {rank} ({'sender' if rank == str(SENDER) else 'receiver'}), its measured rounds, by own time:{text}")
     return "\n".join(lines)
