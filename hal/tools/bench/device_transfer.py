@@ -180,12 +180,18 @@ def _rank_body(rank: int, config: DeviceTransferConfig) -> dict[str, Any]:
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in config.methods}
     verified = {m: 0 for m in config.methods}
 
+    profiler: cProfile.Profile | None = None  # set for the measured rounds with `profile`
+
     def one(method: str, when: str) -> tuple[float, float]:
         dist.barrier()
+        if profiler is not None:
+            profiler.enable()  # the sync alone: not the barriers, not the byte check
         t0 = time.perf_counter()
         runs[method]()
         backend.synchronize()
         t1 = time.perf_counter()
+        if profiler is not None:
+            profiler.disable()
         dist.barrier()
         if rank != SENDER:
             if config.verify:
@@ -205,11 +211,7 @@ def _rank_body(rank: int, config: DeviceTransferConfig) -> dict[str, Any]:
     profiler = cProfile.Profile() if config.profile else None
     for r in range(config.repeats):
         for method in config.methods[r % n :] + config.methods[: r % n]:
-            if profiler is not None:
-                profiler.enable()
             times[method].append(one(method, f"round {r + 1}"))
-            if profiler is not None:
-                profiler.disable()
     dist.barrier()
     return {
         "rank": rank, "pid": os.getpid(), "device": str(flat.device), "total_bytes": total, "times": times,
