@@ -53,7 +53,15 @@ def remove_at_exit(formats: tuple[str, ...]) -> None:
     _at_exit.add(key)
     from multiprocessing import util
 
-    util.Finalize(None, remove_process_files, args=(os.getpid(), formats), exitpriority=-100)
+    util.Finalize(None, _remove_own_files, args=(os.getpid(), formats), exitpriority=-100)
+
+
+def _remove_own_files(pid: int, formats: tuple[str, ...]) -> None:
+    # A child forked by hand (os.fork) inherits the finalizer: only the process that
+    # registered it removes its files; the parent's live ones stay (an importer of its
+    # event handles opens them by name).
+    if os.getpid() == pid:
+        remove_process_files(pid, formats)
 
 
 def remove_ended_process_files(pids: Iterable[int]) -> list[str]:

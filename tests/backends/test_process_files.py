@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hal.backends.process_files import SHM_DIR, remove_at_exit, remove_ended_process_files
+from hal.backends.process_files import SHM_DIR, _remove_own_files, remove_at_exit, remove_ended_process_files
 from hal.backends.cuda import CudaBackend
 from hal.procs import spawn_ranks
 
@@ -69,3 +69,18 @@ def test_remove_ended_process_files_takes_only_that_pids_files():
     finally:
         for f in files:
             f.unlink(missing_ok=True)
+
+
+def test_the_exit_removal_acts_only_in_the_process_that_registered_it():
+    """A child forked by hand inherits multiprocessing's finalizers: at its exit it must not
+    remove the live parent's files."""
+    parent = os.getpid() + 1_000_000  # stands for the registering process, seen from a child
+    f = _driver_file(parent)
+    f.touch()
+    try:
+        _remove_own_files(parent, CudaBackend.process_files)
+        assert f.exists()
+        _remove_own_files(os.getpid(), CudaBackend.process_files)  # its own: nothing of the other's
+        assert f.exists()
+    finally:
+        f.unlink(missing_ok=True)
