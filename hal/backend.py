@@ -153,8 +153,8 @@ class Backend(RuntimeQuestions, BackendHooks):
         """`dst.copy_(src)` for every pair, as one piece of device work on `stream` (torch's
         multi-tensor copy): a segment of thousands of small tensors costs one launch, not
         one per tensor. Casts dtypes like `copy_`, and like it moves a same-dtype pair bit for
-bit (NaN payloads and signs too, which torch's multi-tensor copy alone does not do on a
-GPU: hal.backends._torch_device.bit_exact_pairs); every pair must have equal shapes, which
+        bit (NaN payloads and signs too, which torch's multi-tensor copy alone does not do on
+        a GPU: hal.backends._torch_device.bit_exact_pairs); every pair must have equal shapes, which
         is checked unless the caller says it compared them already (`shapes_checked`: the
         sync does, against the specs, for every tensor it packs or hands over)."""
         _check_pairs("copy_many_", dsts, srcs, shapes_checked)
