@@ -108,19 +108,17 @@ def _matches(flat: torch.Tensor) -> bool:
     return torch.equal(flat[:period], block) and (n == period or torch.equal(flat[period:], flat[: n - period]))
 
 
-def _mismatch(flat: torch.Tensor, names: list[str], offsets: list[int], sizes: list[int]) -> str:
+def _mismatch(flat: torch.Tensor, params: list[Any], offsets: list[int]) -> str:
     """What is wrong in `flat` (the failure path only): how many bytes, how many of them are
     zero (never written: destinations are zeroed between rounds), and which tensors."""
-    n = flat.numel()
-    period = min(PATTERN_PERIOD, n)
-    expected = pattern_block(period, 0).to(flat.device).repeat((n + period - 1) // period)[:n]
+    expected = torch.empty_like(flat)
+    fill_pattern(expected)
     wrong = flat != expected
-    count = int(wrong.sum())
     zeros = int((wrong & (flat == 0)).sum())
-    bad = [(name, int(wrong[o : o + size].sum()), size) for name, o, size in zip(names, offsets, sizes) if bool(wrong[o : o + size].any())]
+    bad = [(p.name, int(wrong[o : o + p.nbytes].sum()), p.nbytes) for p, o in zip(params, offsets) if bool(wrong[o : o + p.nbytes].any())]
     listed = ", ".join(f"{name} ({w} of {size} bytes)" for name, w, size in bad[:6])
-    return (f"{count} of {n} bytes wrong ({zeros} of them zero), in {len(bad)} of {len(names)} tensors: {listed}"
-            f"{', ...' if len(bad) > 6 else ''}")
+    return (f"{int(wrong.sum())} of {flat.numel()} bytes wrong ({zeros} of them zero), in {len(bad)} of {len(params)} tensors: "
+            f"{listed}{', ...' if len(bad) > 6 else ''}")
 
 
 def _setup_floor_ipc(r: _Rank) -> Callable[[], None]:
@@ -196,9 +194,7 @@ def _rank_body(rank: int, config: DeviceTransferConfig) -> dict[str, Any]:
         if rank != SENDER:
             if config.verify:
                 if not _matches(flat):
-                    sizes = [p.nbytes for p in params]
-                    detail = _mismatch(flat, [p.name for p in params], offsets, sizes)
-                    raise RuntimeError(f"{method}, {when}: receiver {rank} holds wrong bytes: {detail}")
+                    raise RuntimeError(f"{method}, {when}: receiver {rank} holds wrong bytes: {_mismatch(flat, params, offsets)}")
                 verified[method] += 1
             flat.zero_()
             backend.synchronize()
