@@ -8,9 +8,15 @@ zeroed and shifted data and blocks out of order; it is not a cryptographic hash.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
+
+_WORDS_PER_BLOCK = 512  # 4 KiB
+# A check's temporary: one int64 per group of words of a window, at most this many bytes
+# (for ranges on 8-byte boundaries only: a group is one word, the window this size).
+_WINDOW_BYTES = 32 << 20
 
 
 def checksum(data: torch.Tensor) -> torch.Tensor:
@@ -27,31 +33,167 @@ def checksum(data: torch.Tensor) -> torch.Tensor:
 
 def checksums(data: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
     """`checksum(data[o : o + n])` for every `(o, n)` in `ranges`, as an int64 tensor on
-    `data`'s device, in a fixed number of tensor operations however many ranges there are
-    (a bucket of thousands of small tensors costs what one of a few large ones does).
-    Offsets must be multiples of 8 (a plan's pieces start on ALIGNMENT boundaries)."""
+    `data`'s device, in a fixed number of tensor operations per window of the data however
+    many ranges there are. Offsets must be multiples of 8 (a plan's pieces start on
+    ALIGNMENT boundaries). A sync checksums the same ranges every time: it keeps a
+    `RangeChecksums` instead, which does the index work once."""
     _check_flat_bytes("checksums", data)
-    out = torch.zeros(len(ranges), dtype=torch.int64, device=data.device)
-    if not ranges:
+    return RangeChecksums(ranges, data.device).compute(data)
+
+
+class RangeChecksums:
+    """The checksums of fixed byte ranges of a flat bucket, planned once for a device.
+
+    A range of words [s, e) in J blocks has the checksum `J * P[e] - sum(P[s + 512 j] for
+    j < J)`, where P is the prefix sum of the bucket's 64-bit words: the per-block weights
+    telescope. P is only needed where blocks start, which are multiples of the words all
+    ranges start on (256 B in a plan), so it is taken over sums of such groups of words:
+    one read of the bucket (a window at a time, so the temporary is small) and a short
+    prefix sum, then two gathers. Every index they need is computed here once and kept
+    on the device (8 bytes per 4 KiB block): a steady sync's check is a few launches per
+    window and no host work per range. A range's end between groups adds its last words
+    one by one; a partial last word is zero-padded, as `checksum` does.
+
+    `newer_at`: the bytes from there on are read from a second tensor (`into`'s `newer`,
+    which starts there); a multiple of 8.
+    """
+
+    def __init__(
+        self, ranges: Sequence[tuple[int, int]], device: torch.device | str, newer_at: int | None = None, window_bytes: int = _WINDOW_BYTES
+    ) -> None:
+        self.device = torch.device(device)
+        self.count = len(ranges)
+        self.newer_at = newer_at
+        spans = torch.tensor(list(ranges), dtype=torch.int64).reshape(-1, 2)
+        offsets, sizes = spans[:, 0], spans[:, 1]
+        if self.count and (bool((offsets % 8).any()) or bool((offsets < 0).any()) or bool((sizes < 0).any())):
+            raise ValueError(f"checksums: ranges must start on 8-byte boundaries, got {list(ranges)[:5]}")
+        if window_bytes <= 0 or window_bytes % 8:
+            raise ValueError(f"checksums: window_bytes must be a positive multiple of 8, got {window_bytes}")
+        if newer_at is not None and (newer_at < 0 or newer_at % 8):
+            raise ValueError(f"checksums: newer_at must be a non-negative multiple of 8, got {newer_at}")
+        self.end = int((offsets + sizes).max()) if self.count else 0
+        cut = self.end if newer_at is None else min(newer_at, self.end)
+        self.needs = (cut, self.end - cut)  # the bytes each source must hold: the data's, the newer ones'
+        self._cut_word = cut // 8
+        first, words = offsets // 8, sizes // 8
+        stop = first + words
+        blocks = (words + _WORDS_PER_BLOCK - 1) // _WORDS_PER_BLOCK
+        has = blocks > 0
+        last_word = int(stop[has].max()) if bool(has.any()) else 0
+        # the group: words every block start and the cut fall on a multiple of
+        group = math.gcd(_WORDS_PER_BLOCK, *first[has].tolist(), *([self._cut_word] if self.needs[1] else [])) if last_word else 1
+        self.group = group
+        # windows of whole groups (the last may end in a part of one), none across the cut;
+        # the temporary is a window's group sums, so a window spans `group` times the bytes
+        span = window_bytes // 8 * group
+        self.windows: list[tuple[int, int]] = []
+        for lo, hi in ((0, min(self._cut_word, last_word)), (self._cut_word, last_word)):
+            self.windows += [(w, min(w + span, hi)) for w in range(lo, hi, span)]
+        self.prefix_len = max(((hi - lo) // group for lo, hi in self.windows), default=0) + 1
+        starts_at = torch.tensor([lo for lo, _ in self.windows], dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(self.count), blocks)
+        block = torch.arange(rows.numel()) - torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
+        ranges_with = torch.arange(self.count)[has]
+        end_group = stop[has] // group * group
+        # every block's start (P there, subtracted) and every range's end (J times P there)
+        self._starts = self._by_window(first[rows] + block * _WORDS_PER_BLOCK, rows, None, starts_at)
+        self._ends = self._by_window(end_group, ranges_with, blocks[has], starts_at)
+        # the words of a range's end past its last whole group, J times each
+        self._loose = []
+        loose = stop[has] - end_group
+        if bool((loose > 0).any()):
+            row = torch.repeat_interleave(ranges_with, loose)
+            word = torch.repeat_interleave(end_group, loose) + (
+                torch.arange(row.numel()) - torch.repeat_interleave(torch.cumsum(loose, 0) - loose, loose)
+            )
+            times = torch.repeat_interleave(blocks[has], loose)
+            for newer in (False, True):
+                pick = (word >= self._cut_word) if newer else (word < self._cut_word)
+                if bool(pick.any()):
+                    moved = (word[pick] - (self._cut_word if newer else 0), row[pick], times[pick])
+                    self._loose.append((newer, *(t.to(self.device) for t in moved)))
+        # a partial last word's bytes, gathered into zeroed words, weighed by its block
+        self._tails = []
+        tails = torch.nonzero(sizes % 8).flatten()
+        if tails.numel():
+            at = stop[tails] * 8
+            for newer in (False, True):
+                pick = (at >= cut) if newer else (at < cut)
+                if not bool(pick.any()):
+                    continue
+                which = tails[pick]
+                lanes = torch.arange(8)
+                keep = lanes < (sizes[which] % 8)[:, None]
+                source = (at[pick][:, None] + lanes)[keep] - (cut if newer else 0)
+                slot = (torch.arange(which.numel())[:, None] * 8 + lanes)[keep]
+                weight = words[which] // _WORDS_PER_BLOCK + 1
+                self._tails.append((newer, which.numel(), *(t.to(self.device) for t in (source, slot, which, weight))))
+
+    def _by_window(
+        self, word_at: torch.Tensor, rows: torch.Tensor, times: torch.Tensor | None, starts_at: torch.Tensor
+    ) -> list[tuple[torch.Tensor, ...] | None]:
+        """Per window, the (index into its group prefix sum, row[, multiplier]) of the
+        positions in it; a position on a window's end is read from the next (the last
+        one's: from it)."""
+        out: list[tuple[torch.Tensor, ...] | None] = [None] * len(self.windows)
+        if not self.windows or not word_at.numel():
+            return out
+        window = torch.searchsorted(starts_at, word_at, right=True) - 1
+        order = torch.argsort(window, stable=True)
+        window = window[order]
+        moved = [(word_at[order] - starts_at[window]) // self.group, rows[order]] + ([] if times is None else [times[order]])
+        # int32 where it fits (it does unless a window holds 2**31 groups): half the device memory
+        moved = [t.to(device=self.device, dtype=torch.int32 if int(t.max()) < 2**31 else torch.int64) for t in moved]
+        ids, counts = torch.unique_consecutive(window, return_counts=True)
+        at = 0
+        for i, n in zip(ids.tolist(), counts.tolist()):
+            out[i] = tuple(t[at : at + n] for t in moved)
+            at += n
         return out
-    spans = torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2)
-    offsets, sizes = spans[:, 0], spans[:, 1]
-    if bool((offsets % 8).any()) or bool((offsets < 0).any()) or bool((sizes < 0).any()) or int((offsets + sizes).max()) > data.numel():
-        raise ValueError(f"checksums: ranges must start on 8-byte boundaries inside the {data.numel()} bytes, got {list(ranges)[:5]}")
-    large = sizes > _SMALL_RANGE_BYTES
-    for i in torch.nonzero(large).flatten().tolist():  # few, since each is large: one at a time, no temporary
-        o, n = ranges[i]
-        out[i] = _checksum_from(data[o : o + n], 0)
-    small = torch.nonzero(~large).flatten()
-    if small.numel():
-        # in groups of the ranges starting in one _BATCH_SPAN_BYTES window, so the one
-        # temporary spans at most that plus one small range (found at once, not range by range)
-        order = small[torch.argsort(offsets[small], stable=True)]
-        window = (offsets[order] - offsets[order[0]]) // _BATCH_SPAN_BYTES
-        _, counts = torch.unique_consecutive(window, return_counts=True)
-        for rows in torch.split(order, counts.tolist()):
-            out.index_copy_(0, rows.to(data.device), _small_checksums(data, offsets[rows], sizes[rows]))
-    return out
+
+    def compute(self, data: torch.Tensor, newer: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(self.count, dtype=torch.int64, device=self.device)
+        self.into(out, data, newer)
+        return out
+
+    def into(self, out: torch.Tensor, data: torch.Tensor, newer: torch.Tensor | None = None) -> None:
+        """Write the ranges' checksums into `out` (int64, one per range, on the plan's device)."""
+        _check_flat_bytes("checksums", data)
+        if (newer is None) != (self.newer_at is None or self.needs[1] == 0):
+            raise ValueError(f"checksums: planned with newer_at={self.newer_at}, called with{'out' if newer is None else ''} newer bytes")
+        if newer is not None:
+            _check_flat_bytes("checksums", newer)
+        for what, tensor, need in (("data", data, self.needs[0]), ("newer bytes", newer, self.needs[1])):
+            if tensor is not None and tensor.numel() < need:
+                raise ValueError(f"checksums: ranges must lie inside the {tensor.numel()} bytes of the {what}, which they exceed (up to byte {need})")
+        out.zero_()
+        sources = (_words(data[: self.needs[0] // 8 * 8]), None if newer is None else _words(newer[: self.needs[1] // 8 * 8]))
+        if self.windows:
+            prefix = torch.empty(self.prefix_len, dtype=torch.int64, device=self.device)
+            carry = torch.zeros((), dtype=torch.int64, device=self.device)
+            for (lo, hi), starts, ends in zip(self.windows, self._starts, self._ends):
+                in_newer = lo >= self._cut_word and newer is not None
+                base = self._cut_word if in_newer else 0
+                n = (hi - lo) // self.group
+                sums = prefix[: n + 1]
+                sums[0] = 0
+                grouped = sources[in_newer][lo - base : lo - base + n * self.group]
+                grouped = grouped if self.group == 1 else grouped.view(n, self.group).sum(dim=1)
+                torch.cumsum(grouped, 0, out=sums[1:])  # wraps on overflow, as the checksum's sums do
+                if starts is not None:
+                    at, rows = starts
+                    out.index_add_(0, rows, sums.index_select(0, at) + carry, alpha=-1)
+                if ends is not None:
+                    at, rows, times = ends
+                    out.index_add_(0, rows, (sums.index_select(0, at) + carry) * times)
+                carry = carry + sums[n]
+        for in_newer, word, rows, times in self._loose:
+            out.index_add_(0, rows, sources[in_newer].index_select(0, word) * times)
+        for in_newer, count, at, slot, rows, weight in self._tails:
+            tail = torch.zeros(count * 8, dtype=torch.uint8, device=self.device)
+            tail.index_copy_(0, slot, (newer if in_newer else data).index_select(0, at))
+            out.index_add_(0, rows, tail.view(torch.int64) * weight)
 
 
 def checksum_parts(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -106,64 +248,12 @@ def _checksum_from(data: torch.Tensor, word0: int) -> torch.Tensor:
     return total
 
 
-def _small_checksums(data: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """The checksums of ranges (host int64 `offsets`, `sizes`; sorted, none overlapping)
-    that lie within `_BATCH_SPAN_BYTES` of each other, from one prefix sum of their words:
-    a block's sum is the difference of two prefix sums, so every block of every range
-    costs two lookups, whatever its offset."""
-    device = data.device
-    count = offsets.numel()
-    out = torch.zeros(count, dtype=torch.int64, device=device)
-    words = sizes // 8
-    lo = int(offsets[0])
-    hi = int((offsets + words * 8).max())
-    if hi > lo:
-        prefix = torch.zeros((hi - lo) // 8 + 1, dtype=torch.int64, device=device)
-        torch.cumsum(_words(data[lo:hi]), 0, out=prefix[1:])  # wraps on overflow, as the sums do
-        blocks = (words + _WORDS_PER_BLOCK - 1) // _WORDS_PER_BLOCK
-        row = torch.repeat_interleave(torch.arange(count), blocks)
-        block = torch.arange(row.numel()) - torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
-        base = (offsets - lo) // 8
-        start = base[row] + block * _WORDS_PER_BLOCK
-        end = torch.minimum(start + _WORDS_PER_BLOCK, base[row] + words[row])
-        sums = prefix[end.to(device)] - prefix[start.to(device)]
-        out.index_add_(0, row.to(device), sums * (block + 1).to(device))
-    tails = torch.nonzero(sizes % 8).flatten()
-    if tails.numel():
-        at = offsets[tails] + words[tails] * 8
-        lanes = torch.arange(8)
-        index = (at[:, None] + lanes).clamp(max=data.numel() - 1)
-        keep = lanes < (sizes[tails] % 8)[:, None]
-        tail = (data[index.to(device)] * keep.to(device)).contiguous().view(torch.int64).flatten()
-        out.index_add_(0, tails.to(device), tail * (words[tails] // _WORDS_PER_BLOCK + 1).to(device))
-    return out
-
-
 def checksums_into(
     out: torch.Tensor, bucket: torch.Tensor, ranges: Sequence[tuple[int, int]], newer: torch.Tensor | None = None, newer_at: int = 0
 ) -> None:
     """Write the checksum of each `(offset, nbytes)` range of `bucket` into `out[i]` (int64),
     with `bucket`'s bytes from `newer_at` on taken from `newer` instead when given (a delta
     sync's sender: the bucket's new bytes are in its baseline up to the segment being packed,
-    and in the pack's target from there). A fixed number of tensor operations: the ranges
-    before `newer_at` at once, those after at once, and the one across it, if any."""
-    if newer is None:
-        out.copy_(checksums(bucket, ranges))
-        return
-    before = [i for i, (o, n) in enumerate(ranges) if o + n <= newer_at]
-    after = [i for i, (o, n) in enumerate(ranges) if o >= newer_at]
-    if before:
-        out[before] = checksums(bucket, [ranges[i] for i in before]).to(out.device)
-    if after:
-        out[after] = checksums(newer, [(ranges[i][0] - newer_at, ranges[i][1]) for i in after]).to(out.device)
-    for i in set(range(len(ranges))) - set(before) - set(after):
-        offset, nbytes = ranges[i]
-        out[i] = checksum_parts(bucket[offset:newer_at], newer[: offset + nbytes - newer_at])
-
-
-_WORDS_PER_BLOCK = 512  # 4 KiB
-# Ranges up to this size are checksummed together (a prefix sum over them); larger ones one
-# at a time. The prefix sum is one int64 per word of a group, whose ranges start within one
-# window of the second size (so it spans at most the two together).
-_SMALL_RANGE_BYTES = 1 << 20
-_BATCH_SPAN_BYTES = 32 << 20
+    and in the pack's target from there)."""
+    plan = RangeChecksums(ranges, out.device, None if newer is None else newer_at)
+    plan.into(out, bucket, newer if plan.needs[1] else None)

@@ -86,16 +86,16 @@ class SegmentPacker:
                 kernels.pack_range_into(backend, target, piece.offset + lo, tensor, spec.dtype, piece.tensor_offset + lo, hi - lo, stream=stream)
         if segment.stop == bucket.nbytes and bucket.nbytes > bucket.checksum_offset:  # checksums travel last
             sums = kernels.typed_view(target, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
-            ranges = bucket.checksum_ranges
             baseline = segments.checksum_base(bucket)
             if baseline is None or target.data_ptr() == baseline.data_ptr():
-                backend.launch(stream, kernels.checksums_into, sums, target, ranges)
+                backend.launch(stream, bucket.checksummer(target.device).into, sums, target)
             else:
                 # over the bucket's new bytes, which the receiver checks what it rebuilt against:
                 # with delta sync the earlier segments' are in the baseline by now (the buffer
                 # holds the payloads sent), this segment's only in the target until it is encoded
-                fresh = target[segment.start : bucket.checksum_offset]
-                backend.launch(stream, kernels.checksums_into, sums, baseline, ranges, fresh, segment.start)
+                checksummer = bucket.checksummer(target.device, segment.start)
+                fresh = target[segment.start : bucket.checksum_offset] if checksummer.needs[1] else None
+                backend.launch(stream, checksummer.into, sums, baseline, fresh)
         if not self.config.bypass_cpu:
             backend.copy_(buffer[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
         return buffer[segment.start : segment.stop], False

@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from hal.kernels import ALIGNMENT, align_up
+from hal.kernels import ALIGNMENT, RangeChecksums, align_up
 
 # Bytes reserved per piece for its checksum when verification is on.
 CHECKSUM_BYTES = 8
@@ -144,8 +144,21 @@ class Bucket:
     checksum depends only on the tensor's bytes (derived once: a verified sync reads it
     for every bucket of every sync)."""
 
+    _checksummers: dict = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "checksum_ranges", tuple((p.offset, p.nbytes) for p in self.pieces))
+        object.__setattr__(self, "_checksummers", {})
+
+    def checksummer(self, device: torch.device, newer_at: int | None = None) -> RangeChecksums:
+        """The checksums of this bucket's pieces on `device` (with the bytes from `newer_at`
+        on in a second tensor), planned once: a verified sync checks every bucket of every
+        sync, and the plan's indices are the same each time."""
+        key = (device, newer_at)
+        found = self._checksummers.get(key)
+        if found is None:
+            found = self._checksummers[key] = RangeChecksums(self.checksum_ranges, device, newer_at)
+        return found
 
 
 @dataclass(frozen=True, slots=True)

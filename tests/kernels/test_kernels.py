@@ -3,6 +3,7 @@ import torch
 
 import hal
 from hal import kernels
+from tests.conftest import BACKEND_PARAMS
 
 
 @pytest.fixture(params=["cpu", "sim"])
@@ -103,22 +104,68 @@ def test_checksums_into_takes_the_bytes_from_where_the_newer_ones_begin():
     assert out[0] == expected[0] and (out[1:] != expected[1:]).all()
 
 
-@pytest.mark.parametrize("small,span", [(1 << 20, 32 << 20), (64, 4096)], ids=["default", "tiny-groups"])
-def test_checksums_of_many_ranges_equal_one_checksum_each(monkeypatch, small, span):
+_MIXED_RANGES = [(0, 0), (8, 3), (16, 4096), (4160, 4101), (8320, 8), (8328, 12_000), (20_480, 1), (30_000, 9_999), (24_000, 5000)]
+
+
+@pytest.mark.parametrize("window", [8, 64, 4096, 4104, 1 << 20])
+def test_checksums_of_many_ranges_equal_one_checksum_each(window):
     """Ranges of every kind at once: empty, under a word, with a partial last word, whole
-    blocks, across blocks, large ones (one at a time), out of order, in several groups."""
-    monkeypatch.setattr(kernels.verify, "_SMALL_RANGE_BYTES", small)
-    monkeypatch.setattr(kernels.verify, "_BATCH_SPAN_BYTES", span)
+    blocks, across blocks, large ones, out of order; windows of one word to all of it."""
     g = torch.Generator().manual_seed(3)
     data = torch.randint(0, 256, (40_000,), dtype=torch.uint8, generator=g)
-    ranges = [(0, 0), (8, 3), (16, 4096), (4160, 4101), (8320, 8), (8328, 12_000), (20_480, 1), (30_000, 9_999), (24_000, 5000)]
-    expected = torch.stack([kernels.checksum(data[o : o + n]) for o, n in ranges])
-    assert torch.equal(kernels.checksums(data, ranges), expected)
+    expected = torch.stack([kernels.checksum(data[o : o + n]) for o, n in _MIXED_RANGES])
+    assert torch.equal(kernels.RangeChecksums(_MIXED_RANGES, "cpu", window_bytes=window).compute(data), expected)
+    assert torch.equal(kernels.checksums(data, _MIXED_RANGES), expected)
     assert kernels.checksums(data, []).numel() == 0
     with pytest.raises(ValueError, match="8-byte boundaries"):
         kernels.checksums(data, [(4, 8)])
     with pytest.raises(ValueError, match="inside the 40000 bytes"):
         kernels.checksums(data, [(39_992, 16)])
+
+
+@pytest.mark.parametrize("backend_name", BACKEND_PARAMS)
+@pytest.mark.parametrize("seed", range(4))
+def test_checksums_of_a_plans_layout_equal_one_checksum_each(backend_name, seed):
+    """A plan's layout: pieces on 256-byte boundaries (so sums of groups of words stand
+    in for the words), of odd sizes, smaller and larger than a block and a window, in
+    several windows, with the newer bytes from any 256-byte boundary on; the same plan
+    computed twice (its kept indices are not consumed); on each backend's device."""
+    device = hal.get_backend(backend_name).device()
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, 20_000, (40,), generator=g).tolist() + [1, 7, 8, 4096, 4097, 70_000]
+    ranges, at = [], 0
+    for n in sizes:
+        ranges.append((at, n))
+        at = kernels.align_up(at + n)
+    data = torch.randint(0, 256, (at + 64,), dtype=torch.uint8, generator=g).to(device)
+    expected = torch.stack([kernels.checksum(data[o : o + n]) for o, n in ranges])
+    for window in (256, 4096, 1 << 20):
+        plan = kernels.RangeChecksums(ranges, device, window_bytes=window)
+        assert plan.group == 32  # 256 bytes: every piece and block start is a multiple
+        assert torch.equal(plan.compute(data), expected) and torch.equal(plan.compute(data), expected)
+        cut = kernels.align_up(int(torch.randint(0, at, (1,), generator=g)))
+        baseline = data.clone()
+        baseline[cut:] = 0
+        plan = kernels.RangeChecksums(ranges, device, newer_at=cut, window_bytes=window)
+        assert torch.equal(plan.compute(baseline, data[cut:].clone()), expected)
+        changed = data.clone()
+        changed[cut + 3] ^= 1
+        assert not torch.equal(plan.compute(baseline, changed[cut:].clone()), expected)
+
+
+def test_range_checksums_name_what_is_wrong_with_their_input():
+    data = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="newer_at must be a non-negative multiple of 8, got 12"):
+        kernels.RangeChecksums([(0, 64)], "cpu", newer_at=12)
+    with pytest.raises(ValueError, match="window_bytes must be a positive multiple of 8, got 100"):
+        kernels.RangeChecksums([(0, 64)], "cpu", window_bytes=100)
+    plan = kernels.RangeChecksums([(0, 64), (256, 64)], "cpu", newer_at=256)
+    with pytest.raises(ValueError, match="called without newer bytes"):
+        plan.compute(data)
+    with pytest.raises(ValueError, match="inside the 32 bytes of the newer bytes"):
+        plan.compute(data, data[:32])
+    with pytest.raises(ValueError, match="flat uint8"):
+        plan.compute(data, torch.zeros(64))
 
 
 def test_checksum_pads_a_partial_last_word_and_weighs_blocks_by_position():

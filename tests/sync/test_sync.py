@@ -22,6 +22,7 @@ from hal.sync import (
     TensorSource,
     TensorSpec,
 )
+from hal.kernels import RangeChecksums
 from hal.sync.engine_specs import allocate, copy_into
 from tests.multiproc import run_group
 
@@ -68,19 +69,36 @@ def _transport(kind: str):
 
 # ---- round trips ---------------------------------------------------------------------
 def roundtrip_worker(rank, world, backend, kind, verify, segment_bytes=None):
-    with hal.use(backend):
-        transport = _transport(kind)
-        cfg = SyncConfig(bucket_bytes=BUCKET, verify=verify, segment_bytes=segment_bytes)
-        if rank == 0:
-            sender = Sender(transport, cfg)
-            return [sender.send(TensorSource(weights(v)), version=v) for v in (1, 2, 3)]
-        receiver = Receiver(transport, specs())
-        results = []
-        for v in (1, 2, 3):
-            target = Collect()
-            metrics = receiver.receive(target)
-            results.append((target.matches(weights(v)), receiver.version, metrics.apply_s is not None))
-        return results
+    planned = []  # checksum plans built, counted after each sync
+    built = [0]
+    init = RangeChecksums.__init__
+
+    def counting(self, *args, **kwargs):
+        built[0] += 1
+        init(self, *args, **kwargs)
+
+    RangeChecksums.__init__ = counting
+    try:
+        with hal.use(backend):
+            transport = _transport(kind)
+            cfg = SyncConfig(bucket_bytes=BUCKET, verify=verify, segment_bytes=segment_bytes)
+            if rank == 0:
+                sender = Sender(transport, cfg)
+                sent = []
+                for v in (1, 2, 3):
+                    sent.append(sender.send(TensorSource(weights(v)), version=v))
+                    planned.append(built[0])
+                return sent, planned
+            receiver = Receiver(transport, specs())
+            results = []
+            for v in (1, 2, 3):
+                target = Collect()
+                metrics = receiver.receive(target)
+                results.append((target.matches(weights(v)), receiver.version, metrics.apply_s is not None))
+                planned.append(built[0])
+            return results, planned
+    finally:
+        RangeChecksums.__init__ = init
 
 
 @pytest.mark.parametrize(
@@ -97,9 +115,11 @@ def roundtrip_worker(rank, world, backend, kind, verify, segment_bytes=None):
 )
 def test_weights_arrive_exactly_across_consecutive_syncs(backend, kind, world, verify, segment_bytes):
     results = run_group(roundtrip_worker, world, args=(backend, kind, verify, segment_bytes), timeout=90)
-    sender_metrics = results[0]
-    for receiver in results[1:]:
+    sender_metrics = results[0][0]
+    for receiver, _ in results[1:]:
         assert receiver == [(True, 1, True), (True, 2, True), (True, 3, True)]
+    for _, planned in results:  # a verified sync plans its checksums with its layout, once per bucket
+        assert planned == ([sender_metrics[0].buckets] * 3 if verify else [0, 0, 0])
     total = sum(t.numel() * t.element_size() for _, t in weights(0))
     first, second, _ = sender_metrics
     assert first.bytes == total and first.tensors == 5 and first.buckets > 5
