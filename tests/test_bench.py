@@ -362,14 +362,18 @@ def test_bench_device_transfer_checks_every_receivers_bytes_for_every_method(dev
 def test_bench_device_transfer_profile_says_where_each_ranks_time_went(tmp_path, monkeypatch, hal_reset, capsys):
     monkeypatch.setenv("VERL_DEVICE", "sim")
     out_json = tmp_path / "device.json"
-    argv = ["bench", "--device-transfer", "--preset", "tiny", "--repeats", "1", "--device-methods", "hal_ipc", "--profile",
+    argv = ["bench", "--device-transfer", "--preset", "tiny", "--repeats", "1", "--device-methods", "hal_ipc,hal_ipc_verified", "--profile",
             "--json", str(out_json)]
     assert cli.main(argv) == 0
     report = json.loads(out_json.read_text())
     assert set(report["profiles"]) == {"0", "1"}
-    for text in report["profiles"].values():  # pstats' table of the measured round, the sync inside it
-        assert "function calls" in text and "tottime" in text and "hal/sync/" in text
-    assert "rank 1 (receiver), its measured rounds, by own time:" in capsys.readouterr().out
+    for methods in report["profiles"].values():  # per method, pstats' table of its measured rounds and callers
+        assert set(methods) == {"floor_ipc", "hal_ipc", "hal_ipc_verified"}  # the floor always runs
+        for text in (methods["hal_ipc"], methods["hal_ipc_verified"]):
+            assert "function calls" in text and "tottime" in text and "hal/sync/" in text and "was called by" in text
+        assert "kernels/verify.py" not in methods["hal_ipc"]
+    assert any("kernels/verify.py" in methods["hal_ipc_verified"] for methods in report["profiles"].values())  # its own profile
+    assert "rank 1 (receiver), hal_ipc_verified, its measured rounds, by own time:" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--profile applies to --device-transfer only"):
         cli.main(["bench", "--preset", "tiny", "--profile"])
 

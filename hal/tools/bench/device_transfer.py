@@ -19,9 +19,10 @@ The ranks share one gloo group for control, as a trainer and its engines on one 
     hal_gloo         BroadcastTransport over the gloo group: gloo moves device tensors
                      through host memory (what a trainer without NCCL/HCCL pays).
 
-With `--profile` every rank runs its measured rounds under cProfile and the report (and the
-table) carries each rank's top functions by their own time: one lent-machine call then
-says where a device sync's host time goes.
+With `--profile` every rank runs each method's measured rounds under a cProfile of its own
+and the report (and the table) carries, per rank and method, the top functions by their own
+time and who called the costliest: one lent-machine call then says where a device sync's
+host time goes, method by method.
 
 Timing: a barrier, then each rank runs the method and synchronizes its device; a round's
 time runs from the earliest start to the latest end (perf_counter: one clock per node),
@@ -178,10 +179,11 @@ def _rank_body(rank: int, config: DeviceTransferConfig) -> dict[str, Any]:
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in config.methods}
     verified = {m: 0 for m in config.methods}
 
-    profiler: cProfile.Profile | None = None  # set for the measured rounds with `profile`
+    profilers: dict[str, cProfile.Profile] = {}  # per method, for the measured rounds with `profile`
 
     def one(method: str, when: str) -> tuple[float, float]:
         dist.barrier()
+        profiler = profilers.get(method)
         if profiler is not None:
             profiler.enable()  # the sync alone: not the barriers, not the byte check
         t0 = time.perf_counter()
@@ -204,24 +206,29 @@ def _rank_body(rank: int, config: DeviceTransferConfig) -> dict[str, Any]:
         for w in range(max(1, config.warmup)):
             one(method, f"warm-up {w + 1}")
     n = len(config.methods)
-    profiler = cProfile.Profile() if config.profile else None
+    if config.profile:
+        profilers = {m: cProfile.Profile() for m in config.methods}
     for r in range(config.repeats):
         for method in config.methods[r % n :] + config.methods[: r % n]:
             times[method].append(one(method, f"round {r + 1}"))
     dist.barrier()
     return {
         "rank": rank, "pid": os.getpid(), "device": str(flat.device), "total_bytes": total, "times": times,
-        "verified": verified, "profile": _top_functions(profiler) if profiler is not None else None,
+        "verified": verified, "profile": {m: _top_functions(p) for m, p in profilers.items()} if config.profile else None,
     }
 
 
-PROFILE_LINES = 30
+PROFILE_LINES = 25
+PROFILE_CALLERS = 6
 
 
 def _top_functions(profiler: cProfile.Profile) -> str:
-    """The functions that took the most time of their own, as pstats prints them."""
+    """The functions that took the most time of their own, as pstats prints them, then who
+    called the costliest few (a helper's time says little without its callers)."""
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(PROFILE_LINES)
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    stats.print_stats(PROFILE_LINES)
+    stats.print_callers(PROFILE_CALLERS)
     return text.getvalue()
 
 
@@ -283,6 +290,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{r['method']:<18}{r['seconds']:>10.4f}{r['gib_per_s']:>9.1f}{r['ratio_to_floor']:>9.2f}{r['best_seconds']:>9.4f}  {r['verified_receivers']}"
         )
-    for rank, text in report.get("profiles", {}).items():
-        lines.append(f"\nrank {rank} ({'sender' if rank == str(SENDER) else 'receiver'}), its measured rounds, by own time:{text}")
+    for rank, methods in report.get("profiles", {}).items():
+        for method, text in methods.items():
+            lines.append(f"\nrank {rank} ({'sender' if rank == str(SENDER) else 'receiver'}), {method}, its measured rounds, by own time:{text}")
     return "\n".join(lines)
