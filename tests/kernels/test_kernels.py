@@ -132,7 +132,7 @@ def test_checksums_of_a_plans_layout_equal_one_checksum_each(backend_name, seed)
     computed twice (its kept indices are not consumed); on each backend's device."""
     device = hal.get_backend(backend_name).device()
     g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(0, 20_000, (40,), generator=g).tolist() + [1, 7, 8, 4096, 4097, 70_000]
+    sizes = torch.randint(0, 20_000, (40,), generator=g).tolist() + [1, 7, 8, 4096, 4097, 70_000, 300_001]
     ranges, at = [], 0
     for n in sizes:
         ranges.append((at, n))
