@@ -46,15 +46,13 @@ class RangeChecksums:
 
     A range of words [s, e) in J blocks has the checksum `J * P[e] - sum(P[s + 512 j] for
     j < J)`, where P is the prefix sum of the bucket's 64-bit words: the per-block weights
-    telescope. P is needed only at the range's end and where its blocks start, which are
-    multiples of the words every range starts on (256 B in a plan), so P is taken over sums
-    of such groups of words. The block starts' sum is a strided sum of those prefixes, read
-    off a second prefix sum taken down the columns of the prefixes laid out a block to a
-    row: two gathers per range, whatever its length. So a check is one read of the bucket
-    (a window at a time: the temporaries are a window's group sums) and a few launches per
-    window, with every index computed here once and kept on the device, a few per range:
-    no host work per range or block in a steady sync. A range's end between groups adds
-    its last words one by one; a partial last word is zero-padded, as `checksum` does.
+    telescope. P is only needed where blocks start, which are multiples of the words all
+    ranges start on (256 B in a plan), so it is taken over sums of such groups of words:
+    one read of the bucket (a window at a time, so the temporary is small) and a short
+    prefix sum, then two gathers. Every index they need is computed here once and kept
+    on the device (16 bytes per 4 KiB block): a steady sync's check is a few launches per
+    window and no host work per range. A range's end between groups adds its last words
+    one by one; a partial last word is zero-padded, as `checksum` does.
 
     `newer_at`: the bytes from there on are read from a second tensor (`into`'s `newer`,
     which starts there); a multiple of 8.
@@ -86,37 +84,34 @@ class RangeChecksums:
         # the group: words every block start and the cut fall on a multiple of
         group = math.gcd(_WORDS_PER_BLOCK, *first[has].tolist(), *([self._cut_word] if self.needs[1] else [])) if last_word else 1
         self.group = group
-        self.stride = _WORDS_PER_BLOCK // group  # groups per block: a row of the second prefix sum
-        # windows of whole blocks' worth of groups (the last may end in a part of one), none
-        # across the cut; a window spans `group` times the bytes of its temporaries
-        span = max(window_bytes // 8 // _WORDS_PER_BLOCK, 1) * _WORDS_PER_BLOCK * group
+        # windows of whole groups (the last may end in a part of one), none across the cut;
+        # the temporary is a window's group sums, so a window spans `group` times the bytes
+        span = window_bytes // 8 * group
         self.windows: list[tuple[int, int]] = []
         for lo, hi in ((0, min(self._cut_word, last_word)), (self._cut_word, last_word)):
             self.windows += [(w, min(w + span, hi)) for w in range(lo, hi, span)]
-        self.sums_len = max(((hi - lo) // group for lo, hi in self.windows), default=0) + 1
-        self.rows_len = -(-self.sums_len // self.stride) + 1  # the second prefix sum's rows, a zero row first
+        self.prefix_len = max(((hi - lo) // group for lo, hi in self.windows), default=0) + 1
         starts_at = torch.tensor([lo for lo, _ in self.windows], dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(self.count), blocks)
+        block = torch.arange(rows.numel()) - torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
         ranges_with = torch.arange(self.count)[has]
-        # every range's block starts, window by window: (row, first group index, count)
-        row = torch.repeat_interleave(ranges_with, blocks[has])
-        block = torch.arange(row.numel()) - torch.repeat_interleave(torch.cumsum(blocks[has], 0) - blocks[has], blocks[has])
-        self._starts = self._block_starts(first[row] + block * _WORDS_PER_BLOCK, row, starts_at)
-        # every range's end (J times P there)
         end_group = stop[has] // group * group
-        self._ends = self._ends_by_window(end_group, ranges_with, blocks[has], starts_at)
+        # every block's start (P there, subtracted) and every range's end (J times P there)
+        self._starts = self._by_window(first[rows] + block * _WORDS_PER_BLOCK, rows, None, starts_at)
+        self._ends = self._by_window(end_group, ranges_with, blocks[has], starts_at)
         # the words of a range's end past its last whole group, J times each
         self._loose = []
         loose = stop[has] - end_group
         if bool((loose > 0).any()):
-            at_row = torch.repeat_interleave(ranges_with, loose)
+            row = torch.repeat_interleave(ranges_with, loose)
             word = torch.repeat_interleave(end_group, loose) + (
-                torch.arange(at_row.numel()) - torch.repeat_interleave(torch.cumsum(loose, 0) - loose, loose)
+                torch.arange(row.numel()) - torch.repeat_interleave(torch.cumsum(loose, 0) - loose, loose)
             )
             times = torch.repeat_interleave(blocks[has], loose)
             for newer in (False, True):
                 pick = (word >= self._cut_word) if newer else (word < self._cut_word)
                 if bool(pick.any()):
-                    moved = (word[pick] - (self._cut_word if newer else 0), at_row[pick], times[pick])
+                    moved = (word[pick] - (self._cut_word if newer else 0), row[pick], times[pick])
                     self._loose.append((newer, *(t.to(self.device) for t in moved)))
         # a partial last word's bytes, gathered into zeroed words, weighed by its block
         self._tails = []
@@ -135,52 +130,28 @@ class RangeChecksums:
                 weight = words[which] // _WORDS_PER_BLOCK + 1
                 self._tails.append((newer, which.numel(), *(t.to(self.device) for t in (source, slot, which, weight))))
 
-    def _window_of(self, word_at: torch.Tensor, starts_at: torch.Tensor) -> torch.Tensor:
-        # a position on a window's end is read from the next window (the last one's: from it)
-        return torch.searchsorted(starts_at, word_at, right=True) - 1
-
-    def _split(self, window: torch.Tensor, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...] | None]:
-        """`tensors` (sorted by `window`) on the device, sliced per window."""
+    def _by_window(
+        self, word_at: torch.Tensor, rows: torch.Tensor, times: torch.Tensor | None, starts_at: torch.Tensor
+    ) -> list[tuple[torch.Tensor, ...] | None]:
+        """Per window, the (index into its group prefix sum, row[, multiplier]) of the
+        positions in it; a position on a window's end is read from the next (the last
+        one's: from it)."""
         out: list[tuple[torch.Tensor, ...] | None] = [None] * len(self.windows)
-        moved = [t.to(self.device) for t in tensors]
+        if not self.windows or not word_at.numel():
+            return out
+        window = torch.searchsorted(starts_at, word_at, right=True) - 1
+        order = torch.argsort(window, stable=True)
+        window = window[order]
+        moved = [(word_at[order] - starts_at[window]) // self.group, rows[order]] + ([] if times is None else [times[order]])
+        # int64, the index type every backend's gathers take (int32 would halve the memory,
+        # but out-of-tree devices have lagged in accepting it)
+        moved = [t.to(self.device) for t in moved]
         ids, counts = torch.unique_consecutive(window, return_counts=True)
         at = 0
         for i, n in zip(ids.tolist(), counts.tolist()):
             out[i] = tuple(t[at : at + n] for t in moved)
             at += n
         return out
-
-    def _block_starts(self, word_at: torch.Tensor, rows: torch.Tensor, starts_at: torch.Tensor) -> list[tuple[torch.Tensor, ...] | None]:
-        """Per window, one entry per range with blocks starting in it: (row, the second
-        prefix sum's flat indices of its first block's and one past its last block's
-        column entries, its block count there). Given per block, in row order."""
-        if not self.windows or not word_at.numel():
-            return [None] * len(self.windows)
-        window = self._window_of(word_at, starts_at)
-        order = torch.argsort(window, stable=True)  # rows stay in order within a window, blocks too
-        window, rows = window[order], rows[order]
-        local = (word_at[order] - starts_at[window]) // self.group
-        key = window * (self.count + 1) + rows
-        _, counts = torch.unique_consecutive(key, return_counts=True)
-        head = torch.cumsum(counts, 0) - counts
-        first = local[head]
-        # the group prefixes sit a block to a row after a zero row, so the c block starts from
-        # group m0 on are one column's rows m0 // stride + 1 .. + c, and the column's own prefix
-        # sum holds their sum as the difference of its rows m0 // stride + c and m0 // stride:
-        # flat indices m0 + c * stride and m0
-        return self._split(window[head], [rows[head], first, first + counts * self.stride, counts])
-
-    def _ends_by_window(
-        self, word_at: torch.Tensor, rows: torch.Tensor, times: torch.Tensor, starts_at: torch.Tensor
-    ) -> list[tuple[torch.Tensor, ...] | None]:
-        """Per window, (index into its group prefix sums, row, block count) of the range ends in it."""
-        if not self.windows or not word_at.numel():
-            return [None] * len(self.windows)
-        window = self._window_of(word_at, starts_at)
-        order = torch.argsort(window, stable=True)
-        window = window[order]
-        local = (word_at[order] - starts_at[window]) // self.group
-        return self._split(window, [local, rows[order], times[order]])
 
     def compute(self, data: torch.Tensor, newer: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.count, dtype=torch.int64, device=self.device)
@@ -200,8 +171,7 @@ class RangeChecksums:
         out.zero_()
         sources = (_words(data[: self.needs[0] // 8 * 8]), None if newer is None else _words(newer[: self.needs[1] // 8 * 8]))
         if self.windows:
-            prefix = torch.empty(self.sums_len, dtype=torch.int64, device=self.device)
-            columns = torch.empty(self.rows_len * self.stride, dtype=torch.int64, device=self.device)
+            prefix = torch.empty(self.prefix_len, dtype=torch.int64, device=self.device)
             carry = torch.zeros((), dtype=torch.int64, device=self.device)
             for (lo, hi), starts, ends in zip(self.windows, self._starts, self._ends):
                 in_newer = lo >= self._cut_word and newer is not None
@@ -213,17 +183,8 @@ class RangeChecksums:
                 grouped = grouped if self.group == 1 else grouped.view(n, self.group).sum(dim=1)
                 torch.cumsum(grouped, 0, out=sums[1:])  # wraps on overflow, as the checksum's sums do
                 if starts is not None:
-                    # the prefixes a block to a row after a zero row, summed down each column
-                    rows_used = -(-(n + 1) // self.stride) + 1
-                    grid = columns[: rows_used * self.stride]
-                    grid[: self.stride].zero_()
-                    grid[self.stride : self.stride + n + 1] = sums
-                    grid[self.stride + n + 1 :].zero_()
-                    table = grid.view(rows_used, self.stride)
-                    torch.cumsum(table, 0, out=table)
-                    rows, first, past, count = starts
-                    strided = grid.index_select(0, past) - grid.index_select(0, first) + count * carry
-                    out.index_add_(0, rows, strided, alpha=-1)
+                    at, rows = starts
+                    out.index_add_(0, rows, sums.index_select(0, at) + carry, alpha=-1)
                 if ends is not None:
                     at, rows, times = ends
                     out.index_add_(0, rows, (sums.index_select(0, at) + carry) * times)

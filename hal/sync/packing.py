@@ -87,15 +87,17 @@ class SegmentPacker:
         if segment.stop == bucket.nbytes and bucket.nbytes > bucket.checksum_offset:  # checksums travel last
             sums = kernels.typed_view(target, bucket.checksum_offset, (len(bucket.pieces),), torch.int64)
             baseline = segments.checksum_base(bucket)
-            if baseline is None or target.data_ptr() == baseline.data_ptr():
+            # with delta, both ways are planned at the first sync (a whole one): a delta sync's
+            # time decides whether the next is one, and must not pay for planning
+            split = None if baseline is None else bucket.checksummer(target.device, segment.start)
+            if split is None or target.data_ptr() == baseline.data_ptr():
                 backend.launch(stream, bucket.checksummer(target.device).into, sums, target)
             else:
                 # over the bucket's new bytes, which the receiver checks what it rebuilt against:
                 # with delta sync the earlier segments' are in the baseline by now (the buffer
                 # holds the payloads sent), this segment's only in the target until it is encoded
-                checksummer = bucket.checksummer(target.device, segment.start)
-                fresh = target[segment.start : bucket.checksum_offset] if checksummer.needs[1] else None
-                backend.launch(stream, checksummer.into, sums, baseline, fresh)
+                fresh = target[segment.start : bucket.checksum_offset] if split.needs[1] else None
+                backend.launch(stream, split.into, sums, baseline, fresh)
         if not self.config.bypass_cpu:
             backend.copy_(buffer[segment.start : segment.stop], target[segment.start : segment.stop], stream=stream)
         return buffer[segment.start : segment.stop], False
