@@ -16,13 +16,16 @@ outcome) are `GroupChannel.agree` over it.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
+import ctypes
 import datetime
 import hashlib
 import secrets
 import struct
 from dataclasses import dataclass
+import weakref
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
@@ -124,6 +127,24 @@ def control_device_of(group: Any, backend: Backend) -> torch.device:
     return backend.control_device(name)
 
 
+_CHANNELS: "weakref.WeakSet[GroupChannel]" = weakref.WeakSet()
+
+
+@atexit.register
+def _keep_recent_works_past_exit() -> None:
+    """Let Python never free the channels' last collectives' work objects: at the end of
+    the interpreter, the deque that keeps them (`GroupChannel.__init__`) goes too, and a
+    gloo worker thread that has not yet dropped its own reference to a work completed a
+    moment ago (under load it can lag by milliseconds) then drops the last one, needs the
+    GIL while the interpreter finalizes, and the process aborts ("terminate called
+    without an active exception": a fresh clone's `make test` under load 5, 2026-11-27,
+    once in 19 runs). Run at exit, before the interpreter tears down: the process's memory
+    goes with it anyway."""
+    for channel in list(_CHANNELS):
+        for work in channel._recent:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+
+
 class GroupChannel:
     """Small control collectives over one process group, with errors that say which rank
     and what: the agreement every rank of a sync ends with, used by transports (over the
@@ -153,6 +174,7 @@ class GroupChannel:
         # The library lets go microseconds after a work completes, so the last few suffice;
         # few, because a staged transfer's work holds its host copy of a segment.
         self._recent: collections.deque = collections.deque(maxlen=4)
+        _CHANNELS.add(self)
 
     def keep(self, work: Any) -> Any:
         """Hold `work` (a collective's work object) among the last few (see `__init__`);
