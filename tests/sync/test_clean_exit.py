@@ -6,7 +6,7 @@ reference to a finished collective's work, whose tensor Python had already let g
 the thread took the GIL to release it; while the interpreter shut down that ended the
 thread inside a destructor, and the process aborted. It happened after any sync, failed or
 not, in about a third of the exits that followed a sync at once. hal's channels now keep
-their last collectives' work objects (`GroupChannel._keep`), so the Python side lets go
+their last collectives' work objects (`GroupChannel.keep`), so the Python side lets go
 last.
 
 The ranks here are plain interpreters that exit the ordinary way (not the test runner's
