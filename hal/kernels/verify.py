@@ -92,8 +92,7 @@ class RangeChecksums:
             self.windows += [(w, min(w + span, hi)) for w in range(lo, hi, span)]
         self.prefix_len = max(((hi - lo) // group for lo, hi in self.windows), default=0) + 1
         starts_at = torch.tensor([lo for lo, _ in self.windows], dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(self.count), blocks)
-        block = torch.arange(rows.numel()) - torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
+        rows, block = _runs(torch.arange(self.count), blocks)
         ranges_with = torch.arange(self.count)[has]
         end_group = stop[has] // group * group
         # every block's start (P there, subtracted) and every range's end (J times P there)
@@ -103,10 +102,8 @@ class RangeChecksums:
         self._loose = []
         loose = stop[has] - end_group
         if bool((loose > 0).any()):
-            row = torch.repeat_interleave(ranges_with, loose)
-            word = torch.repeat_interleave(end_group, loose) + (
-                torch.arange(row.numel()) - torch.repeat_interleave(torch.cumsum(loose, 0) - loose, loose)
-            )
+            row, step = _runs(ranges_with, loose)
+            word = torch.repeat_interleave(end_group, loose) + step
             times = torch.repeat_interleave(blocks[has], loose)
             for newer in (False, True):
                 pick = (word >= self._cut_word) if newer else (word < self._cut_word)
@@ -195,6 +192,12 @@ class RangeChecksums:
             tail = torch.zeros(count * 8, dtype=torch.uint8, device=self.device)
             tail.index_copy_(0, slot, (newer if in_newer else data).index_select(0, at))
             out.index_add_(0, rows, tail.view(torch.int64) * weight)
+
+
+def _runs(owners: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each owner repeated `counts` times, and each repeat's place in its run (0, 1, ...)."""
+    owner = torch.repeat_interleave(owners, counts)
+    return owner, torch.arange(owner.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
 
 
 def checksum_parts(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:

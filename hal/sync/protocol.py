@@ -24,8 +24,8 @@ import datetime
 import hashlib
 import secrets
 import struct
-from dataclasses import dataclass
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
