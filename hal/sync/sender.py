@@ -34,6 +34,9 @@ from hal.sync.steady import KnownSource
 from hal.sync.transport import Transport
 
 
+_nbytes = operator.attrgetter("nbytes")
+
+
 class Sender:
     """Sends a source's tensors to every receiver of `transport`.
 
@@ -62,6 +65,7 @@ class Sender:
         self.packer = SegmentPacker(transport, self.config, self.backend)
         """Packs each segment (hal.sync.packing): the pack stream, views and staging buffer."""
         self._sized_for = 0
+        self._sized_specs: list[TensorSpec] | None = None  # the specs list last sized from (a steady sync hands back the same one)
         self.sender_count = 1
         """How many senders send into the same receivers at once (hal.sync.sharded sets it):
         buckets sized from free memory take that share of it."""
@@ -118,9 +122,10 @@ class Sender:
     def _size_buckets(self, specs: list[TensorSpec]) -> None:
         """Derive the bucket size once, and again only if a larger tensor appears, so that
         free-memory noise between syncs does not change the layout."""
-        if self.config.bucket_bytes is not None:
-            return
-        largest = max((s.nbytes for s in specs), default=0)
+        if self.config.bucket_bytes is not None or specs is self._sized_specs:
+            return  # the same list as last sync: the same largest tensor (no step per spec)
+        self._sized_specs = specs
+        largest = max(map(_nbytes, specs), default=0)
         if self.bucket_bytes is None or largest > self._sized_for:
             self.bucket_bytes = default_bucket_bytes(self.backend, largest, self.sender_count)
             self._sized_for = largest

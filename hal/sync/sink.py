@@ -167,25 +167,35 @@ class CopyInto:
     Every name is a destination: the receiver writes the tensor's new bytes there (in
     place when they travel alone and the sender vouches for the whole tensor, by a copy
     through the backend otherwise, casting if the dtypes differ) and only then calls
-    `apply`, which records the name. `received` lists the names applied, in order, across
-    syncs; clear it between syncs to see what one sync delivered. A name the engine does
+    `apply`. With `record=True`, `apply` records the names in `received`, in order, across
+    syncs (clear it between syncs to see what one sync delivered); by default nothing is
+    kept, so a sink kept for a whole run holds no memory per sync. A name the engine does
     not hold is refused before anything is applied (the receiver asks `destination` at
     the header check). With `in_place=False` nothing is ever received straight into a
     tensor: every tensor goes through the receiver's buffer first, so even a connection
     that breaks mid-transfer cannot leave a tensor torn (at the cost of one more copy).
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], *, in_place: bool = True) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, in_place: bool = True, record: bool = False) -> None:
+        if not isinstance(record, bool):
+            raise TypeError(f"copy_into: record must be a bool, got {record!r}")
         self.tensors = tensors
         # the mapping is the user's, changed behind the sink's back: compared each sync
         self.policy = SinkPolicy(in_place=in_place, destinations="mapped")
+        self.record = record
         self.received: list[str] = []
+        """The names applied, with `record=True` (empty otherwise)."""
 
     def destination(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
 
     def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        names = list(map(itemgetter(0), pairs))  # called per segment with thousands: no Python step per tensor
+        # The receiver hands over only names it checked against `tensors` at the header: the
+        # bytes are in place already, and nothing is left to do per tensor (called per
+        # segment with thousands). Recording, each name is checked first.
+        if not self.record:
+            return
+        names = list(map(itemgetter(0), pairs))
         if not all(map(self.tensors.__contains__, names)):
             missing = next(n for n in names if n not in self.tensors)
             raise KeyError(f"parameter {missing!r}: the engine holds no tensor of that name")
@@ -195,6 +205,6 @@ class CopyInto:
         pass
 
 
-def copy_into(tensors: Mapping[str, torch.Tensor], *, in_place: bool = True) -> CopyInto:
+def copy_into(tensors: Mapping[str, torch.Tensor], *, in_place: bool = True, record: bool = False) -> CopyInto:
     """A sink for `Receiver.receive` that writes into `tensors` (see `CopyInto`)."""
-    return CopyInto(tensors, in_place=in_place)
+    return CopyInto(tensors, in_place=in_place, record=record)

@@ -279,7 +279,7 @@ def _adapter_scenario(rank: int, ckpt: str, scenario: str, config) -> list[dict]
         # It reports the loss only in `lost_at`: at level 2 with freeing the trainer knows from
         # the configuration alone that every sleep loses the base.
         dist.broadcast_object_list(["freed" if step in lost_at else "kept"], src=1)
-        apply = copy_into(weights)
+        apply = copy_into(weights, record=True)
         metrics = receiver.receive(apply)
         log.append(
             dict(

@@ -204,3 +204,45 @@ def test_default_bucket_follows_free_memory_and_holds_the_largest_tensor_when_it
     assert default_bucket_bytes(_FreeMemory(1 * gib), sender_count=64) == 1 * mib  # never below 1 MiB
     # the largest share still travels whole when it can
     assert default_bucket_bytes(_FreeMemory(23 * gib), 136 * 10**6, sender_count=2) > 136 * 10**6
+
+
+def test_a_sender_sizes_its_buckets_once_per_listing_and_again_for_a_larger_tensor():
+    """Derived from free memory at the first sync; a steady sync (the same specs list) does
+    not look at its specs again, nor at free memory (noise must not change the layout); a
+    listing with a larger tensor sizes them again."""
+    from hal.backends.cpu import CpuBackend
+    from hal.sync import Sender, SyncConfig
+
+    class Backend(CpuBackend):
+        def __init__(self, free: int) -> None:
+            super().__init__()
+            self.free, self.asked = free, 0
+
+        def memory_info(self):
+            from hal.backend import MemoryInfo
+
+            self.asked += 1
+            return MemoryInfo(free=self.free, total=self.free)
+
+    class Transport:  # what a Sender reads of its transport before any sync
+        is_sender, rank, src = True, 0, 0
+
+    mib, gib = 1 << 20, 1 << 30
+    backend = Backend(8 * gib)
+    sender = Sender(Transport(), SyncConfig(bucket_bytes=None), backend=backend)
+    specs = [TensorSpec("w", (1024,), torch.float32)]
+    sender._size_buckets(specs)
+    assert (sender.bucket_bytes, backend.asked) == (128 * mib, 1)
+    backend.free = 64 * gib  # free memory moved: the same specs keep their layout
+    sender._size_buckets(specs)
+    assert (sender.bucket_bytes, backend.asked) == (128 * mib, 1)
+    listed = list(specs)
+    sender._size_buckets(listed)  # another listing of the same tensors: no larger one, kept
+    assert (sender.bucket_bytes, backend.asked) == (128 * mib, 1)
+    # The same list object is not read again: a sender's specs list is made anew whenever its
+    # source's metadata changed (hal.sync.steady), so only an unchanged one comes back.
+    listed.append(TensorSpec("embed", (68_000_000,), torch.float32))  # 272 MB
+    sender._size_buckets(listed)
+    assert (sender.bucket_bytes, backend.asked) == (128 * mib, 1)
+    sender._size_buckets(list(listed))  # a new list holding a larger tensor: sized again
+    assert backend.asked == 2 and sender.bucket_bytes > 272 * 10**6

@@ -242,7 +242,7 @@ def test_copy_into_is_a_sink_whose_tensors_are_the_destinations():
     from hal.sync import Sink
 
     weights = allocate([TensorSpec("w", (2, 2), torch.float32)], fill=0.0)
-    sink = copy_into(weights)
+    sink = copy_into(weights, record=True)
     assert isinstance(sink, Sink) and sink.policy.in_place
     assert sink.destination("w") is weights["w"] and sink.destination("v") is None
     sink.apply([("w", weights["w"])])  # the receiver wrote it; apply records it
@@ -250,5 +250,11 @@ def test_copy_into_is_a_sink_whose_tensors_are_the_destinations():
     with pytest.raises(KeyError, match="parameter 'v': the engine holds no tensor"):
         sink.apply([("v", torch.ones(2, 2))])
     assert copy_into(weights, in_place=False).policy.in_place is False
+    # By default nothing is kept per sync: a sink kept for a whole run does not grow.
+    quiet = copy_into(weights)
+    quiet.apply([("w", weights["w"])] * 3)
+    assert quiet.received == [] and quiet.record is False
+    with pytest.raises(TypeError, match="record must be a bool, got 'yes'"):
+        copy_into(weights, record="yes")
     with pytest.raises(ValueError, match="parameter 'w' is listed twice"):
         allocate([TensorSpec("w", (1,), torch.float32)] * 2)
