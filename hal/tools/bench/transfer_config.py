@@ -18,8 +18,9 @@ CORE_METHODS = ("floor", "per_tensor", "hal_bucketed", "hal_shm")
 COPY_METHODS = ("hal_bucketed_copy",)
 READ_METHODS = ("hal_bucketed_read", "hal_shm_read")
 # The flat broadcast while each process copies a model-sized buffer: the best a bucketed
-# sync (one pack copy, one apply copy) could do if its copies overlapped perfectly.
-BOUND_METHODS = ("floor_with_copy",)
+# sync (one pack copy, one apply copy) could do if its copies overlapped perfectly; and the
+# same copies pipelined segment by segment around the wire, as a bucketed sync must.
+BOUND_METHODS = ("floor_with_copy", "floor_pipelined")
 # What a run with no --methods measures with one receiver on one node (unchanged since session 1).
 ALL_METHODS = CORE_METHODS + COPY_METHODS + READ_METHODS + BOUND_METHODS
 # Several receivers / nodes: the hierarchical transport, and the network floor it is held to
@@ -32,7 +33,7 @@ METHODS = ALL_METHODS + TOPOLOGY_METHODS
 
 SENDER_NODE = "trainer"
 # Methods whose run leaves every receiver's destinations filled (and so can be verified).
-FILLS_DESTINATIONS = {"floor", "floor_with_copy", "per_tensor", "hal_bucketed", "hal_shm", "hal_bucketed_copy", "hal_hier"}
+FILLS_DESTINATIONS = {"floor", "floor_with_copy", "floor_pipelined", "per_tensor", "hal_bucketed", "hal_shm", "hal_bucketed_copy", "hal_hier"}
 
 
 @dataclass(kw_only=True, slots=True)

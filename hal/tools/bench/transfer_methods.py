@@ -95,6 +95,51 @@ def _setup_floor_with_copy(ctx: RankContext) -> tuple[Callable[[], None], Callab
     return run, lambda: None
 
 
+def _setup_floor_pipelined(ctx: RankContext) -> tuple[Callable[[], None], Callable[[], None]]:
+    import torch.distributed as dist
+
+    from hal.sync import SyncConfig
+
+    # The model's bytes in the sync's segments through two slots, with torch.distributed
+    # alone: the sender copies each segment into a slot just before sending it, a receiver
+    # copies it out just after it arrived, while the next one is on the wire. A bucketed
+    # sync's structure with nothing per tensor, no header and no statuses: what its copies
+    # cost where they must wait for the wire (floor_with_copy runs them all at once).
+    total = ctx.flat.numel()
+    segment = min(SyncConfig().segment_bytes, total)
+    slots = [torch.empty(segment, dtype=torch.uint8) for _ in range(2)]
+    starts = list(range(0, total, segment))
+    one_receiver = ctx.config.receivers == 1  # send/recv pairs, as BroadcastTransport uses for one receiver on gloo
+
+    def transfer(slot: torch.Tensor) -> Any:
+        if not one_receiver:
+            return dist.broadcast(slot, src=SENDER, async_op=True)
+        return dist.isend(slot, 1) if ctx.is_sender else dist.irecv(slot, SENDER)
+
+    def run() -> None:
+        flat, works = ctx.flat, {}
+        if ctx.is_sender:
+            for s, lo in enumerate(starts):
+                n = min(segment, total - lo)
+                if s >= 2:
+                    works.pop(s - 2).wait()  # that slot is free again (each work is waited once: gloo counts them)
+                slot = slots[s % 2][:n]
+                slot.copy_(flat[lo : lo + n])
+                works[s] = transfer(slot)
+            for work in works.values():
+                work.wait()
+            return
+        posted = transfer(slots[0][: min(segment, total)])
+        for s, lo in enumerate(starts):
+            n = min(segment, total - lo)
+            posted.wait()
+            if s + 1 < len(starts):  # the next segment goes to the other slot while this one is copied out
+                posted = transfer(slots[(s + 1) % 2][: min(segment, total - starts[s + 1])])
+            flat[lo : lo + n].copy_(slots[s % 2][:n])
+
+    return run, lambda: None
+
+
 def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Callable[[], None], Callable[[], None]]:
     from hal.device import get_backend
     from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec, as_sink
@@ -241,6 +286,7 @@ def _trace_calls(obj: Any, log: list[tuple[str, Any, float, float]], names: tupl
 
 SETUPS: dict[str, Callable[[RankContext], tuple[Callable[[], None], Callable[[], None]]]] = {
     "floor_with_copy": _setup_floor_with_copy,
+    "floor_pipelined": _setup_floor_pipelined,
     "floor": _setup_floor,
     "per_tensor": _setup_per_tensor,
     "hal_bucketed": lambda ctx: _setup_hal(ctx, "BroadcastTransport", "copy_into"),
