@@ -20,6 +20,8 @@ through the device's public rebuild function (`rebuild_cuda_tensor`, torch_npu's
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import re
 from typing import Any, Callable
 
@@ -54,6 +56,8 @@ REDUCTION_ARGS = (
 # The receiver decrements a counter in that file, so a handle may name no other file.
 _REF_COUNTER_NAME = re.compile(rb"/torch_[0-9]+_[0-9]+_[0-9]+")
 
+logger = logging.getLogger(__name__)
+
 
 # The integer dtype of each element size: a copy between two of them moves bits unchanged.
 _BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -81,6 +85,23 @@ def bit_exact_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple
     return out_dsts, out_srcs
 
 
+class CapturedCopies:
+    """Prepared copies recorded once as a device graph (`graph`), replayed on a stream per
+    sync: one launch whatever the pair count. Keeps the pairs (views of the tensors) so that
+    the memory the graph reads and writes stays allocated while it may run."""
+
+    __slots__ = ("graph", "pairs")
+
+    def __init__(self, graph: Any, pairs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        self.graph, self.pairs = graph, pairs
+
+
+# Experimental: VERL_HAL_COPY_GRAPHS=1 makes `prepare_copies` on a backend that declares
+# `copy_graph_class` record its copies as a device graph (docs/design.md, "Copies recorded
+# as a graph"). Off by default until a lent GPU has measured and checked it.
+COPY_GRAPHS_ENV = "VERL_HAL_COPY_GRAPHS"
+
+
 class TorchDeviceBackend(Backend):
     supports_pinned_memory = True
     supports_ipc = True
@@ -88,6 +109,9 @@ class TorchDeviceBackend(Backend):
     # What the runtime leaves in /dev/shm for a process that exported device memory
     # (hal.backends.process_files): removed when that process ends.
     process_files: tuple[str, ...] = ()
+    # The device module's graph class (`torch.cuda.CUDAGraph`) prepared copies may be
+    # recorded with (COPY_GRAPHS_ENV); None: never recorded.
+    copy_graph_class: str | None = None
 
     @property
     def module(self) -> Any:
@@ -147,11 +171,50 @@ class TorchDeviceBackend(Backend):
     def _copy_many(self, stream: Any, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         self._enqueue(stream, copy_many_non_blocking, bit_exact_pairs(dsts, srcs))  # like _copy: ordered on the stream, no host wait
 
-    def _prepare_copies(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return bit_exact_pairs(dsts, srcs)  # the views once per layout, not per sync
+    def _prepare_copies(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Any:
+        pairs = bit_exact_pairs(dsts, srcs)  # the views once per layout, not per sync
+        if not (self.copy_graphs() and self._on_device(pairs)):
+            return pairs
+        graph = self._record(pairs)
+        return pairs if graph is None else CapturedCopies(graph, pairs)
 
-    def _copy_prepared(self, stream: Any, handle: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
-        self._enqueue(stream, copy_many_non_blocking, handle)
+    def _copy_prepared(self, stream: Any, handle: Any) -> None:
+        if isinstance(handle, CapturedCopies):
+            self._enqueue(stream, handle.graph.replay, ())  # a graph launches on the current stream
+        else:
+            self._enqueue(stream, copy_many_non_blocking, handle)
+
+    def copy_graphs(self) -> bool:
+        """Whether `prepare_copies` records its copies as a device graph (COPY_GRAPHS_ENV)."""
+        return self.copy_graph_class is not None and os.environ.get(COPY_GRAPHS_ENV, "0") == "1"
+
+    def _on_device(self, pairs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> bool:
+        # a graph may hold only this device's memory (a copy to or from pinned host memory
+        # would be recorded too, pageable memory would not: neither is tried)
+        device_type = self.device_type
+        return all(t.device.type == device_type for tensors in pairs for t in tensors)
+
+    def _record(self, pairs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> Any:
+        """The multi-tensor copy of `pairs` recorded as a graph, or None where recording
+        failed (the copies then run as they do without graphs; a warning says why)."""
+        graph = getattr(self.module, self.copy_graph_class)()
+        side = self.module.Stream()  # recording needs a stream other than the legacy default
+        try:
+            with self._stream_context(side):
+                # thread_local: other threads' work on the device (an engine, a trainer) is
+                # neither recorded nor refused while this records
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    copy_many_non_blocking(*pairs)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - any failure to record falls back, never fails a sync
+            logger.warning(
+                "backend %r: recording %d copies as a %s failed (%s: %s); they run as a multi-tensor copy instead",
+                self.name, len(pairs[0]), self.copy_graph_class, type(exc).__name__, exc,
+            )
+            return None
+        return graph
 
     def _enqueue(self, stream: Any, fn: Callable[..., Any], args: tuple) -> None:
         if stream is None:

@@ -28,6 +28,7 @@ class CudaBackend(TorchDeviceBackend):
     vendor = "nvidia"
     # the driver's file of a process's IPC events, never removed by the driver (H200, 2026-11-27)
     process_files = ("cuda.shm.*.{pid:x}.*",)
+    copy_graph_class = "CUDAGraph"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -291,25 +291,48 @@ def test_copy_many_copies_every_pair_and_refuses_another_shape_before_launching(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.complex64])
-def test_copy_many_and_prepared_copies_move_bits_not_values(backend, dtype):
+def test_copy_many_and_prepared_copies_move_bits_not_values(backend, dtype, monkeypatch):
     """Random bytes hold NaNs of every sign and payload, and negative zeros: a same-dtype
     copy must land them bit for bit (torch's multi-tensor copy on a GPU does not: it
-    converts through float, seen on an H200). Contiguous, strided and odd sizes."""
+    converts through float, seen on an H200). Contiguous, strided and odd sizes. Prepared
+    copies run twice, the second time over new bytes in the same memory (a steady sync);
+    also recorded as a graph where the backend can (VERL_HAL_COPY_GRAPHS, experimental)."""
+    from hal.backends._torch_device import COPY_GRAPHS_ENV
+
     gen = torch.Generator().manual_seed(7)
-    raw = [torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=gen) for n in (1, 7, 4096, 3 * 64)]
-    srcs = [r.view(dtype).to(backend.device()) for r in raw]
-    srcs[-1] = srcs[-1].view(3, 64).t()  # a transposed view
-    for prepared in (False, True):
+    sizes = (1, 7, 4096, 3 * 64)
+
+    def random_bytes() -> list[torch.Tensor]:
+        raw = [torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=gen) for n in sizes]
+        out = [r.view(dtype).to(backend.device()) for r in raw]
+        out[-1] = out[-1].view(3, 64).t()  # a transposed view
+        return out
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().cpu().view(torch.uint8)
+
+    for way in ("many", "prepared", "graph"):
+        monkeypatch.setenv(COPY_GRAPHS_ENV, "1" if way == "graph" else "0")
+        srcs = random_bytes()
         dsts = [backend.empty(tuple(s.shape), dtype) for s in srcs]
         dsts[-1] = backend.empty((3, 64), dtype).t()
         stream = backend.new_stream()
-        if prepared:
-            backend.copy_prepared_(backend.prepare_copies(dsts, srcs), stream=stream)
-        else:
+        if way == "many":
             backend.copy_many_(dsts, srcs, stream=stream)
-        stream.synchronize()
-        for d, s in zip(dsts, srcs):
-            assert torch.equal(d.contiguous().cpu().view(torch.uint8), s.contiguous().cpu().view(torch.uint8)), (prepared, tuple(s.shape))
+            rounds = 1
+        else:
+            prepared = backend.prepare_copies(dsts, srcs)
+            backend.copy_prepared_(prepared, stream=stream)
+            rounds = 2
+        for round_ in range(rounds):
+            stream.synchronize()
+            for d, s in zip(dsts, srcs):
+                assert torch.equal(bits(d), bits(s)), (way, round_, tuple(s.shape))
+            if round_ + 1 < rounds:
+                for s, new in zip(srcs, random_bytes()):
+                    s.copy_(new)  # new bytes, same memory (copy_ moves bits)
+                backend.synchronize()
+                backend.copy_prepared_(prepared, stream=stream)
 
 
 def test_copy_element_count_mismatch(backend):

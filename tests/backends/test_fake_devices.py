@@ -975,3 +975,94 @@ def test_fake_cuda_export_has_the_drivers_file_removed_at_exit(cuda_ipc):
     from hal.backends import process_files
 
     assert (os.getpid(), CudaBackend.process_files) in process_files._at_exit
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph: between capture_begin and capture_end the fake's
+    multi-tensor copies are recorded, not run (as a stream being captured does); replay runs
+    them with whatever stream is current then."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        self.fake, self.recorded, self.replays = fake, [], []
+
+    def capture_begin(self, capture_error_mode: str = "global") -> None:
+        assert capture_error_mode == "thread_local"  # other threads' device work is not refused
+        assert self.fake.current is not self.fake.default_stream  # recorded on a side stream
+        self.fake.capturing = self
+
+    def capture_end(self) -> None:
+        self.fake.capturing = None
+
+    def replay(self) -> None:
+        self.replays.append(self.fake.current)
+        for dsts, srcs in self.recorded:
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
+
+
+@pytest.fixture
+def graph_cuda(fake_cuda, monkeypatch):
+    """The fake CUDA module with graphs; host tensors stand in for device ones."""
+    fake_cuda.capturing = None
+    fake_cuda.graphs = []
+
+    def new_graph():
+        fake_cuda.graphs.append(FakeGraph(fake_cuda))
+        return fake_cuda.graphs[-1]
+
+    def foreach_copy(dsts, srcs, non_blocking=False):
+        if fake_cuda.capturing is not None:
+            fake_cuda.capturing.recorded.append((list(dsts), list(srcs)))
+            return
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", new_graph, raising=False)
+    monkeypatch.setattr(torch, "_foreach_copy_", foreach_copy)
+    monkeypatch.setattr(CudaBackend, "_on_device", lambda self, pairs: all(t.device.type == "cpu" for ts in pairs for t in ts))
+    return fake_cuda
+
+
+def test_prepared_copies_are_recorded_as_a_graph_only_when_asked(graph_cuda, monkeypatch):
+    from hal.backends._torch_device import COPY_GRAPHS_ENV, CapturedCopies
+
+    backend = hal.get_backend("cuda")
+    srcs = [torch.arange(6, dtype=torch.float32), torch.full((2, 3), 7, dtype=torch.bfloat16)]
+    dsts = [torch.zeros(6, dtype=torch.float32), torch.zeros(2, 3, dtype=torch.bfloat16)]
+    # unasked (the default): the pairs, run as one multi-tensor copy each time
+    monkeypatch.delenv(COPY_GRAPHS_ENV, raising=False)
+    plain = backend.prepare_copies(dsts, srcs)
+    assert not isinstance(plain.handle, CapturedCopies) and graph_cuda.graphs == []
+    # asked: recorded once, writing nothing while it records; each run replays it on the stream asked for
+    monkeypatch.setenv(COPY_GRAPHS_ENV, "1")
+    prepared = backend.prepare_copies(dsts, srcs)
+    assert isinstance(prepared.handle, CapturedCopies) and len(graph_cuda.graphs) == 1
+    assert all(not d.any() for d in dsts)
+    stream = backend.new_stream()
+    backend.copy_prepared_(prepared, stream=stream)
+    assert graph_cuda.graphs[0].replays == [stream]
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    srcs[0].add_(1)  # the next sync's bytes, in the same memory: the same graph copies them
+    backend.copy_prepared_(prepared, stream=stream)
+    assert torch.equal(dsts[0], srcs[0]) and len(graph_cuda.graphs[0].replays) == 2
+    # a pair not in this device's memory is never recorded
+    monkeypatch.setattr(CudaBackend, "_on_device", lambda self, pairs: False)
+    assert not isinstance(backend.prepare_copies(dsts, srcs).handle, CapturedCopies)
+
+
+def test_a_graph_that_cannot_be_recorded_falls_back_to_the_multi_tensor_copy(graph_cuda, monkeypatch, caplog):
+    from hal.backends._torch_device import COPY_GRAPHS_ENV, CapturedCopies
+
+    def refuse(self, capture_error_mode="global"):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(FakeGraph, "capture_begin", refuse)
+    monkeypatch.setenv(COPY_GRAPHS_ENV, "1")
+    backend = hal.get_backend("cuda")
+    srcs, dsts = [torch.arange(4, dtype=torch.int64)], [torch.zeros(4, dtype=torch.int64)]
+    with caplog.at_level("WARNING", logger="hal.backends._torch_device"):
+        prepared = backend.prepare_copies(dsts, srcs)
+    assert not isinstance(prepared.handle, CapturedCopies)
+    assert "recording 1 copies as a CUDAGraph failed (RuntimeError: operation not permitted" in caplog.text
+    backend.copy_prepared_(prepared)
+    assert torch.equal(dsts[0], srcs[0])
