@@ -21,7 +21,7 @@ READ_METHODS = ("hal_bucketed_read", "hal_shm_read")
 # sync (one pack copy, one apply copy) could do if its copies overlapped perfectly; and the
 # same copies pipelined segment by segment around the wire, as a bucketed sync must.
 BOUND_METHODS = ("floor_with_copy", "floor_pipelined")
-# What a run with no --methods measures with one receiver on one node (unchanged since session 1).
+# What a run with no --methods measures with one receiver on one node.
 ALL_METHODS = CORE_METHODS + COPY_METHODS + READ_METHODS + BOUND_METHODS
 # Several receivers / nodes: the hierarchical transport, and the network floor it is held to
 # (one flat broadcast to one receiver per node). Added to the default when --receivers >= 2
