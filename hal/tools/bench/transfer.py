@@ -41,8 +41,8 @@ receiver-owned memory (a preallocated destination tensor per parameter).
                    a bucketed sync (one pack copy at the sender, one apply copy at the
                    receiver) would land if its copies overlapped the transfer perfectly.
     floor_pipelined
-                   the model's bytes in the sync's segments (SyncConfig.segment_bytes)
-                   through two slots, with torch.distributed alone (send/recv pairs for one
+                   the model's bytes in the sync's segments (SyncConfig.segment_bytes,
+                   at most a bucket) through two slots, with torch.distributed alone (send/recv pairs for one
                    receiver, broadcasts for more): each segment copied into a slot just
                    before it is sent and out of one just after it arrived, while the next
                    is on the wire. A bucketed sync's structure with nothing per tensor, no

@@ -106,7 +106,7 @@ def _setup_floor_pipelined(ctx: RankContext) -> tuple[Callable[[], None], Callab
     # sync's structure with nothing per tensor, no header and no statuses: what its copies
     # cost where they must wait for the wire (floor_with_copy runs them all at once).
     total = ctx.flat.numel()
-    segment = min(SyncConfig().segment_bytes, total)
+    segment = min(SyncConfig().segment_bytes, ctx.config.bucket_bytes, total)  # as hal's segments: none spans buckets
     slots = [torch.empty(segment, dtype=torch.uint8) for _ in range(2)]
     starts = list(range(0, total, segment))
     one_receiver = ctx.config.receivers == 1  # send/recv pairs, as BroadcastTransport uses for one receiver on gloo
