@@ -198,7 +198,7 @@ class TorchDeviceBackend(Backend):
         """The multi-tensor copy of `pairs` recorded as a graph, or None where recording
         failed (the copies then run as they do without graphs; a warning says why)."""
         graph = getattr(self.module, self.copy_graph_class)()
-        side = self.module.Stream()  # recording needs a stream other than the legacy default
+        side = self._new_stream()  # recording needs a stream other than the legacy default
         try:
             with self._stream_context(side):
                 # thread_local: other threads' work on the device (an engine, a trainer) is
