@@ -72,6 +72,7 @@ def test_bench_cli_smoke_on_tiny_preset(tmp_path, capsys):
     report = json.loads(out_json.read_text())
     _check_record(report, "transfer", argv)
     assert report["preset"] == "tiny"
+    assert report["config"]["layout"] == "flat" and report["storages_per_rank"] == [1, 1]  # views of one buffer
     methods = [r["method"] for r in report["results"]]
     for required in ("floor", "per_tensor", "hal_bucketed", "hal_shm"):
         assert required in methods
@@ -89,6 +90,34 @@ def test_bench_cli_smoke_on_tiny_preset(tmp_path, capsys):
         assert row.endswith(f"{send:.1f} / {recv:.1f}"), row
     assert "host us/tensor (send / recv)" in table
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_scattered_layout_moves_and_checks_each_tensors_own_memory(tmp_path, capsys):
+    """--layout scattered: every tensor its own allocation on both sides (the floors still move
+    the flat buffer); each receiver's tensors are checked byte for byte after every round."""
+    out_json = tmp_path / "out.json"
+    argv = ["bench", "--preset", "tiny", "--layout", "scattered", "--repeats", "2", "--warmup", "1", "--bucket-mb", "0.0625",
+            "--methods", "floor,floor_pipelined,per_tensor,hal_bucketed,hal_shm,hal_bucketed_copy", "--timeout", "240",
+            "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    assert " 26 scattered tensors; " in capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    _check_record(report, "transfer", argv)
+    assert report["config"]["layout"] == "scattered"
+    assert report["storages_per_rank"] == [26, 26]  # each tensor its own allocation, on both sides
+    rows = {r["method"]: r for r in report["results"]}
+    assert list(rows) == ["floor", "floor_pipelined", "per_tensor", "hal_bucketed", "hal_shm", "hal_bucketed_copy"]
+    assert all(r["verified_ranks"] == [1] for r in rows.values()), {m: r["verified_ranks"] for m, r in rows.items()}
+
+
+def test_bench_layout_is_refused_where_it_means_nothing(capsys):
+    with pytest.raises(SystemExit, match="--layout applies to the transfer benchmark only, not to device-transfer"):
+        cli.main(["bench", "--device-transfer", "--layout", "scattered"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--preset", "tiny", "--layout", "sideways"])
+    assert "invalid choice: 'sideways'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="layout: 'sideways'; choose one of flat, scattered"):
+        transfer_config.TransferConfig(preset="tiny", layout="sideways")
 
 
 def test_bench_rejects_an_unknown_method(capsys):

@@ -128,6 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="backend of the hal methods' syncs (weights stay in host memory either way): cpu (default) or sim, "
         "whose copies run on its streams' threads, so host us/tensor is the sync's own Python",
     )
+    parser.add_argument(
+        "--layout", choices=("flat", "scattered"), default="flat",
+        help="where each process keeps its tensors: flat (default), views of one buffer in plan order, as a flat "
+        "parameter or parameter buffer holds them; scattered, each its own allocation, as a model's parameters "
+        "and an engine's weights are. The floors move the flat buffer either way",
+    )
     parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads per benchmark process (default: 1; the two processes share the cores)")
     parser.add_argument(
         "--timeout", type=positive_float, default=None, help="seconds before every benchmark process is killed (default: 300; 600 with --device-transfer, 1800 with --delta)"
@@ -218,6 +224,8 @@ def main(args: argparse.Namespace) -> int:
         args.timeout = DEFAULT_TIMEOUT_S[_benchmark(args)]
     if getattr(args, "profile", False) and _benchmark(args) != "device-transfer":
         raise SystemExit("hal bench: --profile applies to --device-transfer only")
+    if getattr(args, "layout", "flat") != "flat" and _benchmark(args) != "transfer":
+        raise SystemExit(f"hal bench: --layout applies to the transfer benchmark only, not to {_benchmark(args)}")
     if getattr(args, "tp", None) is not None and getattr(args, "senders", None) is None:
         raise SystemExit("hal bench: --tp T describes the layout of --senders M trainer ranks: give --senders too")
     if getattr(args, "senders", None) is not None:
@@ -357,6 +365,7 @@ def _transfer_config(args: argparse.Namespace, methods: tuple[str, ...], receive
         threads=args.threads,
         trace=args.trace,
         sync_backend=args.sync_backend,
+        layout=args.layout,
     )
 
 

@@ -218,6 +218,7 @@ def run_transfer(config: TransferConfig) -> dict[str, Any]:
         "preset": config.preset,
         "bytes": total,
         "tensors": len(params),
+        "storages_per_rank": [r["storages"] for r in reports],  # allocations the tensors live in: 1 with the flat layout
         "config": {**{k: v for k, v in asdict(config).items() if k != "methods"}, "methods": list(config.methods)},
         "timing": f"median of {config.repeats} interleaved rounds after {max(1, config.warmup)} warm-up",
         "torch_threads_per_process": config.threads,

@@ -32,6 +32,12 @@ SHM_METHODS = ("hal_shm", "hal_shm_read")
 METHODS = ALL_METHODS + TOPOLOGY_METHODS
 
 SENDER_NODE = "trainer"
+LAYOUTS = ("flat", "scattered")
+
+
+def writes_tensors(method: str) -> bool:
+    """Whether `method` moves the tensors themselves (else the flat buffer: the floors)."""
+    return method == "per_tensor" or method.startswith("hal_")
 # Methods whose run leaves every receiver's destinations filled (and so can be verified).
 FILLS_DESTINATIONS = {"floor", "floor_with_copy", "floor_pipelined", "per_tensor", "hal_bucketed", "hal_shm", "hal_bucketed_copy", "hal_hier"}
 
@@ -69,6 +75,11 @@ class TransferConfig:
     """The backend hal's syncs run on ("cpu" or "sim"; the weights are in host memory either
     way). On sim the copies run on its streams' threads, so a sync's host time is its own
     Python."""
+    layout: str = "flat"
+    """Where each process keeps its tensors: "flat", views of one buffer in plan order (a
+    flat parameter's or a parameter buffer's layout; the floors' own buffer), or
+    "scattered", each tensor its own allocation (a model's parameters, an engine's
+    weights), holding the same bytes. The floors move the flat buffer either way."""
     threads: int = 1
     """torch intra-op threads in each process. Two processes share this machine's cores;
     with more threads than free cores every parallel copy waits for a descheduled
@@ -77,6 +88,8 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout: {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
         if self.sync_backend not in ("cpu", "sim"):
             raise ValueError(f"sync_backend: {self.sync_backend!r} is not a host-memory backend; choose cpu or sim")
         unknown = [m for m in self.methods if m not in METHODS]

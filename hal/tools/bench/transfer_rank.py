@@ -21,7 +21,7 @@ from hal.procs import run_gloo_rank
 from hal.tools.bench.buffers import fill_pattern, first_mismatch, flat_layout, flat_views, matches_pattern
 from hal.tools.bench.common import SENDER, PeakMemory
 from hal.tools.bench.presets import get_preset
-from hal.tools.bench.transfer_config import TransferConfig, fills, node_keys
+from hal.tools.bench.transfer_config import TransferConfig, fills, node_keys, writes_tensors
 from hal.tools.bench.transfer_methods import SETUPS, RankContext
 
 
@@ -59,7 +59,10 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
         fill_pattern(flat)
     else:
         flat.zero_()  # touch every page now, so it is part of the baseline
-    tensors = flat_views(flat, params, offsets)
+    views = flat_views(flat, params, offsets)
+    # scattered: each tensor its own allocation, the same bytes (the receiver's zeros)
+    tensors = [v.clone() for v in views] if config.layout == "scattered" else views
+    scattered = tensors is not views
     base = RankContext(rank=rank, config=config, params=params, flat=flat, tensors=tensors)
     memory = PeakMemory()
     report: dict[str, Any] = {
@@ -68,6 +71,7 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
         "node": os.environ.get("VERL_HAL_NODE"),
         "total_bytes": total,
         "tensors": len(params),
+        "storages": len({t.untyped_storage().data_ptr() for t in tensors}),  # 1 flat, one a tensor scattered
         "methods": {},
     }
     report["setup_wall_s"] = time.perf_counter() - began
@@ -88,13 +92,18 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
         # 0.9 GiB on the shared cores while the others still receive.
         dist.barrier()
         if rank != SENDER:
+            gather = scattered and writes_tensors(method)
             if config.verify and fills(method, rank, config):
+                if gather:  # checked where the pattern is laid out: the flat buffer
+                    torch._foreach_copy_(views, tensors)
                 if not matches_pattern(flat):
                     raise RuntimeError(
                         f"{method}: {label}: parameter {first_mismatch(flat, params, offsets)!r} arrived with wrong bytes at rank {rank}"
                     )
                 state.verified += 1
             flat.zero_()  # the next repetition must write every byte again
+            if gather:
+                torch._foreach_zero_(tensors)
         return t0, t1, c1 - c0
 
     states: dict[str, _MethodState] = {}

@@ -8,13 +8,18 @@ from hal.tools.bench.common import GIB, MIB
 from hal.tools.bench.transfer_config import TOPOLOGY_METHODS
 
 
+def _layout(report: dict[str, Any]) -> str:
+    """ "scattered " when each tensor had its own allocation (--layout), else nothing."""
+    return "scattered " if report["config"].get("layout", "flat") == "scattered" else ""
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The result table as text (with network bytes and per-rank columns once there are
     several receivers or nodes, or a topology method ran)."""
     if report.get("receivers", 1) > 1 or report.get("nodes", 1) > 1 or any(r["method"] in TOPOLOGY_METHODS for r in report["results"]):
         return _format_topology_table(report)
     lines = [
-        f"preset {report['preset']}: {report['bytes'] / GIB:.3f} GiB in {report['tensors']} tensors; "
+        f"preset {report['preset']}: {report['bytes'] / GIB:.3f} GiB in {report['tensors']} {_layout(report)}tensors; "
         f"bucket {report['config']['bucket_bytes'] / MIB:g} MiB; {report['timing']}; "
         f"{report['torch_threads_per_process']} torch thread(s) per process; hal syncs on {report['config'].get('sync_backend', 'cpu')}",
         f"{'method':<18} {'seconds':>8} {'best':>8} {'GiB/s':>7} {'x floor':>8} {'peak extra MiB':>15} "
@@ -53,7 +58,7 @@ def _format_topology_table(report: dict[str, Any]) -> str:
 
     k, n = report.get("receivers", 1), report.get("nodes", 1)
     lines = [
-        f"preset {report['preset']}: {report['bytes'] / GIB:.3f} GiB in {report['tensors']} tensors; "
+        f"preset {report['preset']}: {report['bytes'] / GIB:.3f} GiB in {report['tensors']} {_layout(report)}tensors; "
         f"bucket {report['config']['bucket_bytes'] / MIB:g} MiB; {report['timing']}; "
         f"{report['torch_threads_per_process']} torch thread(s) per process",
         f"{k} receiver(s) on {n} node(s) {report.get('node_keys', [])[1:]} + the sender ({report.get('processes', k + 1)} processes); "
