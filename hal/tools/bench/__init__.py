@@ -87,7 +87,7 @@ _VLLM_MODULE = "hal.tools.bench.vllm_engine"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hal.tools.bench.transfer_config import ALL_METHODS, METHODS, SHM_METHODS, TOPOLOGY_METHODS
+    from hal.tools.bench.transfer_config import ALL_METHODS, LAYOUTS, METHODS, SHM_METHODS, TOPOLOGY_METHODS
 
     parser.add_argument("--engine", choices=ENGINES, default="transfer", help="transfer: process-to-process benchmark (default); vllm: into a live vLLM engine")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b", help="synthetic weight set (default: qwen2.5-0.5b)")
@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whose copies run on its streams' threads, so host us/tensor is the sync's own Python",
     )
     parser.add_argument(
-        "--layout", choices=("flat", "scattered"), default="flat",
+        "--layout", choices=LAYOUTS, default="flat",
         help="where each process keeps its tensors: flat (default), views of one buffer in plan order, as a flat "
         "parameter or parameter buffer holds them; scattered, each its own allocation, as a model's parameters "
         "and an engine's weights are. The floors move the flat buffer either way",

@@ -42,10 +42,10 @@ receiver-owned memory (a preallocated destination tensor per parameter).
                    receiver) would land if its copies overlapped the transfer perfectly.
     floor_pipelined
                    the model's bytes in the sync's segments (SyncConfig.segment_bytes,
-                   at most a bucket) through two slots, with torch.distributed alone (send/recv pairs for one
-                   receiver, broadcasts for more): each segment copied into a slot just
-                   before it is sent and out of one just after it arrived, while the next
-                   is on the wire. A bucketed sync's structure with nothing per tensor, no
+                   at most a bucket) through two slots, with torch.distributed alone
+                   (send/recv pairs for one receiver, broadcasts for more): each segment
+                   copied into a slot just before it is sent and out of one just after it
+                   arrived, while the next is on the wire. A bucketed sync's structure with nothing per tensor, no
                    header and no statuses; floor_with_copy runs the same copies at once,
                    as no sync can (a segment is copied out only after it arrived).
     floor_leaders  one flat broadcast to one receiver per node only (the hal_hier leaders,

@@ -32,14 +32,15 @@ SHM_METHODS = ("hal_shm", "hal_shm_read")
 METHODS = ALL_METHODS + TOPOLOGY_METHODS
 
 SENDER_NODE = "trainer"
+# Where each process keeps its tensors (TransferConfig.layout).
 LAYOUTS = ("flat", "scattered")
+# Methods whose run leaves every receiver's destinations filled (and so can be verified).
+FILLS_DESTINATIONS = {"floor", "floor_with_copy", "floor_pipelined", "per_tensor", "hal_bucketed", "hal_shm", "hal_bucketed_copy", "hal_hier"}
 
 
 def writes_tensors(method: str) -> bool:
     """Whether `method` moves the tensors themselves (else the flat buffer: the floors)."""
     return method == "per_tensor" or method.startswith("hal_")
-# Methods whose run leaves every receiver's destinations filled (and so can be verified).
-FILLS_DESTINATIONS = {"floor", "floor_with_copy", "floor_pipelined", "per_tensor", "hal_bucketed", "hal_shm", "hal_bucketed_copy", "hal_hier"}
 
 
 @dataclass(kw_only=True, slots=True)

@@ -109,6 +109,7 @@ def _setup_floor_pipelined(ctx: RankContext) -> tuple[Callable[[], None], Callab
     segment = min(SyncConfig().segment_bytes, ctx.config.bucket_bytes, total)  # as hal's segments: none spans buckets
     slots = [torch.empty(segment, dtype=torch.uint8) for _ in range(2)]
     starts = list(range(0, total, segment))
+    sizes = [min(segment, total - lo) for lo in starts]
     one_receiver = ctx.config.receivers == 1  # send/recv pairs, as BroadcastTransport uses for one receiver on gloo
 
     def transfer(slot: torch.Tensor) -> Any:
@@ -119,8 +120,7 @@ def _setup_floor_pipelined(ctx: RankContext) -> tuple[Callable[[], None], Callab
     def run() -> None:
         flat, works = ctx.flat, {}
         if ctx.is_sender:
-            for s, lo in enumerate(starts):
-                n = min(segment, total - lo)
+            for s, (lo, n) in enumerate(zip(starts, sizes)):
                 if s >= 2:
                     works.pop(s - 2).wait()  # that slot is free again (each work is waited once: gloo counts them)
                 slot = slots[s % 2][:n]
@@ -129,12 +129,11 @@ def _setup_floor_pipelined(ctx: RankContext) -> tuple[Callable[[], None], Callab
             for work in works.values():
                 work.wait()
             return
-        posted = transfer(slots[0][: min(segment, total)])
-        for s, lo in enumerate(starts):
-            n = min(segment, total - lo)
+        posted = transfer(slots[0][: sizes[0]])
+        for s, (lo, n) in enumerate(zip(starts, sizes)):
             posted.wait()
             if s + 1 < len(starts):  # the next segment goes to the other slot while this one is copied out
-                posted = transfer(slots[(s + 1) % 2][: min(segment, total - starts[s + 1])])
+                posted = transfer(slots[(s + 1) % 2][: sizes[s + 1]])
             flat[lo : lo + n].copy_(slots[s % 2][:n])
 
     return run, lambda: None

@@ -60,9 +60,8 @@ def _rank_body(rank: int, config: TransferConfig) -> dict[str, Any]:
     else:
         flat.zero_()  # touch every page now, so it is part of the baseline
     views = flat_views(flat, params, offsets)
-    # scattered: each tensor its own allocation, the same bytes (the receiver's zeros)
-    tensors = [v.clone() for v in views] if config.layout == "scattered" else views
-    scattered = tensors is not views
+    scattered = config.layout == "scattered"
+    tensors = [v.clone() for v in views] if scattered else views  # scattered: each its own allocation, the same bytes
     base = RankContext(rank=rank, config=config, params=params, flat=flat, tensors=tensors)
     memory = PeakMemory()
     report: dict[str, Any] = {
