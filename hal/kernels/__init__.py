@@ -11,12 +11,12 @@ offsets are multiples of `ALIGNMENT` so that any dtype can be viewed in place.
 the checksums and `hal.kernels.delta` the delta encoding; everything is re-exported here.
 """
 
-from hal.kernels.layout import ALIGNMENT, PieceViews, align_up, as_bytes, pack_into, pack_range_into, typed_view
+from hal.kernels.layout import ALIGNMENT, PieceViews, align_up, as_bytes, pack_into, pack_range_into, span_bytes, typed_view
 from hal.kernels.delta import BITMASK, DENSE, INDICES, Encoding, delta_apply, delta_check, delta_encode, delta_sizes, word_view
 from hal.kernels.verify import RangeChecksums, checksum, checksum_parts, checksums, checksums_into
 
 __all__ = [
-    "ALIGNMENT", "align_up", "as_bytes", "typed_view", "PieceViews", "pack_into", "pack_range_into",
+    "ALIGNMENT", "align_up", "as_bytes", "typed_view", "PieceViews", "pack_into", "pack_range_into", "span_bytes",
     "checksum", "checksums", "checksum_parts", "checksums_into", "RangeChecksums",
     "Encoding", "DENSE", "INDICES", "BITMASK", "word_view", "delta_sizes", "delta_encode", "delta_check", "delta_apply",
 ]

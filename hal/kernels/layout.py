@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+from operator import attrgetter
 from typing import Sequence
 
 import torch
@@ -11,6 +13,7 @@ from hal.backend import Backend, Stream
 # Every piece starts at a multiple of this: covers every element size and the
 # 128/256-byte alignment collective and DMA engines prefer.
 ALIGNMENT = 256
+_dtype = attrgetter("dtype")
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
@@ -35,6 +38,31 @@ def typed_view(bucket: torch.Tensor, offset: int, shape: Sequence[int], dtype: t
     if offset + nbytes > bucket.numel():
         raise ValueError(f"typed_view: {nbytes} bytes at offset {offset} overrun a bucket of {bucket.numel()} bytes")
     return bucket[offset : offset + nbytes].view(dtype).view(tuple(shape))
+
+
+def span_bytes(tensors: Sequence[torch.Tensor], offsets: Sequence[int], nbytes: int, dtypes: Sequence[torch.dtype], device: torch.device) -> torch.Tensor | None:
+    """The memory `tensors` lie in, as `nbytes` flat bytes, when they lie back to back in it
+    exactly as a tight segment's pieces lie in the segment: tensor i contiguous, of dtype
+    `dtypes[i]`, on `device`, at byte `offsets[i]` of one allocation's range (no copy).
+    None when any of that does not hold: the caller then copies, as for any layout.
+    Reading or writing the range touches those tensors' bytes and nothing else, provided
+    `offsets` tile `[0, nbytes)` (a tight segment's do) and the tensors' byte sizes fit them."""
+    first = tensors[0]
+    if first.device != device:
+        return None
+    start = first.data_ptr()
+    storage = first.untyped_storage()
+    at = start - storage.data_ptr()  # where the range starts in the allocation
+    if at < 0 or at + nbytes > storage.nbytes():
+        return None
+    if list(map(torch.Tensor.data_ptr, tensors)) != [start + o for o in offsets]:
+        return None
+    if not all(map(torch.Tensor.is_contiguous, tensors)) or not all(map(operator.is_, map(_dtype, tensors), dtypes)):
+        return None
+    if any(t.device != device for t in tensors):
+        return None
+    flat = torch.empty(0, dtype=torch.uint8, device=device)
+    return flat.set_(storage, at, (nbytes,))
 
 
 class PieceViews:

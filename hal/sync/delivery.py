@@ -28,6 +28,7 @@ from hal.sync.protocol import SegmentStatus
 from hal.sync.sink import Pairs, Sink, SinkPolicy
 
 _MAX_REPORTED = 5
+_UNKNOWN = object()  # a tight segment's landing, not yet looked for
 
 
 def destination_problem(spec: TensorSpec, dest: Any) -> str | None:
@@ -47,7 +48,8 @@ class Destinations:
     """Every destination the sink names: the tensor's bytes are copied there if they did not land there."""
     exact: dict[str, torch.Tensor]
     """Those that may be written in place (the wire's dtype, contiguous, on the buffers' device),
-    among the tensors that travel alone (any tensor, for a delta sync, which patches in place)."""
+    among the tensors that travel alone or back to back in a tight segment (any tensor, for
+    a delta sync, which patches in place)."""
     objects: list[Any]
     """Per spec of the sync, in order, what the sink answered (a tensor or None): compared by
     identity with the last sync's to know whether the cached handovers still hold."""
@@ -83,6 +85,10 @@ class Kept:
         self._handovers: dict[tuple[int, int, int, int], Handover] = {}
         self._handover_basis: tuple[str | None, list[Any]] = (None, [])  # (plan digest, destination objects)
         self._checked: Destinations | None = None  # the destinations of the last sync
+        # per tight segment (bucket, segment): the memory its destinations lie back to back
+        # in, or None; and the names landing there. Kept only while `steady`
+        self.spans: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.span_names: dict[tuple[int, int], list[str]] = {}
         self.steady = False
         """This sync's destinations are the very check of the last sync, which the receiver
         kept because the sink said nothing changed, memory included (hal.sync.steady): the
@@ -103,6 +109,7 @@ class Kept:
         self._checked = destinations
         if self.steady:
             return
+        self.spans, self.span_names = {}, {}  # destinations checked again may have moved
         if digest == plan.digest and len(objects) == len(destinations.objects) and all(map(operator.is_, objects, destinations.objects)):
             # the same objects, checked again: the lists hold, copies prepared into their memory may not
             for handover in self._handovers.values():
@@ -191,7 +198,10 @@ class Delivery:
         bucket = self.plan.buckets[k]
         if self.applier is not None:
             return self.applier.land(bucket, j, status)
-        return self._landing(bucket, bucket.segments[j], status)
+        segment = bucket.segments[j]
+        if segment.tight:
+            return self._span_landing(bucket, j, segment)
+        return self._landing(bucket, segment, status)
 
     def image(self, k: int) -> torch.Tensor:
         """Where bucket k's bytes are once its segments arrived: the transport's buffer, or
@@ -228,6 +238,35 @@ class Delivery:
         self.touched = True
         return kernels.as_bytes(dest)[piece.tensor_offset + lo : piece.tensor_offset + hi]
 
+    def _span_landing(self, bucket: Bucket, j: int, segment: Segment) -> torch.Tensor | None:
+        """Where a tight segment lands: the memory its tensors' destinations lie back to back
+        in, exactly as the segment's bytes do (each exact: the wire's dtype, contiguous,
+        this device), or None (the transport's buffer, then a copy). Found once while the
+        destinations are kept (`Kept.steady`); not when verifying (checksums are checked
+        before any destination is written) nor after a failure in this sync."""
+        if self.plan.verify or self.error is not None:
+            return None
+        key = (bucket.index, j)
+        span = self.kept.spans.get(key, _UNKNOWN)
+        if span is _UNKNOWN:
+            span = self.kept.spans[key] = self._find_span(bucket, j, segment)
+        if span is None:
+            return None
+        self.landing.update(self.kept.span_names[key])
+        self.touched = True
+        return span
+
+    def _find_span(self, bucket: Bucket, j: int, segment: Segment) -> torch.Tensor | None:
+        exact, pieces = self.exact, [bucket.pieces[index] for index, _, _ in segment.ranges]
+        dests = [exact.get(p.spec.name) for p in pieces]
+        if any(d is None for d in dests):
+            return None
+        offsets = [p.offset - segment.start for p in pieces]
+        span = kernels.span_bytes(dests, offsets, segment.stop - segment.start, [p.spec.dtype for p in pieces], dests[0].device)
+        if span is not None:
+            self.kept.span_names[(bucket.index, j)] = [p.spec.name for p in pieces]
+        return span
+
     def complete(self, k: int, j: int, landed: bool, status: SegmentStatus) -> None:
         bucket = self.plan.buckets[k]
         segment = bucket.segments[j]
@@ -253,6 +292,14 @@ class Delivery:
     def _arrived_plain(self, bucket: Bucket, j: int, segment: Segment, landed: bool) -> Pairs | Handover:
         """What segment j completes on the plain path: a cached handover when it is packed
         whole tensors in the transport's buffer (the case of thousands of small tensors)."""
+        if landed and segment.tight:
+            # its tensors are in their destinations: the sink is handed those, nothing is copied
+            self.landing.difference_update(self.kept.span_names[(bucket.index, j)])
+            key = (-1, 0, bucket.index, j)
+            found = self.kept.handover(key)
+            if found is None:
+                found = self.kept.keep_handover(key, Handover([], [], [(n, self.exact[n]) for n in self.kept.span_names[(bucket.index, j)]]))
+            return found
         if landed or not segment.ranges:
             return self.arrived(bucket, segment, landed)
         buffer = self.transport.buffer(bucket.index)

@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import torch
 
 from hal.backend import Backend
+from hal.kernels import align_up, typed_view
 from hal.sync.plan import TensorSpec
 from hal.sync.sink import CopyInto, copy_into  # noqa: F401 - re-exported for callers of both
 
@@ -175,17 +176,26 @@ def total_bytes(specs: Iterable[TensorSpec]) -> int:
 def allocate(
     specs: Iterable[TensorSpec], *, backend: Backend | None = None, fill: float | None = None
 ) -> dict[str, torch.Tensor]:
-    """One device tensor per spec (`backend.empty`), e.g. for an engine that holds its weights
-    in a flat table; `fill` sets every floating-point tensor (NaN makes a missed sync visible)."""
+    """One device tensor per spec, for an engine that holds its weights in a flat table: views
+    of one allocation (`backend.empty`), in the specs' order, each at a multiple of
+    `ALIGNMENT` as in a bucket, so that small tensors sent back to back land there with no
+    copy (docs/design.md, "tight segments"). `fill` sets every floating-point tensor (NaN
+    makes a missed sync visible)."""
     backend = backend or _current()
+    specs = list(specs)
+    offsets: dict[str, int] = {}
+    end = 0
+    for spec in specs:
+        if spec.name in offsets:
+            raise ValueError(f"parameter {spec.name!r} is listed twice")
+        offsets[spec.name] = end
+        end = align_up(end + spec.nbytes)
+    flat = backend.empty(max(end, 1))
     out: dict[str, torch.Tensor] = {}
     for spec in specs:
-        if spec.name in out:
-            raise ValueError(f"parameter {spec.name!r} is listed twice")
-        t = backend.empty(spec.shape, spec.dtype)
+        t = out[spec.name] = typed_view(flat, offsets[spec.name], spec.shape, spec.dtype)
         if fill is not None and spec.dtype.is_floating_point:
             t.fill_(fill)
-        out[spec.name] = t
     return out
 
 

@@ -59,9 +59,14 @@ class SegmentPacker:
         ranges = segment.ranges
         if len(ranges) > 1:
             # Several pieces, so none of them goes straight from its own memory (`_direct`):
-            # the whole ones are gathered, then packed by one multi-tensor copy into views of
-            # the target cached with the plan; chunks of larger tensors go the way below.
-            ranges = self._pack_whole(packing, bucket, segment, target, keep, timer)
+            # the whole ones are gathered, then sent from the memory they lie back to back in
+            # (`_span`), or packed by one multi-tensor copy into views of the target cached
+            # with the plan; chunks of larger tensors go the way below.
+            spanned = segment.tight and into is None and segments is NO_DELTA and self.config.bypass_cpu and not self.config.verify
+            ranges, span = self._pack_whole(packing, bucket, segment, target, keep, timer, spanned)
+            if span is not None:
+                keep.append(span)
+                return span, False
         for index, lo, hi in ranges:
             piece = bucket.pieces[index]
             spec = piece.spec
@@ -103,18 +108,21 @@ class SegmentPacker:
         return buffer[segment.start : segment.stop], False
 
     def _pack_whole(
-        self, packing: "SourceCursor", bucket: Bucket, segment: Segment, target: torch.Tensor, keep: list[torch.Tensor], timer: PhaseTimer
-    ) -> list[tuple[int, int, int]]:
+        self, packing: "SourceCursor", bucket: Bucket, segment: Segment, target: torch.Tensor, keep: list[torch.Tensor], timer: PhaseTimer,
+        spanned: bool = False,
+    ) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
         """Gather the whole pieces of a segment and pack them with one multi-tensor copy:
         one stream wait and one launch per segment, whatever its tensor count. Returns the
-        segment's other ranges (chunks of larger tensors), for the caller to pack."""
+        segment's other ranges (chunks of larger tensors), for the caller to pack, and, when
+        `spanned` (a tight segment the sender may send from the source's memory) and the
+        tensors lie back to back as the segment's bytes do, that memory instead of a pack."""
         key = (packing.plan.digest, target.data_ptr(), target.numel(), bucket.index, segment.start)
         pack = self._packs.get(key)
         if pack is None:
             pack = self._packs[key] = self._segment_packs(packing.plan, bucket, segment, target)
         if packing.epoch != self._epoch:  # lists made from another listing hold tensors no longer sent: let them go
             for other in self._packs.values():
-                other.srcs, other.copies, other.epoch = [], None, -1
+                other.srcs, other.copies, other.epoch, other.span = [], None, -1, _UNKNOWN
             self._epoch = packing.epoch
         began = time.perf_counter()
         srcs = packing.sources(pack)
@@ -122,34 +130,56 @@ class SegmentPacker:
         keep.extend(srcs)
         if self.backend.supports_async_streams:  # a gather (e.g. full_tensor) may still be running
             self.stream.wait_stream(self.backend.current_stream())
+        if spanned:
+            # looked for once per listing (its tensors stay at their addresses until the epoch
+            # changes), every sync for an iterated source
+            span = pack.span if packing.epoch >= 0 else _UNKNOWN
+            if span is _UNKNOWN:
+                span = kernels.span_bytes(srcs, pack.offsets, segment.stop - segment.start, pack.dtypes, target.device)
+                if packing.epoch >= 0:
+                    pack.span = span
+            if span is not None:
+                return pack.others, span
+        self._tight_dsts(packing.plan, bucket, segment, target, pack)
         # every source was checked against its spec (`gather`, or the listing's check), every view is made from it
         if packing.epoch < 0 or pack.fresh:
             # iterated, or the first sync of these tensors (a source may hand out new objects
             # every sync, `state_dict()` does): one multi-tensor copy, nothing prepared
             pack.fresh = False
             self.backend.copy_many_(pack.dsts, srcs, stream=self.stream, shapes_checked=True)
-            return pack.others
+            return pack.others, None
         if pack.copies is None:  # once per listing: the same tensors at the same addresses, until the epoch changes
             pack.copies = self.backend.prepare_copies(pack.dsts, srcs, shapes_checked=True)
         self.backend.copy_prepared_(pack.copies, stream=self.stream)
-        return pack.others
+        return pack.others, None
 
     def _segment_packs(self, plan: BucketPlan, bucket: Bucket, segment: Segment, target: torch.Tensor) -> "SegmentPack":
         """What packing a segment of several pieces needs, made once per plan and target
         (kept in `_packs` by the caller)."""
         if len(self._packs) >= 4 * sum(len(b.segments) for b in plan.buckets) + 8:
             self._packs.clear()  # buffers were reallocated or the layout changed: the old keys are stale
-        views = self._views.of(plan, target, bucket)
+        # a tight segment's views are made only if it is ever packed (`_tight_dsts`): a view
+        # per tensor is most of what a sender holds per tensor
+        views = None if segment.tight else self._views.of(plan, target, bucket)
         pack = SegmentPack()
         for index, lo, hi in segment.ranges:
             piece = bucket.pieces[index]
             if piece.is_whole:
                 pack.whole.append((piece.spec, hi > 0))
-                if hi:
+                if hi and views is not None:
                     pack.dsts.append(views[index])
             else:
                 pack.others.append((index, lo, hi))
+        if segment.tight:
+            pieces = [bucket.pieces[index] for index, _, _ in segment.ranges]
+            pack.offsets = [p.offset - segment.start for p in pieces]
+            pack.dtypes = [p.spec.dtype for p in pieces]
         return pack
+
+    def _tight_dsts(self, plan: BucketPlan, bucket: Bucket, segment: Segment, target: torch.Tensor, pack: "SegmentPack") -> None:
+        if segment.tight and not pack.dsts:  # (every piece of a tight segment is whole, with bytes)
+            views = self._views.of(plan, target, bucket)
+            pack.dsts = [views[index] for index, _, _ in segment.ranges]
 
     def _direct(self, plan: BucketPlan, spec: TensorSpec, tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
         """Whether every range of this tensor goes straight from its memory, skipping the
@@ -166,14 +196,18 @@ class SegmentPacker:
         )
 
 
+_UNKNOWN = object()  # a tight segment's span, not yet looked for in this listing
+
+
 class SegmentPack:
     """What packing one segment of several pieces needs, made once per plan and target: per
     whole piece its spec and whether it has bytes (`whole`), the views they pack into
     (`dsts`), the segment's other ranges (`others`); and the tensors the views are copied
     from, when they are read from a listing (`srcs`, and the copies prepared between them,
-    `copies`: made once per listing, `epoch`)."""
+    `copies`: made once per listing, `epoch`); for a tight segment, the source's memory its
+    tensors lie back to back in, when they do (`span`: found once per listing)."""
 
-    __slots__ = ("whole", "dsts", "others", "srcs", "copies", "epoch", "fresh")
+    __slots__ = ("whole", "dsts", "others", "srcs", "copies", "epoch", "fresh", "offsets", "dtypes", "span")
 
     def __init__(self) -> None:
         self.whole: list[tuple[TensorSpec, bool]] = []
@@ -183,6 +217,11 @@ class SegmentPack:
         self.copies: PreparedCopies | None = None
         self.epoch = -1
         self.fresh = False  # `srcs` were made this sync
+        # a tight segment's: where each tensor starts in it and its dtype; the source's memory
+        # holding them back to back (None: they do not), found once per listing
+        self.offsets: list[int] = []
+        self.dtypes: list[torch.dtype] = []
+        self.span: torch.Tensor | None | object = _UNKNOWN
 
 
 class SourceCursor:
@@ -258,7 +297,7 @@ class ListedCursor(SourceCursor):
         if pack.epoch != self.epoch:
             tensors, at = self.tensors, self.known.position
             pack.srcs = [tensors[at(spec.name)] for spec, has_bytes in pack.whole if has_bytes]
-            pack.copies, pack.epoch, pack.fresh = None, self.epoch, True
+            pack.copies, pack.epoch, pack.fresh, pack.span = None, self.epoch, True, _UNKNOWN
         return pack.srcs
 
 

@@ -130,6 +130,11 @@ class Segment:
     start: int
     stop: int
     ranges: tuple[tuple[int, int, int], ...]
+    tight: bool = False
+    """Its ranges are two or more whole, non-empty pieces back to back, with no padding
+    between them: its bytes are exactly theirs, in order. A side that holds those tensors
+    back to back in one allocation, in the same order, sends them from there or receives
+    them there with no copy (hal.sync.packing, hal.sync.delivery)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +178,18 @@ class BucketPlan:
     """Tensors every byte of which travels in segments holding nothing else (a range of
     that one tensor, exactly). Only these can go straight from the sender's tensor and
     land straight in a receiver's destination: no other tensor shares their transfers."""
+    span_tensors: frozenset[str] = frozenset()
+    """Tensors that travel in a tight segment (`Segment.tight`): they too may land straight
+    in a receiver's destinations, when those lie back to back as the segment's bytes do."""
     total_bytes: int = field(init=False, compare=False)
     """The bytes of every tensor (derived once: every sync's metrics report it)."""
+    in_place_tensors: frozenset[str] = field(init=False, compare=False)
+    """`solo_tensors` and `span_tensors`: those a receiver may land in place (one object per
+    plan: a receiver recognises its last check by it)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "total_bytes", sum(s.nbytes for s in self.specs))
+        object.__setattr__(self, "in_place_tensors", self.solo_tensors | self.span_tensors)
 
     @property
     def max_bucket_nbytes(self) -> int:
@@ -252,7 +264,8 @@ def build_plan(
     if pieces:
         close()
     key = plan_key(specs, bucket_bytes, verify, segment_bytes)
-    return BucketPlan(specs, bucket_bytes, verify, tuple(buckets), key, segment_bytes, _solo_tensors(buckets))
+    spans = frozenset(b.pieces[i].spec.name for b in buckets for s in b.segments if s.tight for i, _, _ in s.ranges)
+    return BucketPlan(specs, bucket_bytes, verify, tuple(buckets), key, segment_bytes, _solo_tensors(buckets), spans)
 
 
 def is_solo(bucket: Bucket, segment: Segment) -> bool:
@@ -285,7 +298,8 @@ def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, s
     a segment of their own.
     """
     if segment_bytes is None:
-        return (Segment(0, nbytes, tuple((i, 0, p.nbytes) for i, p in enumerate(pieces))),)
+        every = tuple((i, 0, p.nbytes) for i, p in enumerate(pieces))
+        return (Segment(0, nbytes, every, _tight(pieces, every, 0, nbytes)),)
     limit = max(ALIGNMENT, segment_bytes // ALIGNMENT * ALIGNMENT)
     segments: list[Segment] = []
     ranges: list[tuple[int, int, int]] = []
@@ -294,7 +308,7 @@ def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, s
     def close() -> None:
         nonlocal ranges
         if ranges:
-            segments.append(Segment(start, end, tuple(ranges)))
+            segments.append(Segment(start, end, tuple(ranges), _tight(pieces, ranges, start, end)))
             ranges = []
 
     for i, piece in enumerate(pieces):
@@ -314,6 +328,20 @@ def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, s
     if nbytes > checksum_offset:
         segments.append(Segment(checksum_offset, nbytes, ()))
     return tuple(segments)
+
+
+def _tight(pieces: Sequence[Piece], ranges: Sequence[tuple[int, int, int]], start: int, stop: int) -> bool:
+    """Whether bytes `[start, stop)` are exactly `ranges`, two or more whole, non-empty
+    pieces back to back (`Segment.tight`)."""
+    if len(ranges) < 2:
+        return False
+    end = start
+    for index, lo, hi in ranges:
+        piece = pieces[index]
+        if not piece.is_whole or lo != 0 or hi != piece.nbytes or hi == 0 or piece.offset != end:
+            return False
+        end += hi
+    return end == stop
 
 
 def segment_word(bucket: Bucket, segment: Segment) -> int:

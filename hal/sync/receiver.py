@@ -118,8 +118,9 @@ class Receiver:
                 plan = self.plans.get(header.specs, header.bucket_bytes, header.verify, header.segment_bytes)
             except ValueError as exc:
                 raise errors.HeaderError(f"header describes no valid bucket layout: {exc}") from None
-            # in place: only tensors that travel alone can land there; a delta may patch any
-            destinations = self._check_specs(header.specs, sink, policy, None if header.delta else plan.solo_tensors)
+            # in place: only tensors that travel alone, or back to back in a tight segment, can
+            # land there; a delta may patch any
+            destinations = self._check_specs(header.specs, sink, policy, None if header.delta else plan.in_place_tensors)
             if self.validate is not None:
                 self.validate(list(header.specs))
             if plan.digest != header.digest:

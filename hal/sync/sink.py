@@ -16,7 +16,9 @@ when a sync it took part of failed (`abort`):
 
 `destination(name)` returning a tensor means: write this tensor's new bytes there (the
 receiver lands them in place when they travel alone and the sender vouches that the
-whole tensor follows, and copies them there otherwise, casting if the dtype differs),
+whole tensor follows, or when they travel back to back with others in one segment and
+their destinations lie back to back in one allocation in the same order (one flat
+buffer of weights); it copies them there otherwise, casting if the dtype differs),
 and `apply` then receives that very tensor. Returning None means: hand me a view in
 `apply`, valid only during the call (copy what you keep, as `load_weights` does). On a
 device, a view is ready in the order of the receiver's current stream: torch ops on that
