@@ -306,3 +306,46 @@ def test_allocate_lays_an_engine_table_out_as_the_wire_does():
                 assert span is not None and span.data_ptr() == dests[0].data_ptr()
                 found += 1
     assert found >= 4
+
+
+def broken_worker(rank, world):
+    from hal.sync import PeerError
+
+    backend = CpuBackend()
+    transport = BroadcastTransport(None, src=0)
+    flat, tensors = flat_views()
+    for name, shape, dtype in LAYOUT:
+        tensors[name].copy_(value(name, shape, dtype, 1 if rank == 0 else 0))
+    if rank == 0:
+        sender = Sender(transport, SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, timeout_s=5.0), backend=backend)
+        try:
+            sender.send(TensorSource([(n, tensors[n]) for n, _, _ in LAYOUT]), version=1)
+        except PeerError:
+            return "peer lost"
+        return "sent"
+    receiver = Receiver(transport, None, backend=backend, timeout_s=5.0)
+    plan = build_plan([TensorSpec(n, s, d) for n, s, d in LAYOUT], BUCKET, segment_bytes=SEGMENT)
+    (k, j, names), (_, _, after) = tight_segments(plan)[1:3]
+    original = transport._complete
+
+    def breaking(pending, complete):
+        if pending[:2] == (k, j):  # its bytes landed in place; then the connection "breaks"
+            transport.channel.wait(pending[3], "the broken segment")
+            raise PeerError("simulated: the connection broke after a tight segment landed in place")
+        return original(pending, complete)
+
+    transport._complete = breaking
+    try:
+        receiver.receive(copy_into(tensors))
+    except PeerError:
+        pass
+    return receiver.torn, names, after, receiver.consistent, receiver.version
+
+
+@pytest.mark.multiprocess
+def test_a_connection_broken_during_a_tight_segment_names_its_tensors_as_torn():
+    sent, (torn, names, after, consistent, version) = run_group(broken_worker, 2, timeout=120)
+    assert sent == "peer lost"
+    # that segment's tensors, and the next one's (its receive was already posted in place)
+    assert torn == tuple(sorted(names + after)) and len(names) > 1
+    assert not consistent and version is None
