@@ -17,7 +17,9 @@ from hal.sync.errors import AuthError
 # no proof here) and announced in every header (hal.sync.header.HEADER_PROTOCOL).
 # 4: a piece's checksum pads its last partial word instead of weighing its tail bytes one
 # by one, so that a bucket's checksums are computed all at once (hal.kernels.checksums).
-WIRE_PROTOCOL = 4
+# 5: a piece followed by padding gets a segment of its own between long runs of other
+# pieces (hal.sync.plan.segment_bucket): the same plan digest, other segments.
+WIRE_PROTOCOL = 5
 
 
 def auth_proof(token: str, *, version: int, digest: str, challenge: str) -> str:

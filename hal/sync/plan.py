@@ -294,16 +294,27 @@ def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, s
     order, into segments of at most `segment_bytes`, except that a piece of at least a
     quarter of that gets segments of its own (split at ALIGNMENT multiples when larger):
     the sender can then send it from the tensor's own memory without packing it.
-    Padding between segments does not travel; checksums, when verifying, travel last in
-    a segment of their own.
+    A piece followed by padding (its size not a multiple of ALIGNMENT: a 96-byte norm)
+    would make a whole segment of small tensors not tight (`Segment.tight`), so such
+    pieces get a segment of their own when a run of at least a quarter of a segment of
+    other pieces lies before or after them (one small segment more, which is packed; the
+    runs stay tight). Padding between segments does not travel; checksums, when
+    verifying, travel last in a segment of their own.
     """
     if segment_bytes is None:
         every = tuple((i, 0, p.nbytes) for i, p in enumerate(pieces))
         return (Segment(0, nbytes, every, _tight(pieces, every, 0, nbytes)),)
     limit = max(ALIGNMENT, segment_bytes // ALIGNMENT * ALIGNMENT)
+    # per piece: whether it breaks a tight run, and the bytes of the run of pieces that do
+    # not from it on (0 for a breaker)
+    breaks = [not p.is_whole or p.nbytes == 0 or p.nbytes % ALIGNMENT != 0 for p in pieces]
+    run_from = [0] * (len(pieces) + 1)
+    for i in range(len(pieces) - 1, -1, -1):
+        run_from[i] = 0 if breaks[i] else pieces[i].nbytes + run_from[i + 1]
     segments: list[Segment] = []
     ranges: list[tuple[int, int, int]] = []
     start = end = 0
+    broken = False  # the open segment holds a breaker
 
     def close() -> None:
         nonlocal ranges
@@ -320,10 +331,15 @@ def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, s
             continue
         if ranges and piece.offset + piece.nbytes - start > limit:
             close()
+        elif ranges and breaks[i] and not broken and end - start >= limit // 4:
+            close()  # keep the tight run before it tight
+        elif ranges and not breaks[i] and broken and run_from[i] >= limit // 4:
+            close()  # and the one after it
         if not ranges:
-            start = piece.offset
+            start, broken = piece.offset, False
         ranges.append((i, 0, piece.nbytes))
         end = piece.offset + piece.nbytes
+        broken = broken or breaks[i]
     close()
     if nbytes > checksum_offset:
         segments.append(Segment(checksum_offset, nbytes, ()))

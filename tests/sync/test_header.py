@@ -122,7 +122,7 @@ def test_realistic_header_round_trips_and_encodes_deterministically():
 def test_encoding_is_the_documented_compact_json():
     header = small_header(auth=auth_proof(TOKEN, version=7, digest=DIGEST, challenge=CHALLENGE))
     expected = (
-        '{"protocol":4,"version":7,"specs":[["embed.weight",[8,4],"bfloat16"],["scale",[],"float32"],'
+        '{"protocol":5,"version":7,"specs":[["embed.weight",[8,4],"bfloat16"],["scale",[],"float32"],'
         '["ids",[0,3],"int64"]],"bucket_bytes":1048576,"segment_bytes":65536,"verify":true,'
         f'"digest":"{DIGEST}","delta":false,"delta_base":null,"auth":"{header.auth}"}}'
     ).encode()
@@ -530,7 +530,7 @@ def test_real_headers_up_to_max_specs_tensors_decode(costs):
 
 def test_wrong_protocol():
     message = refused_object(lambda o: o.update(protocol=7, unknown_future_key=1))
-    assert message == "header protocol 7; this verl-hal speaks 4: mismatched verl-hal versions on trainer and engine?"
+    assert message == "header protocol 7; this verl-hal speaks 5: mismatched verl-hal versions on trainer and engine?"
     refused_object(lambda o: o.update(protocol="1"), "'protocol'")
     refused(b'{"version":1}', "'protocol'")
 

@@ -33,7 +33,15 @@ def kib(i: int) -> tuple[str, tuple[int, ...], torch.dtype]:
 
 # 1 KiB each (fp32 and bf16 mixed) over two buckets; `odd` (100 bytes) is padded to 256 on
 # the wire, so the segment it travels in is not tight; later ones are (offsets are relative)
-LAYOUT: list[tuple[str, tuple[int, ...], torch.dtype]] = [*map(kib, range(10)), ("odd", (50,), torch.bfloat16), *map(kib, range(10, 40))]
+LAYOUT: list[tuple[str, tuple[int, ...], torch.dtype]] = [
+    *map(kib, range(10)),
+    ("odd", (50,), torch.bfloat16),  # between long runs: a segment of its own, the runs stay tight
+    *map(kib, range(10, 34)),
+    ("odd2", (30,), torch.bfloat16),  # two close together: the segment holding them is not tight
+    kib(34),
+    ("odd3", (70,), torch.bfloat16),
+    *map(kib, range(35, 40)),
+]
 
 
 def value(name: str, shape: tuple[int, ...], dtype: torch.dtype, version: int) -> torch.Tensor:
@@ -249,9 +257,17 @@ def test_a_segment_is_tight_only_when_its_bytes_are_whole_pieces_back_to_back():
 
     ones = [TensorSpec(f"w.{i}", (256,), torch.float32) for i in range(16)]
     assert segments(ones) == [(True, [f"w.{i}" for i in range(8)]), (True, [f"w.{i}" for i in range(8, 16)])]
-    # padding after a piece of 100 bytes: its segment is not tight, the next one is
+    # padding after a piece of 100 bytes: between runs of a quarter segment or more, it travels
+    # alone and the runs stay tight; at a segment's end its padding does not travel
     odd = [*ones[:2], TensorSpec("odd", (50,), torch.bfloat16), *ones[2:]]
-    assert [t for t, _ in segments(odd)] == [False, True, False]  # (the last: one piece)
+    assert segments(odd) == [
+        (True, ["w.0", "w.1"]), (False, ["odd"]), (True, [f"w.{i}" for i in range(2, 10)]), (True, [f"w.{i}" for i in range(10, 16)])
+    ]
+    odd = [ones[0], TensorSpec("odd", (50,), torch.bfloat16), *ones[1:]]
+    assert segments(odd)[0] == (True, ["w.0", "odd"])
+    # between short runs, nothing is cut: the segment holding it is not tight
+    odd = [ones[0], TensorSpec("a", (50,), torch.bfloat16), ones[1], TensorSpec("b", (50,), torch.bfloat16), ones[2]]
+    assert segments(odd) == [(False, ["w.0", "a", "w.1", "b", "w.2"])]
     # a segment of one piece is no span (it travels alone, `solo_tensors`)
     one = [TensorSpec("big", (1024,), torch.float32), TensorSpec("small", (64,), torch.float32)]
     assert [t for t, _ in segments(one)] == [False, False]
@@ -325,7 +341,9 @@ def broken_worker(rank, world):
         return "sent"
     receiver = Receiver(transport, None, backend=backend, timeout_s=5.0)
     plan = build_plan([TensorSpec(n, s, d) for n, s, d in LAYOUT], BUCKET, segment_bytes=SEGMENT)
-    (k, j, names), (_, _, after) = tight_segments(plan)[1:3]
+    tight = tight_segments(plan)
+    # a tight segment followed by another: the next one's receive is posted before it completes
+    (k, j, names), (_, _, after) = next((a, b) for a, b in zip(tight, tight[1:]) if b[:2] == (a[0], a[1] + 1))
     original = transport._complete
 
     def breaking(pending, complete):
