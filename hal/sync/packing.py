@@ -60,7 +60,7 @@ class SegmentPacker:
         if len(ranges) > 1:
             # Several pieces, so none of them goes straight from its own memory (`_direct`):
             # the whole ones are gathered, then sent from the memory they lie back to back in
-            # (`_span`), or packed by one multi-tensor copy into views of the target cached
+            # (`kernels.span_bytes`), or packed by one multi-tensor copy into views of the target cached
             # with the plan; chunks of larger tensors go the way below.
             spanned = segment.tight and into is None and segments is NO_DELTA and self.config.bypass_cpu and not self.config.verify
             ranges, span = self._pack_whole(packing, bucket, segment, target, keep, timer, spanned)
