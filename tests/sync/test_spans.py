@@ -22,6 +22,7 @@ from hal.backends.sim import SimBackend
 from hal.sync import BroadcastTransport, Receiver, Sender, SyncConfig, TensorSource, TensorSpec, copy_into
 from hal.sync.plan import build_plan
 from tests.multiproc import run_group
+from tests.sync.test_failures import FailingSource as Iterated  # hands its tensors out by iteration only (no listing)
 
 BUCKET = 32 * 1024
 SEGMENT = 8 * 1024  # eight 1 KiB tensors per segment (a tensor of 2 KiB or more would travel alone)
@@ -65,20 +66,6 @@ def flat_views(layout=LAYOUT, reverse: bool = False) -> tuple[torch.Tensor, dict
 
 def within(memory: torch.Tensor, ptr: int) -> bool:
     return memory.data_ptr() <= ptr < memory.data_ptr() + memory.numel()
-
-
-class Iterated(TensorSource):
-    """Hands its tensors out by iteration only: the sender cannot read them from a listing."""
-
-    def __init__(self, pairs, fail_at: str | None = None) -> None:
-        super().__init__(pairs)
-        self.fail_at = fail_at
-
-    def __iter__(self):
-        for name, tensor in self.pairs:
-            if name == self.fail_at:
-                raise RuntimeError(f"source failed at {name}")
-            yield name, tensor
 
 
 # Each step: (the sender's change, the receiver's change)
@@ -136,7 +123,7 @@ def span_worker(rank, world, backend_name):
                 tensors[name].copy_(value(name, shape, dtype, version))
             pairs = [(name, tensors[name]) for name, _, _ in LAYOUT]
             sent_from.clear()
-            sender.send(Iterated(pairs) if iterate else TensorSource(pairs), version=version)
+            sender.send(Iterated(pairs, None) if iterate else TensorSource(pairs), version=version)
             seen.append(sorted(sent_from))
         plan = sender.plans._last[4]
         return seen, tight_segments(plan), loose_segments(plan)
