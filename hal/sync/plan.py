@@ -296,17 +296,17 @@ def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, s
     the sender can then send it from the tensor's own memory without packing it.
     A piece followed by padding (its size not a multiple of ALIGNMENT: a 96-byte norm)
     would make a whole segment of small tensors not tight (`Segment.tight`), so such
-    pieces get a segment of their own when a run of at least a quarter of a segment of
-    other pieces lies before or after them (one small segment more, which is packed; the
-    runs stay tight). Padding between segments does not travel; checksums, when
+    pieces (with any padded neighbours) are set apart in a segment of their own when a
+    run of at least a quarter of a segment of other pieces lies before or after them (one
+    small segment more, which is packed; the runs stay tight). Padding between segments does not travel; checksums, when
     verifying, travel last in a segment of their own.
     """
     if segment_bytes is None:
         every = tuple((i, 0, p.nbytes) for i, p in enumerate(pieces))
         return (Segment(0, nbytes, every, _tight(pieces, every, 0, nbytes)),)
     limit = max(ALIGNMENT, segment_bytes // ALIGNMENT * ALIGNMENT)
-    # per piece: whether it breaks a tight run, and the bytes of the run of pieces that do
-    # not from it on (0 for a breaker)
+    # per piece: whether it breaks a tight run, and the bytes of the run of unbroken pieces
+    # that starts at it (0 for a breaker)
     breaks = [not p.is_whole or p.nbytes == 0 or p.nbytes % ALIGNMENT != 0 for p in pieces]
     run_from = [0] * (len(pieces) + 1)
     for i in range(len(pieces) - 1, -1, -1):
