@@ -71,6 +71,16 @@ class Handover:
     those the receiver kept, at the same addresses (`Kept.steady`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class SpanLanding:
+    """Where a tight segment lands: the memory its destinations lie back to back in, the
+    names of its tensors, and what the sink is handed once it arrived."""
+
+    memory: torch.Tensor
+    names: list[str]
+    handover: Handover
+
+
 class Kept:
     """What a receiver keeps across syncs for delivering them (see the module doc)."""
 
@@ -85,10 +95,9 @@ class Kept:
         self._handovers: dict[tuple[int, int, int, int], Handover] = {}
         self._handover_basis: tuple[str | None, list[Any]] = (None, [])  # (plan digest, destination objects)
         self._checked: Destinations | None = None  # the destinations of the last sync
-        # per tight segment (bucket, segment): the memory its destinations lie back to back
-        # in, or None; and the names landing there. Kept only while `steady`
-        self.spans: dict[tuple[int, int], torch.Tensor | None] = {}
-        self.span_names: dict[tuple[int, int], list[str]] = {}
+        # per tight segment (bucket, segment): where it lands, or None (it does not lie back
+        # to back in the destinations). Kept only while `steady`
+        self.spans: dict[tuple[int, int], SpanLanding | None] = {}
         self.steady = False
         """This sync's destinations are the very check of the last sync, which the receiver
         kept because the sink said nothing changed, memory included (hal.sync.steady): the
@@ -109,7 +118,7 @@ class Kept:
         self._checked = destinations
         if self.steady:
             return
-        self.spans, self.span_names = {}, {}  # destinations checked again may have moved
+        self.spans = {}  # destinations checked again may have moved
         if digest == plan.digest and len(objects) == len(destinations.objects) and all(map(operator.is_, objects, destinations.objects)):
             # the same objects, checked again: the lists hold, copies prepared into their memory may not
             for handover in self._handovers.values():
@@ -249,23 +258,25 @@ class Delivery:
         key = (bucket.index, j)
         span = self.kept.spans.get(key, _UNKNOWN)
         if span is _UNKNOWN:
-            span = self.kept.spans[key] = self._find_span(bucket, j, segment)
+            span = self.kept.spans[key] = self._find_span(bucket, segment)
         if span is None:
             return None
-        self.landing.update(self.kept.span_names[key])
+        self.landing.update(span.names)
         self.touched = True
-        return span
+        return span.memory
 
-    def _find_span(self, bucket: Bucket, j: int, segment: Segment) -> torch.Tensor | None:
+    def _find_span(self, bucket: Bucket, segment: Segment) -> SpanLanding | None:
         exact, pieces = self.exact, [bucket.pieces[index] for index, _, _ in segment.ranges]
         dests = [exact.get(p.spec.name) for p in pieces]
         if any(d is None for d in dests):
             return None
         offsets = [p.offset - segment.start for p in pieces]
-        span = kernels.span_bytes(dests, offsets, segment.stop - segment.start, [p.spec.dtype for p in pieces], dests[0].device)
-        if span is not None:
-            self.kept.span_names[(bucket.index, j)] = [p.spec.name for p in pieces]
-        return span
+        memory = kernels.span_bytes(dests, offsets, segment.stop - segment.start, [p.spec.dtype for p in pieces], dests[0].device)
+        if memory is None:
+            return None
+        names = [p.spec.name for p in pieces]
+        # the sink is handed the destinations themselves: nothing to copy
+        return SpanLanding(memory, names, Handover([], [], list(zip(names, dests))))
 
     def complete(self, k: int, j: int, landed: bool, status: SegmentStatus) -> None:
         bucket = self.plan.buckets[k]
@@ -293,13 +304,9 @@ class Delivery:
         """What segment j completes on the plain path: a cached handover when it is packed
         whole tensors in the transport's buffer (the case of thousands of small tensors)."""
         if landed and segment.tight:
-            # its tensors are in their destinations: the sink is handed those, nothing is copied
-            self.landing.difference_update(self.kept.span_names[(bucket.index, j)])
-            key = (-1, 0, bucket.index, j)
-            found = self.kept.handover(key)
-            if found is None:
-                found = self.kept.keep_handover(key, Handover([], [], [(n, self.exact[n]) for n in self.kept.span_names[(bucket.index, j)]]))
-            return found
+            span = self.kept.spans[(bucket.index, j)]  # found when it landed (`_span_landing`)
+            self.landing.difference_update(span.names)
+            return span.handover
         if landed or not segment.ranges:
             return self.arrived(bucket, segment, landed)
         buffer = self.transport.buffer(bucket.index)

@@ -21,6 +21,7 @@ from hal.backends.cpu import CpuBackend
 from hal.backends.sim import SimBackend
 from hal.sync import BroadcastTransport, Receiver, Sender, SyncConfig, TensorSource, TensorSpec, copy_into
 from hal.sync.plan import build_plan
+from hal.tools.bench import buffers
 from tests.multiproc import run_group
 from tests.sync.test_failures import FailingSource as Iterated  # hands its tensors out by iteration only (no listing)
 
@@ -32,8 +33,8 @@ def kib(i: int) -> tuple[str, tuple[int, ...], torch.dtype]:
     return (f"w.{i}", (16, 16), torch.float32) if i % 3 else (f"w.{i}", (32, 16), torch.bfloat16)
 
 
-# 1 KiB each (fp32 and bf16 mixed) over two buckets; `odd` (100 bytes) is padded to 256 on
-# the wire, so the segment it travels in is not tight; later ones are (offsets are relative)
+# 1 KiB each (fp32 and bf16 mixed) over two buckets; the odd ones are padded to 256 bytes
+# on the wire, so only a segment without padding between its tensors is tight
 LAYOUT: list[tuple[str, tuple[int, ...], torch.dtype]] = [
     *map(kib, range(10)),
     ("odd", (50,), torch.bfloat16),  # between long runs: a segment of its own, the runs stay tight
@@ -51,17 +52,13 @@ def value(name: str, shape: tuple[int, ...], dtype: torch.dtype, version: int) -
 
 
 def flat_views(layout=LAYOUT, reverse: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One allocation holding every tensor back to back (each at its dtype's alignment), in
-    the layout's order or reversed."""
-    order = list(reversed(layout)) if reverse else list(layout)
-    offsets, at = {}, 0
-    for name, shape, dtype in order:
-        at = (at + dtype.itemsize - 1) // dtype.itemsize * dtype.itemsize
-        offsets[name] = at
-        at += TensorSpec(name, shape, dtype).nbytes
-    flat = torch.zeros(at, dtype=torch.uint8)
-    views = {name: kernels.typed_view(flat, offsets[name], shape, dtype) for name, shape, dtype in layout}
-    return flat, views
+    """One allocation holding every tensor back to back (each at its dtype's alignment, as
+    the bench's flat layout), in the layout's order or reversed."""
+    specs = [TensorSpec(name, shape, dtype) for name, shape, dtype in layout]
+    order = specs[::-1] if reverse else specs
+    offsets, total = buffers.flat_layout(order)
+    flat = torch.zeros(total, dtype=torch.uint8)
+    return flat, {spec.name: view for spec, view in zip(order, buffers.flat_views(flat, order, offsets))}
 
 
 def within(memory: torch.Tensor, ptr: int) -> bool:
