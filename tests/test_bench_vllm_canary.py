@@ -27,6 +27,9 @@ def test_the_05b_preset_has_qwen25_05bs_shape():
     assert (spec.architecture, spec.tie_word_embeddings, spec.vocab_size, spec.num_hidden_layers) == ("qwen2", True, 151936, 24)
     assert spec.nbytes_fp32() // 4 == 494_032_768  # Qwen2.5-0.5B's parameters (hal.tools.bench.presets: 988,065,536 bytes in bf16)
     assert vllm_engine.vllm_spec("llama-bench-fp32", tied=True).tie_word_embeddings
+    tiny = vllm_engine.vllm_spec("tiny", tied=False)
+    assert tiny.nbytes_fp32() < 2**21 and not tiny.tie_word_embeddings
+    assert vllm_engine.vllm_spec("tiny", tied=True).tie_word_embeddings
     with pytest.raises(ValueError, match="--vllm-preset"):
         vllm_engine.vllm_spec("gpt2", tied=False)
 

@@ -8,10 +8,14 @@ accelerator (`VERL_DEVICE=cuda ...`) runs twice: as printed, where it must fail 
 line that names the backend (no traceback), and on the cpu backend in its cheap form.
 Commands that are what CI itself runs, or that a test already runs in the same cheap form,
 are listed in ELSEWHERE with the place that runs them, which this test checks exists.
+Commands whose cheap forms are one run (the same options in another order or with sizes the
+cheap form replaces, writing no more outputs: `hal bench` and `hal bench --json run.json`)
+run once, under the command that covers the others (`runners`).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import re
@@ -79,8 +83,8 @@ ELSEWHERE = {
 # Options whose value the cheap form replaces (None: dropped with its value).
 _CHEAP_VALUES = {"--preset": "tiny", "--repeats": "1", "--warmup": "0", "--syncs": "2", "--timeout": "240", "--bucket-mb": "1",
                  "--segment-mb": "1", "--steps": "2", "--vllm-bucket-mb": "1",
-                 # --engine vllm: the default (smaller) model, and a probe of 2 sequences of 4 tokens
-                 "--vllm-preset": "llama-bench-fp32", "--vllm-canary": "2x4"}
+                 # --engine vllm: the test suite's model, and a probe of 2 sequences of 4 tokens
+                 "--vllm-preset": "tiny", "--vllm-canary": "2x4"}
 _OUTPUTS = ("--json", "--plot", "--out-dir")
 _HAL = re.compile(r"^(?:\S*/)?hal$")
 
@@ -128,6 +132,8 @@ def cheap_form(command: str, tmp: pathlib.Path) -> tuple[list[str], dict[str, st
             cheap += ["--segment-mb", "1"]
         if "--engine" in cheap and "--vllm-in-process" not in cheap:
             cheap.append("--vllm-in-process")
+        if "--engine" in cheap and "--vllm-preset" not in cheap:
+            cheap += ["--vllm-preset", _CHEAP_VALUES["--vllm-preset"]]
     if args and args[0] == "demo":
         for option, value in (("--steps", "2"), ("--out-dir", str(tmp / "demo"))):
             if option not in cheap:
@@ -143,6 +149,54 @@ def _for_hardware(command: str) -> bool:
 
 def _runnable() -> list[str]:
     return sorted(c for c in documented_commands() if c not in ELSEWHERE)
+
+
+def _shape(command: str) -> tuple[tuple, frozenset[str]]:
+    """What a command's cheap form runs, whatever the order of its options and wherever it
+    writes: (the program, its options as sorted (option, values...) groups without the
+    output options, the environment it sets, as printed), and the output options it writes."""
+    argv, env = cheap_form(command, pathlib.Path("/tmp"))
+    words = shlex.split(command)
+    setting = tuple(sorted(w for w in itertools.takewhile(lambda w: re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w), words)))
+    if argv[:3] != [sys.executable, "-m", "hal"]:
+        return (tuple(argv), setting), frozenset()
+    sub, groups, outputs = argv[3], [], set()
+    for word in argv[4:]:
+        if word.startswith("--"):
+            groups.append([word])
+        elif groups:
+            groups[-1].append(word)
+        else:
+            sub += " " + word
+    kept = []
+    for group in groups:
+        if group[0] in _OUTPUTS and sub != "info":  # `hal info --json` is a flag, not an output
+            outputs.add(group[0])
+        else:
+            kept.append(tuple(group))
+    return (sub, tuple(sorted(kept)), setting), frozenset(outputs)
+
+
+def runners(commands: list[str]) -> dict[str, list[str]]:
+    """The commands to run, each with the documented commands it covers (itself first): a
+    command is covered by one that runs the same program with the same options (their order
+    and sizes aside, as the cheap form shrinks them) and the same environment, and writes
+    at least the same outputs (`hal bench --json run.json` covers `hal bench`)."""
+    by_shape: dict[tuple, list[tuple[frozenset[str], str]]] = {}
+    for command in commands:
+        shape, outputs = _shape(command)
+        by_shape.setdefault(shape, []).append((outputs, command))
+    chosen: dict[str, list[str]] = {}
+    for members in by_shape.values():
+        picked: list[tuple[frozenset[str], str]] = []
+        for outputs, command in sorted(members, key=lambda m: (-len(m[0]), m[1])):
+            runner = next((c for o, c in picked if outputs <= o), None)
+            if runner is None:
+                picked.append((outputs, command))
+                chosen[command] = [command]
+            else:
+                chosen[runner].append(command)
+    return dict(sorted(chosen.items()))
 
 
 def test_the_docs_print_commands_and_each_has_a_way_to_run():
@@ -170,7 +224,7 @@ def test_every_place_named_elsewhere_exists_and_every_entry_is_still_documented(
             assert command in text
 
 
-@pytest.mark.parametrize("command", _runnable())
+@pytest.mark.parametrize("command", list(runners(_runnable())))
 def test_documented_command_runs(command, tmp_path):
     argv, env = cheap_form(command, tmp_path)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -194,3 +248,28 @@ def test_cheap_form_keeps_the_command_and_shrinks_only_its_size(tmp_path):
                         "--repeats", "1", "--warmup", "0", "--timeout", "240"]
     assert _commands_of("see `hal bench --delta` and\n```bash\nmake setup   # builds it\n```\n    hal info --json\n") == [
         "hal bench --delta", "make setup", "hal info --json"]
+
+
+def test_a_command_is_covered_only_by_one_that_runs_the_same_options_and_writes_as_much():
+    chosen = runners([
+        "hal bench", "hal bench --json run.json",                                    # the same, one writes more
+        "hal bench --receivers 2 --preset qwen2.5-0.5b", "hal bench --preset moe-16k --receivers 2",  # order, sizes
+        "hal bench --senders 4 --receivers 3", "hal bench --senders 3 --receivers 4",  # other values
+        "hal bench --plot p.png", "hal bench --json r.json --plot p.png",
+        "VERL_DEVICE=cuda hal info", "VERL_DEVICE=cuda .venv-cuda/bin/hal info", "VERL_DEVICE=npu hal info",  # as printed: cuda, npu
+        "hal info", "hal info --json",                                                # a flag of `hal info`, not an output
+    ])
+    assert chosen == {
+        "hal bench --json r.json --plot p.png": ["hal bench --json r.json --plot p.png", "hal bench --json run.json", "hal bench --plot p.png", "hal bench"],
+        "hal bench --preset moe-16k --receivers 2": ["hal bench --preset moe-16k --receivers 2", "hal bench --receivers 2 --preset qwen2.5-0.5b"],
+        "hal bench --senders 3 --receivers 4": ["hal bench --senders 3 --receivers 4"],
+        "hal bench --senders 4 --receivers 3": ["hal bench --senders 4 --receivers 3"],
+        "VERL_DEVICE=cuda .venv-cuda/bin/hal info": ["VERL_DEVICE=cuda .venv-cuda/bin/hal info", "VERL_DEVICE=cuda hal info"],
+        "VERL_DEVICE=npu hal info": ["VERL_DEVICE=npu hal info"],
+        "hal info": ["hal info"],
+        "hal info --json": ["hal info --json"],
+    }
+    # every documented command is run or covered, once
+    documented = _runnable()
+    covered = [c for group in runners(documented).values() for c in group]
+    assert sorted(covered) == documented

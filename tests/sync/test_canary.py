@@ -217,3 +217,25 @@ def test_an_fsdp2_module_computes_the_same_and_stays_sharded():
         assert rank["before"] == rank["after"] == ["DTensor"], rank
         assert torch.allclose(torch.tensor(rank["got"]), torch.tensor(rank["plain"]), atol=1e-6)
     assert ranks[0]["full"] == ranks[1]["full"]
+
+
+def test_the_docs_settings_table_gives_the_configs_defaults():
+    """docs/canary.md's `CanaryConfig` table: each row's defaults, in the order of its fields."""
+    import dataclasses
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "canary.md").read_text()
+    table = text.split("## Settings (`CanaryConfig`)", 1)[1].split("\n## ", 1)[0]
+    defaults = {f.name: f.default for f in dataclasses.fields(CanaryConfig)}
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    documented = set()
+    for row in rows:
+        names_cell, values_cell = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        names = [n.strip("` ") for n in names_cell.split(",")]
+        values = [v.strip().strip("`").strip('"') for v in values_cell.split(",")]
+        assert len(names) == len(values), row
+        for name, value in zip(names, values):
+            assert name in defaults, f"docs/canary.md names {name!r}, which CanaryConfig has not"
+            assert value == str(defaults[name]), f"docs/canary.md: {name} defaults to {value}, CanaryConfig to {defaults[name]!r}"
+            documented.add(name)
+    assert documented == set(defaults)

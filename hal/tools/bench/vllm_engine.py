@@ -33,6 +33,9 @@ and are reported under `hal_by_config`.
 `--vllm-preset qwen2.5-0.5b` serves a model of Qwen2.5-0.5B's shape instead (Qwen2
 architecture, 24 layers, hidden 896, vocabulary 151,936, tied embeddings: 494 M
 parameters, 1.84 GiB in fp32, 290 tensors), built locally with random weights.
+`--vllm-preset tiny` serves the test suite's model (`TinyModelSpec`'s defaults: 2 layers,
+vocabulary 64, 1.6 MiB): a run that shows every method works end to end in seconds (the
+docs' commands are run that way in the suite), whose times measure start-up, not transfer.
 
 `--vllm-canary SxL[,SxL...]` also times the canary (hal.sync.canary, docs/canary.md) after
 each sync of the rounds, outside the sync's time, once per probe shape: the trainer's
@@ -112,6 +115,7 @@ CANARY_THREADS = 1
 VLLM_PRESETS = {  # name -> what it is (`vllm_spec` builds it)
     "llama-bench-fp32": "a Llama-architecture model of 0.63 GiB fp32, 75 tensors",
     "qwen2.5-0.5b": "Qwen2.5-0.5B's shape (tied, 24 layers, vocabulary 151,936), 1.84 GiB fp32, 290 tensors",
+    "tiny": "the test suite's model (2 layers, vocabulary 64), 1.6 MiB fp32: a smoke run, its times are start-up",
 }
 
 
@@ -139,6 +143,8 @@ def vllm_spec(preset: str, tied: bool) -> Any:
             architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, init_std=0.02,
         )
+    if preset == "tiny":
+        return TinyModelSpec(tie_word_embeddings=tied)
     if preset != DEFAULT_VLLM_PRESET:
         raise ValueError(f"--vllm-preset: expected one of {list(VLLM_PRESETS)}, got {preset!r}")
     return replace(BENCH_SPEC, tie_word_embeddings=True) if tied else BENCH_SPEC
@@ -187,7 +193,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = vllm_spec(preset, bool(getattr(args, "vllm_tied", False)))
     tied = spec.tie_word_embeddings
     default_dir = Path(tempfile.gettempdir()) / (
-        f"hal-bench-vllm-{preset}" if preset != DEFAULT_VLLM_PRESET else "hal-bench-vllm-model-tied" if tied else "hal-bench-vllm-model"
+        f"hal-bench-vllm-tiny{'-tied' if tied else ''}" if preset == "tiny"
+        else f"hal-bench-vllm-{preset}" if preset != DEFAULT_VLLM_PRESET
+        else "hal-bench-vllm-model-tied" if tied else "hal-bench-vllm-model"
     )
     model_dir = Path(args.vllm_model_dir or default_dir)
     print(f"[bench vllm] model {spec.nbytes_fp32() / GIB:.2f} GiB fp32{' (tied embeddings)' if tied else ''} in {model_dir}", flush=True)
