@@ -155,7 +155,7 @@ def _shape(command: str) -> tuple[tuple, frozenset[str]]:
     """What a command's cheap form runs, whatever the order of its options and wherever it
     writes: (the program, its options as sorted (option, values...) groups without the
     output options, the environment it sets, as printed), and the output options it writes."""
-    argv, env = cheap_form(command, pathlib.Path("/tmp"))
+    argv, _ = cheap_form(command, pathlib.Path("/tmp"))
     words = shlex.split(command)
     setting = tuple(sorted(w for w in itertools.takewhile(lambda w: re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w), words)))
     if argv[:3] != [sys.executable, "-m", "hal"]:
