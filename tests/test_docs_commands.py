@@ -28,6 +28,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
+_ASSIGNMENT = r"[A-Z_][A-Z0-9_]*=\S*"  # an environment variable set before a command
 _ENV = r"(?:[A-Z_][A-Z0-9_]*=\S+\s+)*"
 _PROGRAM = r"(?:\S*/)?(?:hal\s+(?:bench|demo|info)|python3?\s+-m\s+hal\s+(?:bench|demo|info)|make|bash\s+ci/\S+)"
 _COMMAND = re.compile(rf"^{_ENV}{_PROGRAM}(?:\s|$)")
@@ -94,7 +95,7 @@ def cheap_form(command: str, tmp: pathlib.Path) -> tuple[list[str], dict[str, st
     form: accelerator backends become cpu, virtualenv paths this machine's interpreter."""
     words = shlex.split(command)
     env = dict(os.environ)
-    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+    while words and re.fullmatch(_ASSIGNMENT, words[0]):
         name, _, value = words.pop(0).partition("=")
         if name == "VERL_DEVICE" and value in ("cuda", "npu"):
             value = "cpu"
@@ -157,7 +158,7 @@ def _shape(command: str) -> tuple[tuple, frozenset[str]]:
     output options, the environment it sets, as printed), and the output options it writes."""
     argv, _ = cheap_form(command, pathlib.Path("/tmp"))
     words = shlex.split(command)
-    setting = tuple(sorted(w for w in itertools.takewhile(lambda w: re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w), words)))
+    setting = tuple(sorted(itertools.takewhile(lambda w: re.fullmatch(_ASSIGNMENT, w), words)))
     if argv[:3] != [sys.executable, "-m", "hal"]:
         return (tuple(argv), setting), frozenset()
     sub, groups, outputs = argv[3], [], set()

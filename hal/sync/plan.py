@@ -298,8 +298,8 @@ def segment_bucket(pieces: Sequence[Piece], checksum_offset: int, nbytes: int, s
     would make a whole segment of small tensors not tight (`Segment.tight`), so such
     pieces (with any padded neighbours) are set apart in a segment of their own when a
     run of at least a quarter of a segment of other pieces lies before or after them (one
-    small segment more, which is packed; the runs stay tight). Padding between segments does not travel; checksums, when
-    verifying, travel last in a segment of their own.
+    small segment more, which is packed; the runs stay tight). Padding between segments
+    does not travel; checksums, when verifying, travel last in a segment of their own.
     """
     if segment_bytes is None:
         every = tuple((i, 0, p.nbytes) for i, p in enumerate(pieces))

@@ -192,11 +192,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     preset = getattr(args, "vllm_preset", DEFAULT_VLLM_PRESET)
     spec = vllm_spec(preset, bool(getattr(args, "vllm_tied", False)))
     tied = spec.tie_word_embeddings
-    default_dir = Path(tempfile.gettempdir()) / (
-        f"hal-bench-vllm-tiny{'-tied' if tied else ''}" if preset == "tiny"
-        else f"hal-bench-vllm-{preset}" if preset != DEFAULT_VLLM_PRESET
-        else "hal-bench-vllm-model-tied" if tied else "hal-bench-vllm-model"
-    )
+    # one folder per model built: "-tied" where --vllm-tied changed the preset's model
+    tied_by_flag = tied and not vllm_spec(preset, False).tie_word_embeddings
+    name = "model" if preset == DEFAULT_VLLM_PRESET else preset
+    default_dir = Path(tempfile.gettempdir()) / f"hal-bench-vllm-{name}{'-tied' if tied_by_flag else ''}"
     model_dir = Path(args.vllm_model_dir or default_dir)
     print(f"[bench vllm] model {spec.nbytes_fp32() / GIB:.2f} GiB fp32{' (tied embeddings)' if tied else ''} in {model_dir}", flush=True)
     build_tiny_llama(model_dir, spec)
