@@ -58,7 +58,8 @@ from hal.tools.demo_rl import (
     trainer_logprobs,
 )
 
-ARCHITECTURES = ("llama", "qwen2")  # hal.tools.tiny_model.ARCHITECTURES, without importing torch here
+# the dense families of hal.tools.tiny_model.ARCHITECTURES (named here without importing torch)
+ARCHITECTURES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 LR = 3e-3
 DELTA_LR = 1e-3
 DELTA_ANCHOR_EVERY = 8
@@ -81,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"Adam learning rate; default {LR:g}, or {DELTA_LR:g} with --delta (see there)",
     )
     parser.add_argument(
-        "--arch", choices=ARCHITECTURES, default="llama",
-        help="model architecture: llama (no biases) or qwen2 (q/k/v biases); default llama",
+        "--arch", choices=list(ARCHITECTURES), default="llama",
+        help="model architecture: llama (no biases), qwen2 (q/k/v biases) or qwen3 (q/k norms); default llama",
     )
     parser.add_argument(
         "--tied",
@@ -242,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = TinyModelSpec(seed=args.seed, architecture=args.arch, tie_word_embeddings=args.tied)
-    model_name = {"llama": "Llama", "qwen2": "Qwen2"}[spec.architecture] + (" (tied)" if spec.tie_word_embeddings else "")
+    model_name = ARCHITECTURES[spec.architecture] + (" (tied)" if spec.tie_word_embeddings else "")
     if not 3 <= args.target_token < spec.vocab_size:
         raise ValueError(f"--target-token must be a word id in 3..{spec.vocab_size - 1}, got {args.target_token}")
     torch.manual_seed(args.seed)

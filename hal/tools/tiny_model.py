@@ -1,11 +1,14 @@
-"""Tiny Llama- or Qwen2-architecture models built locally, for the demo, the tests and the benchmark.
+"""Tiny models of the families users train, built locally, for the demo, the tests and the benchmark.
 
     path = build_tiny_model("/tmp/tiny", TinyModelSpec(vocab_size=64))
     path = build_tiny_model("/tmp/tiny-q", TinyModelSpec(architecture="qwen2", tie_word_embeddings=True))
+    path = build_tiny_model("/tmp/tiny-moe", TinyModelSpec(architecture="qwen3_moe", num_experts=8))
     llm = vllm.LLM(model=str(path), dtype="float32", ...)
 
-No hub access: the model comes from a `transformers.LlamaConfig` or `Qwen2Config` (Qwen2:
-q/k/v projections carry biases), the tokenizer is a `tokenizers` WordLevel model with
+No hub access: the model comes from a `transformers` config of its family (`ARCHITECTURES`:
+Llama; Qwen2, whose q/k/v projections carry biases; Qwen3, with q/k norms; the MoE
+families Qwen3-MoE, Qwen2-MoE (a shared expert beside the routed ones) and Mixtral), the
+tokenizer is a `tokenizers` WordLevel model with
 exactly `vocab_size` entries (vLLM checks that the tokenizer and the embedding agree).
 Words are `t0`, `t1`, ...; ids 0-2 are `<unk>`, `<s>`, `</s>`. Everything is saved in
 float32 safetensors so vLLM's fp32 greedy output equals Hugging Face's token for token.
@@ -25,7 +28,16 @@ import torch
 
 UNK, BOS, EOS = 0, 1, 2
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
-ARCHITECTURES = ("llama", "qwen2")
+# architecture -> (the transformers config class, whether it is a mixture of experts)
+FAMILIES = {
+    "llama": ("LlamaConfig", False),
+    "qwen2": ("Qwen2Config", False),
+    "qwen3": ("Qwen3Config", False),
+    "qwen3_moe": ("Qwen3MoeConfig", True),
+    "qwen2_moe": ("Qwen2MoeConfig", True),
+    "mixtral": ("MixtralConfig", True),
+}
+ARCHITECTURES = tuple(FAMILIES)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,9 +58,22 @@ class TinyModelSpec:
     decoding is decisive (no near-ties that float noise could flip between engines)."""
     seed: int = 0
     architecture: str = "llama"
-    """"llama" (`LlamaForCausalLM`, no biases) or "qwen2" (`Qwen2ForCausalLM`, q/k/v biases)."""
+    """One of `ARCHITECTURES`: "llama" (no biases), "qwen2" (q/k/v biases), "qwen3" (q/k
+    norms), "qwen3_moe", "qwen2_moe" (routed experts and a shared one), "mixtral"."""
     tie_word_embeddings: bool = False
     """Share one matrix between `embed_tokens` and `lm_head`; saved without `lm_head.weight`."""
+    head_dim: int | None = None
+    """Attention head size where the family takes one (Qwen3, Qwen3-MoE, Mixtral); None:
+    hidden_size / num_attention_heads. vLLM 0.23's CPU attention needs 64."""
+    num_experts: int = 8
+    """Routed experts per MoE layer (MoE families only)."""
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    """Each routed expert's intermediate size (Mixtral's experts take `intermediate_size`)."""
+    norm_std: float = 0.0
+    """Std of a normal draw added to every norm weight's 1.0. 0 keeps transformers' ones;
+    a nonzero value makes a norm that was not loaded, or loaded into the wrong place,
+    change what the model computes."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -66,9 +91,28 @@ class TinyModelSpec:
             )
         if self.init_std <= 0:
             raise ValueError(f"init_std must be positive, got {self.init_std}")
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ValueError(f"head_dim must be positive, got {self.head_dim}")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: expected 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}"
+            )
+
+    @property
+    def moe(self) -> bool:
+        """Whether this family routes tokens to experts."""
+        return FAMILIES[self.architecture][1]
 
     def nbytes_fp32(self) -> int:
-        """Bytes of all parameters in float32 (a tied embedding counted once)."""
+        """Bytes of all parameters in float32 (a tied embedding counted once): from the shape
+        for Llama and Qwen2 (the benchmark's models, too large to build for a count), other
+        families from their model built on the meta device."""
+        if self.architecture not in ("llama", "qwen2"):
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(hf_config(self))
+            return 4 * sum(p.numel() for p in model.parameters())
         h, i, v, n = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
         kv = h // self.num_attention_heads * self.num_key_value_heads
         per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
@@ -91,11 +135,29 @@ BENCH_SPEC = TinyModelSpec(
 
 
 def hf_config(spec: TinyModelSpec):
-    """The `transformers` config (`LlamaConfig` or `Qwen2Config`) that `spec` describes."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The `transformers` config of `spec`'s family (`LlamaConfig`, `Qwen3MoeConfig`, ...)."""
+    import inspect
 
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[spec.architecture]
+    import transformers
+
+    config_cls = getattr(transformers, FAMILIES[spec.architecture][0])
+    family: dict = {}
+    if "head_dim" in inspect.signature(config_cls.__init__).parameters:
+        # explicit: some configs default to a head size of their own (Qwen3: 128)
+        family["head_dim"] = spec.head_dim or spec.hidden_size // spec.num_attention_heads
+    elif spec.head_dim is not None and spec.head_dim != spec.hidden_size // spec.num_attention_heads:
+        raise ValueError(f"head_dim: {config_cls.__name__} derives it from hidden_size / num_attention_heads")
+    if spec.architecture in ("qwen3_moe", "qwen2_moe"):
+        family.update(
+            num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
+        )
+        if spec.architecture == "qwen2_moe":
+            family["shared_expert_intermediate_size"] = spec.intermediate_size
+    elif spec.architecture == "mixtral":
+        family.update(num_local_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok)
     return config_cls(
+        **family,
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -113,8 +175,8 @@ def hf_config(spec: TinyModelSpec):
 
 
 def build_model(spec: TinyModelSpec):
-    """A fresh `LlamaForCausalLM` / `Qwen2ForCausalLM` in float32, deterministically
-    initialised from `spec.seed`. Tied: `lm_head.weight` is `model.embed_tokens.weight`."""
+    """A fresh model of `spec`'s family in float32, deterministically initialised from
+    `spec.seed`. Tied: `lm_head.weight` is `model.embed_tokens.weight`."""
     from transformers import AutoModelForCausalLM
 
     generator = torch.Generator().manual_seed(spec.seed)
@@ -124,8 +186,8 @@ def build_model(spec: TinyModelSpec):
         for name, param in model.named_parameters():
             if param.dim() >= 2 or name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=generator) * spec.init_std)
-            else:  # RMSNorm weights
-                param.fill_(1.0)
+            else:  # RMSNorm weights (q/k norms too)
+                param.copy_(1.0 + torch.randn(param.shape, generator=generator) * spec.norm_std)
     if spec.tie_word_embeddings and model.lm_head.weight is not model.get_input_embeddings().weight:
         raise RuntimeError(f"{type(model).__name__}: tie_word_embeddings=True but lm_head is not tied")
     model.eval()

@@ -1,6 +1,8 @@
 """What the vLLM engine keeps around vLLM's layerwise reload (hal.integrations.vllm).
 
-- `CarryArena`: memory for received tensors that wait for the rest of their layer.
+- `CarryArena`: memory for received tensors that wait for the rest of their layer, or that
+  vLLM keeps past the call that handed them over (a layer it processes only at the end of
+  the update: a padded vocabulary's embedding).
 - `kernel_tensors` / `kernel_changes`: the parameters the model computes with (the tensors,
   their shapes and dtypes), taken when the engine starts and compared before each sync. The reload copies each layer's
   processed tensors back into the layer's kernel tensors, so a parameter that something
@@ -34,6 +36,7 @@ class CarryArena:
         self.buf: torch.Tensor | None = None
         self.used = 0
         self.wanted = 0
+        self._clones: set[int] = set()  # storages of this sync's clones (alive while vLLM holds them)
 
     def reset(self) -> None:
         if self.wanted > (0 if self.buf is None else self.buf.numel()):
@@ -41,17 +44,29 @@ class CarryArena:
             self.buf = hal.current().empty(min(self.wanted, self.cap_bytes))
         self.used = 0
         self.wanted = 0
+        self._clones = set()
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
         end = self.used + -(-nbytes // self.ALIGN) * self.ALIGN
         self.wanted = max(self.wanted, end)
         if self.buf is None or end > self.buf.numel() or not tensor.is_contiguous():
-            return tensor.clone()
+            clone = tensor.clone()
+            self._clones.add(clone.untyped_storage().data_ptr())
+            return clone
         out = self.buf[self.used : self.used + nbytes].view(tensor.dtype).view(tensor.shape)
         hal.current().copy_(out, tensor)  # on the current stream, which the loader's copies follow
         self.used = end
         return out
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lies in memory this arena handed out in this sync (its buffer or a clone)."""
+        storage = tensor.untyped_storage().data_ptr()
+        return storage in self._clones or (self.buf is not None and storage == self.buf.untyped_storage().data_ptr())
+
+    def retain(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` itself when it is already the arena's, else a kept copy of it."""
+        return tensor if self.owns(tensor) else self.keep(tensor)
 
 
 # One parameter as the engine found it: (name, owning module, attribute, the tensor, shape, dtype).

@@ -106,6 +106,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         self._carry: CarryArena | None = None
         self._kernels = kernel_tensors(model)  # what each reload copies processed tensors back into
         self._reloading = False
+        self._restore_experts: Any = None  # undoes reprocess_experts_on_reload once a reload ends
         self.last_metrics: SyncMetrics | None = None
         self.refreshed_tied: list[str] = []
         """Modules whose state derived from a tied weight was rebuilt after the last update."""
@@ -257,6 +258,8 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
     def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         if not self._reloading:
             vllm_internals.initialize_layerwise_reload(self.model)
+            # fused MoE experts re-packed as at start-up (vLLM 0.28 on skips it on updates)
+            self._restore_experts = vllm_internals.reprocess_experts_on_reload(self.model)
             self._reloading = True
             self._seen = set()
             self._carry.reset()
@@ -266,6 +269,8 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         keep = self._carry.keep
         batch = [(n, t if self._layer_of.get(n, frozenset((n,))) <= self._seen else keep(t)) for n, t in pairs]
         self._load(batch)
+        # and what vLLM itself holds past this call (a layer it processes at the end)
+        vllm_internals.retain_deferred_loads(self._carry.retain)
 
     def _load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(batch)
@@ -276,7 +281,12 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
     def _finish_reload(self) -> None:
         if self._reloading:
             self._reloading = False
-            vllm_internals.finalize_layerwise_reload(self.model, self.model_config)
+            try:
+                vllm_internals.finalize_layerwise_reload(self.model, self.model_config)
+            finally:
+                restore, self._restore_experts = self._restore_experts, None
+                if restore is not None:
+                    restore()
             # A weight tied to another module (lm_head to embed_tokens) is loaded through
             # its owner; state derived from it at load time is rebuilt here.
             self.refreshed_tied = vllm_internals.refresh_tied_weights(self.model)

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import typing
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -236,6 +236,32 @@ def reload_kernel_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]
     return module._parameters
 
 
+def retain_deferred_loads(retain: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """Give vLLM's layerwise reload lasting copies of the tensors it still holds from a load.
+
+    The reload keeps each loaded tensor (`LAYERWISE_INFO[layer].loaded_weights`, the bound
+    arguments of the layer's weight loader) until the layer has all of its elements; a
+    layer that never gets them all, such as an embedding padded to a multiple of 64 rows,
+    is processed only when the reload ends ("Delayed processing"), and attention layers
+    always are. A tensor handed over as a view of a receive buffer would by then hold a
+    later bucket's bytes, so each held tensor is replaced by `retain(tensor)` (the tensor
+    itself when it is already lasting memory). Returns how many were replaced. The meta
+    parameter in the arguments is left alone: vLLM sets it anew when it loads."""
+    import importlib
+
+    replaced = 0
+    for info in list(importlib.import_module(LAYERWISE_MODULE).LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if key == "param" or not isinstance(value, torch.Tensor) or value.is_meta:
+                    continue
+                kept = retain(value)
+                if kept is not value:
+                    bound.arguments[key] = kept
+                    replaced += 1
+    return replaced
+
+
 class _ComputedBufferWarningFilter(logging.Filter):
     """Drops vLLM's "<layer>: Failed to load weights" for layers that have nothing to load.
 
@@ -294,6 +320,60 @@ def no_mtp_completeness_check() -> Iterator[None]:
         return
     with disable_mtp_completeness_check():
         yield
+
+
+# ---- fused MoE experts after a reload --------------------------------------------------------
+# From vLLM 0.28 the unquantized fused-MoE method builds its experts kernel once
+# (`UnquantizedFusedMoEMethod._setup_kernel`) and runs the kernel's own post-load step
+# (`moe_kernel.fused_experts.process_weights_after_loading(layer)`) only then, "not on a
+# weight update". On the CPU that step is where `CPUUnquantizedExperts` packs `w13`/`w2`
+# into its grouped-GEMM layout (`cpu_prepack_moe_weight`); a layerwise reload then copies
+# checkpoint-layout experts into the packed tensors, which the kernel misreads (a sync of
+# unchanged weights moved prompt log-probs by 7.6). Releases before 0.28 rebuild the CPU
+# kernel (`cpu_fused_moe.CPUFusedMOE(layer)`) at every processing: nothing to do there.
+EXPERTS_SETUP_ONCE_SINCE = (0, 28)
+UNQUANTIZED_MOE_METHOD = ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod")
+EXPERTS_BASE = ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExperts")
+
+
+def reprocess_experts_on_reload(model: torch.nn.Module) -> Callable[[], None]:
+    """Make every fused-MoE layer of `model` run its experts kernel's post-load step again
+    when a layerwise reload processes it; returns what undoes that (call it once the
+    reload ended: processing a layer then is vLLM's own again).
+
+    The step runs on the layer the reload materialised (checkpoint layout), right after
+    the method's own processing, exactly as at start-up; the reload then copies the result
+    into the tensors the kernel computes with, so their memory (captured by CUDA graphs on
+    a GPU) stays. Only layers whose method is vLLM's `UnquantizedFusedMoEMethod` itself and
+    whose experts kernel has a post-load step of its own are touched; a platform's own
+    method (vllm-ascend's) processes its layers as it does (docs/ascend.md)."""
+    if _release() < EXPERTS_SETUP_ONCE_SINCE:
+        return lambda: None
+    import importlib
+
+    method_cls = getattr(importlib.import_module(UNQUANTIZED_MOE_METHOD[0]), UNQUANTIZED_MOE_METHOD[1])
+    experts_base = getattr(importlib.import_module(EXPERTS_BASE[0]), EXPERTS_BASE[1])
+    patched: list[Any] = []
+    for module in model.modules():
+        method = getattr(module, QUANT_METHOD_ATTR, None)
+        if type(method) is not method_cls or getattr(method, "moe_kernel", None) is None:
+            continue
+        experts = method.moe_kernel.fused_experts
+        if type(experts).process_weights_after_loading is experts_base.process_weights_after_loading:
+            continue  # the kernel derives nothing from its weights
+
+        def process(layer: torch.nn.Module, method: Any = method, experts: Any = experts) -> None:
+            method_cls.process_weights_after_loading(method, layer)
+            experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading = process  # an instance attribute, over the class's
+        patched.append(method)
+
+    def restore() -> None:
+        for method in patched:
+            vars(method).pop("process_weights_after_loading", None)
+
+    return restore
 
 
 # ---- tied embeddings -------------------------------------------------------------------------
