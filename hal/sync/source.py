@@ -9,7 +9,9 @@ A source may also list its tensors (`ListedSource.listing`): the tensor objects 
 without a spec per tensor. A sender keeps the last listing and, when the next one lists
 the same objects with the same shapes and dtypes, reuses the specs, the plan and the
 lists it packs from (hal.sync.steady): a sync of unchanged tensors then costs per
-segment, not per tensor. `ModuleSource` and `TensorSource` list theirs.
+segment, not per tensor. `ModuleSource` and `TensorSource` list theirs. What a sender
+learned from one kind of source (its class) it reuses only for a source of that kind: a
+subclass that converts what it yields is another kind (hal.sync.steady).
 """
 
 from __future__ import annotations
@@ -119,14 +121,16 @@ class ModuleSource:
         """The parameters and buffers (the objects themselves). `named_parameters()` costs microseconds
         per parameter (names built, modules walked through generators): while the module
         tree still holds the same modules, parameters and buffers under the same names
-        (`_ModuleTree.unchanged`), the last listing is handed back instead."""
+        (`_ModuleTree.unchanged`), the last listing is handed back instead, to a source of
+        the same class only (a subclass may yield other bytes)."""
         basis = last.basis if last is not None else None
         if (
-            isinstance(basis, _ModuleTree) and basis.module is self.module and basis.rename is self.rename
+            isinstance(basis, _ModuleTree) and basis.kind is type(self) and basis.module is self.module and basis.rename is self.rename
             and basis.buffers == self.buffers and basis.unchanged()
         ):
             return last
         tree = _ModuleTree(self.module, self.rename, self.buffers)  # before the walk: a change during it shows next time
+        tree.kind = type(self)
         named = list(self._named())
         as_yielded = type(self).__iter__ is ModuleSource.__iter__
         return Listing(list(map(itemgetter(0), named)), list(map(itemgetter(1), named)), as_yielded, tree)
@@ -216,6 +220,7 @@ class _ModuleTree:
 
     def __init__(self, module: torch.nn.Module, rename: Callable[[str], str | None] | None, buffers: bool = False) -> None:
         self.module, self.rename, self.buffers = module, rename, buffers
+        self.kind: type | None = None  # the class of the source that listed it
         modules = [module]
         for m in modules:  # grows as it is walked: breadth first
             modules.extend(filter(_not_none, m._modules.values()))
