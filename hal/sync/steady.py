@@ -32,11 +32,9 @@ from typing import Any
 import torch
 
 from hal.sync.plan import TensorSpec
-from hal.sync.source import Listing
+from hal.sync.source import PLAIN, Listing
 
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
-# Only these are read as they are (a tensor subclass such as a DTensor may need a gather)
-PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 class Snapshot:
