@@ -135,6 +135,7 @@ class Sender:
         (decided by `known.settle()` before the first pack): the last sync's specs when the
         source lists the same tensors (hal.sync.steady)."""
         known = self.known
+        known.begin(source)  # the steady state is per kind of source
         if not isinstance(source, ListedSource):
             known.forget()
             return list(source.metadata()), False

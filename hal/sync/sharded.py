@@ -214,11 +214,11 @@ class ShardedSender:
         """This rank's tensors and what it declares of them: the last sync's declaration
         when the source lists the same tensors as they were (hal.sync.steady)."""
         listed = _listed(source)
-        if listed is None:
+        listing = listed.listing(self.known.listing) if listed is not None else None
+        if listing is None or not listing.as_yielded:  # (a listing of stand-ins: a split DTensor)
             self.known.forget()
             pairs = local_tensors(source)
             return dict(pairs), declare(pairs, self.rank, self.channel.world_size)
-        listing = listed.listing(self.known.listing)
         declared = self.known.recall(listing)
         if declared is None:
             declared = declare(zip(listing.names, listing.tensors), self.rank, self.channel.world_size)

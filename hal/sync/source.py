@@ -9,7 +9,9 @@ A source may also list its tensors (`ListedSource.listing`): the tensor objects 
 without a spec per tensor. A sender keeps the last listing and, when the next one lists
 the same objects with the same shapes and dtypes, reuses the specs, the plan and the
 lists it packs from (hal.sync.steady): a sync of unchanged tensors then costs per
-segment, not per tensor. `ModuleSource` and `TensorSource` list theirs.
+segment, not per tensor. `ModuleSource` and `TensorSource` list theirs. What a sender
+learned from one kind of source (its class) it reuses only for a source of that kind: a
+subclass that converts what it yields is another kind (hal.sync.steady).
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, runtim
 
 import torch
 
+from hal.sync.checkpoint_layout import checkpoint_layout
 from hal.sync.plan import TensorSpec
+
+# Only these are read as they are (a tensor subclass such as a DTensor may need a gather)
+PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 @runtime_checkable
@@ -42,7 +48,9 @@ class LocalSource(Protocol):
 @dataclass(frozen=True, slots=True, eq=False)
 class Listing:
     """The tensors a source holds for a sync, in `metadata()` order: their names and the
-    tensor objects themselves (a DTensor as it is, not gathered)."""
+    tensor objects themselves (a DTensor as it is, not gathered), or views of them (a
+    checkpoint's per-expert tensors: hal.sync.checkpoint_layout; of a DTensor, meta views
+    that only say its shape, with `as_yielded` false)."""
 
     names: list[str]
     tensors: list[torch.Tensor]
@@ -85,59 +93,123 @@ class ModuleSource:
     the wrappers torch inserts (`WRAPPER_COMPONENTS`: activation checkpointing, FSDP1,
     `torch.compile`), as the engine's checkpoint names them.
 
-    `rename(name)` returns the name the engine expects, or None to leave the tensor out of
-    the sync (e.g. LoRA adapters when only the base travels). Persistent buffers travel
-    because training may change them and the engine loads them from a checkpoint (a MoE
-    router's `e_score_correction_bias` in DeepSeek-V3's layout); non-persistent ones
-    (rotary `inv_freq`) are the module's own cache and stay. `buffers=False`: parameters only.
+    A transformers model is sent as its checkpoint holds it (`checkpoint=True`,
+    hal.sync.checkpoint_layout): transformers 5's 3-D expert parameters
+    (`mlp.experts.gate_up_proj`) as the checkpoint's one tensor per expert
+    (`mlp.experts.{e}.gate_proj.weight`, ...), views of the parameter, under the names
+    transformers' own conversion mapping gives them. `checkpoint=False`: the module's own
+    names and layouts.
+
+    `rename(name)` returns the name the engine expects (given the checkpoint's name), or
+    None to leave the tensor out of the sync (e.g. LoRA adapters when only the base
+    travels). Persistent buffers travel because training may change them and the engine
+    loads them from a checkpoint (a MoE router's `e_score_correction_bias` in
+    DeepSeek-V3's layout); non-persistent ones (rotary `inv_freq`) are the module's own
+    cache and stay. `buffers=False`: parameters only.
     """
 
-    def __init__(self, module: torch.nn.Module, rename: Callable[[str], str | None] | None = None, *, buffers: bool = True) -> None:
+    def __init__(
+        self, module: torch.nn.Module, rename: Callable[[str], str | None] | None = None, *, buffers: bool = True, checkpoint: bool = True
+    ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ModuleSource needs a torch.nn.Module, got {type(module).__name__}")
-        if not isinstance(buffers, bool):
-            raise TypeError(f"ModuleSource: buffers must be a bool, got {type(buffers).__name__}")
+        for field, value in (("buffers", buffers), ("checkpoint", checkpoint)):
+            if not isinstance(value, bool):
+                raise TypeError(f"ModuleSource: {field} must be a bool, got {type(value).__name__}")
         self.module = module
         self.rename = rename
         self.buffers = buffers
+        self.checkpoint = checkpoint
 
-    def _named(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _named(self, split: Callable, own: Callable | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) per tensor sent, in order: `own(tensor)` (the tensor itself without
+        `own`) for one the checkpoint holds as it is; views of `split(name, tensor)` for one it
+        holds as several (`name`: the module's)."""
         named = self.module.named_parameters()
         if self.buffers:
             named = chain(named, persistent_buffers(self.module))
+        rename = self.rename
+        layout = checkpoint_layout(self.module) if self.checkpoint else None
+        if layout is None:  # most modules: no step per tensor beyond the names
+            for name, tensor in named:
+                name = unwrapped_name(name)
+                target = rename(name) if rename else name
+                if target is not None:
+                    yield target, own(tensor) if own else tensor
+            return
+        named = [(unwrapped_name(name), tensor) for name, tensor in named]
+        rules = layout.rules(self.module, list(map(itemgetter(0), named)), list(map(itemgetter(1), named)))
         for name, tensor in named:
-            name = unwrapped_name(name)
-            target = self.rename(name) if self.rename else name
-            if target is not None:
-                yield target, tensor
+            rule = rules.get(name)
+            pairs = ((name, own(tensor) if own else tensor),) if rule is None else rule.apply(tensor, own, split)
+            for held_name, held in pairs:
+                target = rename(held_name) if rename else held_name
+                if target is not None:
+                    yield target, held
 
     def metadata(self) -> list[TensorSpec]:
-        # DTensor reports its global shape, so no gather happens here
-        return [TensorSpec.of(name, p) for name, p in self._named()]
+        # DTensor reports its global shape, so no gather happens here (nor for its views: made of a meta tensor)
+        return [TensorSpec.of(name, p) for name, p in self._named(split=_stand_in)]
 
     def listing(self, last: Listing | None) -> Listing:
-        """The parameters and buffers (the objects themselves). `named_parameters()` costs microseconds
+        """The parameters and buffers (the objects themselves), or the views of them the
+        checkpoint holds (made once per listing). `named_parameters()` costs microseconds
         per parameter (names built, modules walked through generators): while the module
         tree still holds the same modules, parameters and buffers under the same names
-        (`_ModuleTree.unchanged`), the last listing is handed back instead."""
+        (`_ModuleTree.unchanged`), the last listing is handed back instead, to a source of
+        the same class only (a subclass may yield other bytes)."""
         basis = last.basis if last is not None else None
         if (
-            isinstance(basis, _ModuleTree) and basis.module is self.module and basis.rename is self.rename
-            and basis.buffers == self.buffers and basis.unchanged()
+            isinstance(basis, _ModuleTree) and basis.kind is type(self) and basis.module is self.module and basis.rename is self.rename
+            and basis.buffers == self.buffers and basis.checkpoint == self.checkpoint and basis.unchanged()
         ):
             return last
         tree = _ModuleTree(self.module, self.rename, self.buffers)  # before the walk: a change during it shows next time
-        named = list(self._named())
-        as_yielded = type(self).__iter__ is ModuleSource.__iter__
+        tree.kind, tree.checkpoint = type(self), self.checkpoint
+        split: list[torch.Tensor] = []
+
+        def viewed(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            split.append(tensor)
+            return _stand_in(name, tensor)
+
+        named = list(self._named(split=viewed))
+        tree.watch_split(split)
+        # a split DTensor is listed as meta views (its shape): the sender iterates (gathers) it
+        as_yielded = type(self).__iter__ is ModuleSource.__iter__ and all(type(t) in PLAIN for t in split)
         return Listing(list(map(itemgetter(0), named)), list(map(itemgetter(1), named)), as_yielded, tree)
 
     def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The tensors as this rank holds them (DTensors not gathered), out of autograd."""
-        return [(name, param.detach()) for name, param in self._named()]
+        return list(self._named(own=torch.Tensor.detach, split=_local_split))
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self._named():
-            yield name, materialize(param.detach())
+        return self._named(own=_materialized, split=_split_materialized)
+
+
+def _materialized(tensor: torch.Tensor) -> torch.Tensor:
+    return materialize(tensor.detach())
+
+
+def _split_materialized(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return materialize(tensor.detach())
+
+
+def _stand_in(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` out of autograd, or for a DTensor a meta tensor of its (global) shape: what its
+    views' shapes are read from without a gather."""
+    if type(tensor) in PLAIN:
+        return _detached(tensor)
+    return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+
+
+def _local_split(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if type(tensor) not in PLAIN:
+        raise ValueError(
+            f"parameter {name!r}: a {type(tensor).__name__} that the checkpoint holds as several tensors (transformers' packed experts): "
+            "a sharded sync cannot send its shards yet; sync it from one trainer rank (Sender, TrainerSync, WeightSync "
+            "without senders='all'), which gathers it, or pass ModuleSource(model, checkpoint=False)"
+        )
+    return tensor.detach()
 
 
 class TensorSource:
@@ -216,6 +288,10 @@ class _ModuleTree:
 
     def __init__(self, module: torch.nn.Module, rename: Callable[[str], str | None] | None, buffers: bool = False) -> None:
         self.module, self.rename, self.buffers = module, rename, buffers
+        self.kind: type | None = None  # the class of the source that listed it
+        self.checkpoint = False
+        self.split: list[torch.Tensor] = []  # tensors listed as views of them: their memory, watched
+        self.split_memory: list[Any] = []
         modules = [module]
         for m in modules:  # grows as it is walked: breadth first
             modules.extend(filter(_not_none, m._modules.values()))
@@ -236,13 +312,30 @@ class _ModuleTree:
     def _sizes(self) -> list[int]:
         return [n for dicts in self.dicts for n in map(len, dicts)]
 
+    def watch_split(self, tensors: list[torch.Tensor]) -> None:
+        """The listing holds views of `tensors` (hal.sync.checkpoint_layout), not the tensors:
+        their memory replaced in place (`p.data = ...`) leaves the views on the old memory,
+        so it is compared too (a DTensor's shape and dtype only: it is listed by shape)."""
+        self.split = tensors
+        self.split_memory = _memory(tensors)
+
     def unchanged(self) -> bool:
         modules = self.modules
         return (
             all(all(map(is_, map(get, modules), dicts)) for get, dicts in zip(self.dict_getters, self.dicts))
             and self._sizes() == self.sizes
             and all(map(is_, map(dict.get, self.slot_dicts, self.slot_keys), self.held))
+            and (not self.split or _memory(self.split) == self.split_memory)
         )
+
+
+def _memory(tensors: list[torch.Tensor]) -> list[Any]:
+    """Where and how each tensor lies: address, strides, shape and dtype (shape and dtype only
+    for a tensor subclass, which may have no address)."""
+    return [
+        (t.data_ptr(), t.stride(), t.shape, t.dtype) if type(t) in PLAIN else (t.shape, t.dtype)
+        for t in tensors
+    ]
 
 
 def as_source(source: object) -> WeightSource:

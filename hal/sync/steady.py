@@ -7,7 +7,10 @@ so it is kept and recognised again at a cost per tensor of a few C-level compare
 a Python step:
 
 - `KnownSource` (the sender's): the last listing of its source (hal.sync.source.Listing)
-  and the specs made from it. The same names with the same shapes and dtypes are the
+  and the specs made from it, for one kind of source (its class) at a time: a source of
+  another kind may declare or yield other specs and bytes from the same tensors (a
+  `ModuleSource` subclass that converts them, `MergedSource`, a Megatron source), so a
+  sync from it starts afresh. The same names with the same shapes and dtypes are the
   same specs, so the same plan; the same tensor objects besides, at the same addresses
   and as contiguous as they were, are the same lists and prepared copies to pack from (`epoch`):
   a parameter whose memory was replaced in place (`p.data = ...`), or which moved, gets
@@ -29,11 +32,9 @@ from typing import Any
 import torch
 
 from hal.sync.plan import TensorSpec
-from hal.sync.source import Listing
+from hal.sync.source import PLAIN, Listing
 
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
-# Only these are read as they are (a tensor subclass such as a DTensor may need a gather)
-PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 class Snapshot:
@@ -72,6 +73,8 @@ class KnownSource:
     """A sender's memory of its source's last listing (see the module doc)."""
 
     def __init__(self) -> None:
+        self.kind: type | None = None
+        """The class of the source the listing is from (`begin`)."""
         self.listing: Listing | None = None
         self.metadata: list[TensorSpec] = []
         self.epoch = 0
@@ -82,6 +85,13 @@ class KnownSource:
         self._kept = Snapshot()  # the listed tensors as they were (their memory only when readable)
         self._position: dict[str, int] | None = None
         self._pending: Listing | None = None  # accepted by `recall`, not yet settled
+
+    def begin(self, source: object) -> None:
+        """A sync from `source` starts: what was kept from a source of another class is
+        forgotten (a listing, its specs, the lists packed from it)."""
+        if type(source) is not self.kind:
+            self.forget()
+            self.kind = type(source)
 
     def recall(self, listing: Listing) -> list[TensorSpec] | None:
         """The last sync's metadata when `listing` names the same tensors with the same shapes
@@ -113,7 +123,7 @@ class KnownSource:
         self._take(listing)
 
     def forget(self) -> None:
-        self.listing, self.metadata, self._position, self.readable, self._pending = None, [], None, False, None
+        self.kind, self.listing, self.metadata, self._position, self.readable, self._pending = None, None, [], None, False, None
         self.epoch += 1
 
     def _take(self, listing: Listing) -> None:

@@ -151,10 +151,16 @@ def test_deepseek_v3s_router_bias_is_sent_as_its_state_dict_holds_it():
         vocab_size=64,
     )
     model = transformers.DeepseekV3ForCausalLM(config)
-    listed = names(ModuleSource(model))
+    listed = names(ModuleSource(model, checkpoint=False))
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in listed
     assert not any("inv_freq" in name for name in listed)
     assert set(listed) == set(model.state_dict())
+    # as the checkpoint holds them (one tensor per expert), the buffer among them
+    from transformers.core_model_loading import revert_weight_conversion
+
+    listed = names(ModuleSource(model))
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in listed
+    assert set(listed) == set(revert_weight_conversion(model, model.state_dict()))
 
 
 def sharded_buffer_worker(rank, world):
