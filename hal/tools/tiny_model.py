@@ -70,6 +70,9 @@ class TinyModelSpec:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64
     """Each routed expert's intermediate size (Mixtral's experts take `intermediate_size`)."""
+    router_std: float | None = None
+    """Std of the MoE routers' weights (None: `init_std`). Larger routes decisively, as a
+    trained router does: top-k choices then sit far from a tie that a bf16 rounding could flip."""
     norm_std: float = 0.0
     """Std of a normal draw added to every norm weight's 1.0. 0 keeps transformers' ones;
     a nonzero value makes a norm that was not loaded, or loaded into the wrong place,
@@ -91,6 +94,8 @@ class TinyModelSpec:
             )
         if self.init_std <= 0:
             raise ValueError(f"init_std must be positive, got {self.init_std}")
+        if self.router_std is not None and self.router_std <= 0:
+            raise ValueError(f"router_std must be positive, got {self.router_std}")
         if self.head_dim is not None and self.head_dim <= 0:
             raise ValueError(f"head_dim must be positive, got {self.head_dim}")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -183,9 +188,11 @@ def build_model(spec: TinyModelSpec):
     model = AutoModelForCausalLM.from_config(hf_config(spec), torch_dtype=torch.float32)
     with torch.no_grad():
         # named_parameters() lists a tied matrix once, under model.embed_tokens.weight
+        routers = {f"{name}.weight" for name, module in model.named_modules() if name.endswith("mlp.gate")}
         for name, param in model.named_parameters():
             if param.dim() >= 2 or name.endswith(".bias"):
-                param.copy_(torch.randn(param.shape, generator=generator) * spec.init_std)
+                std = spec.router_std if name in routers and spec.router_std is not None else spec.init_std
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
             else:  # RMSNorm weights (q/k norms too)
                 param.copy_(1.0 + torch.randn(param.shape, generator=generator) * spec.norm_std)
     if spec.tie_word_embeddings and model.lm_head.weight is not model.get_input_embeddings().weight:

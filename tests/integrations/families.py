@@ -34,7 +34,7 @@ BUCKET_BYTES = 64 << 10
 
 _BASE = TinyModelSpec(
     vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=1, init_std=0.1, norm_std=0.1, num_experts=16, num_experts_per_tok=2,
+    num_key_value_heads=1, init_std=0.1, norm_std=0.1, router_std=0.5, num_experts=16, num_experts_per_tok=2,
     moe_intermediate_size=64, seed=7,
 )
 FAMILIES: dict[str, TinyModelSpec] = {
@@ -173,7 +173,7 @@ def family_engine(tmp_path_factory: Any, family: str, dtype: torch.dtype) -> Ite
                 sync.close()
 
 
-def perturb(model: torch.nn.Module, seed: int, scale: float = 0.03) -> None:
+def perturb(model: torch.nn.Module, seed: int, scale: float = 0.02) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -207,13 +207,5 @@ def change_one_expert(model: torch.nn.Module, expert: int, seed: int) -> None:
     experts = model.model.layers[-1].mlp.experts
     with torch.no_grad():
         for name, p in experts.named_parameters(recurse=False):
-            p[expert].add_(torch.randn(p[expert].shape, generator=gen) * 0.3)
+            p[expert].add_(torch.randn(p[expert].shape, generator=gen) * 0.2)
 
-
-def source_of(model: torch.nn.Module) -> Any:
-    """TEMPORARY until ModuleSource sends transformers-5 experts: the checkpoint's tensors."""
-    if any(p.dim() == 3 for p in model.parameters()):
-        from transformers.core_model_loading import revert_weight_conversion
-
-        return revert_weight_conversion(model, model.state_dict())
-    return model

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from tests.integrations.families import (  # noqa: E402
     FAMILIES, MOE_FAMILIES, assert_engine_computes_the_trainers, change_one_expert, engine_logprobs, family_engine,
-    last_layer_routes, perturb, source_of,
+    last_layer_routes, perturb,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.timeout(300)]
@@ -37,13 +37,13 @@ def engine(request, tmp_path_factory):
 
 def test_syncs_of_several_buckets_leave_the_engine_computing_the_trainers(engine):
     family, engine = engine
-    result = engine.sync.sync(source_of(engine.model), version=1)  # the start-up weights, unchanged
+    result = engine.sync.sync(engine.model, version=1)  # the start-up weights, unchanged
     assert result.metrics.buckets >= 3, f"{family}: {result.metrics.buckets} buckets; the matrix needs several"
     assert_engine_computes_the_trainers(engine, f"{family}, an unchanged sync")
     before = engine_logprobs(engine.llm)
     for version in (2, 3):
         perturb(engine.model, seed=version)
-        engine.sync.sync(source_of(engine.model), version=version)
+        engine.sync.sync(engine.model, version=version)
         assert_engine_computes_the_trainers(engine, f"{family}, sync {version}")
     moved = max(abs(a - b) for x, y in zip(engine_logprobs(engine.llm), before) for a, b in zip(x, y))
     assert moved > 4 * engine.tolerance, f"{family}: the perturbations moved the log-probs by {moved:.3g} only"
@@ -53,7 +53,7 @@ def test_changing_one_expert_moves_only_the_positions_routed_to_it(engine):
     family, engine = engine
     if family not in MOE_FAMILIES:
         pytest.skip(f"{family} has no experts")
-    engine.sync.sync(source_of(engine.model), version=10)
+    engine.sync.sync(engine.model, version=10)
     routes = last_layer_routes(engine.model)
     # the expert that the fewest scored positions go to, among those some go to
     counts = {}
@@ -64,7 +64,7 @@ def test_changing_one_expert_moves_only_the_positions_routed_to_it(engine):
     expert = min(counts, key=lambda e: (counts[e], e))
     before = engine_logprobs(engine.llm)
     change_one_expert(engine.model, expert, seed=11)
-    engine.sync.sync(source_of(engine.model), version=11)
+    engine.sync.sync(engine.model, version=11)
     assert_engine_computes_the_trainers(engine, f"{family}, expert {expert} changed")
     after = engine_logprobs(engine.llm)
     for p, (prompt_routes, old, new) in enumerate(zip(routes, before, after)):

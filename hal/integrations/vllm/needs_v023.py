@@ -65,4 +65,8 @@ VLLM_ASCEND_NEEDS: tuple[Need, ...] = (
     Need(target=f"{_NPU_WORKER}.wake_up", call=Call(0),
          why="HalWeightTransferEngine.validate refuses a sync after wake_up laid MoE weights out anew"),
     Need(target="vllm_ascend.distributed.weight_transfer", why="vllm-ascend's own engines (hccl, npu_ipc): no name of hal's"),
+    # its own fused-MoE processing, whole at every processing (no skip on updates, unlike vLLM
+    # 0.28+'s method, which reprocess_experts_on_reload completes): left to run as it is
+    Need(target="vllm_ascend.ops.fused_moe.fused_moe:AscendUnquantizedFusedMoEMethod.process_weights_after_loading",
+         call=Call(1), why="docs/ascend.md: transposes and NZ-casts w13/w2 every time a reload processes the layer"),
 )
