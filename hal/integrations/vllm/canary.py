@@ -184,7 +184,9 @@ def engine_prompt_logprobs(engine: Any, prompts: list[list[int]], *, timeout_s: 
         return engine_prompt_logprobs(inner, prompts, timeout_s=timeout_s, lora_request=lora_request)
     if isinstance(engine, (OfflineEngine, ExtensionEngine)):
         if canary_default.asleep(engine.llm):  # its generate would wait for a wake-up, holding the engine past the timeout
-            raise ValueError(f"engine {name!r} is asleep (a sleep, a partial wake_up or a paused scheduler): wake it fully before the sync")
+            raise ValueError(
+                f"engine {name!r} is asleep (a sleep, a partial wake_up or a paused scheduler): wake it fully before the sync"
+            )
         return llm_prompt_logprobs(engine.llm, prompts, lora_request=lora_request, where=f"engine {name!r}")
     if isinstance(engine, ClientEngine):
         if isinstance(engine.client, HTTPVLLMWeightSyncClient):
@@ -320,7 +322,7 @@ def _check(
         return None
     answers()
     judged = canary.set_aside(got)
-    if not judged:  # the default canary, and no engine computed the probe: each was logged as not checked
+    if not judged and canary.by_default:  # no engine computed the probe: each was logged as not checked
         return None
     dtypes = (source_dtype(source, module), wire_dtype)
     return canary.judge(version, probe, reference, judged, dtypes=dtypes, seconds=seconds, reference_s=reference_s)
