@@ -42,9 +42,10 @@ def test_canary_summary_gives_medians_and_its_share_of_a_sync():
                               seconds={"llm": seconds / 2}, reference_s=seconds)
         report.seconds = seconds
         runs.append(report)
-    summary = vllm_engine._canary_summary(runs, (1, 3), sync_seconds=2.0)
+    summary = vllm_engine._canary_summary(runs, (1, 3), sync_seconds=2.0, first=runs[0])
     assert summary["seconds"] == pytest.approx(0.2) and summary["all_seconds"] == [0.3, 0.1, 0.2]
     assert summary["reference_seconds"] == pytest.approx(0.2) and summary["engine_seconds"] == pytest.approx(0.1)
     assert summary["over_sync"] == pytest.approx(0.1) and summary["every_10_over_sync"] == pytest.approx(0.01)
+    assert summary["every_100_over_sync"] == pytest.approx(0.001) and summary["first_seconds"] == 0.3  # the default's share
     assert summary["probe"] == "1x3" and summary["probe_tokens"] == 2 and not summary["fired"]
     assert summary["max_abs"] == pytest.approx(1e-4, rel=1e-3)

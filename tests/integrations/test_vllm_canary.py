@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
 from hal.sync import SyncConfig  # noqa: E402
-from hal.sync.canary import Canary, CanaryConfig, CanaryError  # noqa: E402
+from hal.sync.canary import DEFAULT, Canary, CanaryConfig, CanaryError, as_canary  # noqa: E402
 from hal.tools.demo import engine_greedy, trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
 from hal.integrations._shared import release_of  # noqa: E402
@@ -253,3 +253,41 @@ class TestUntied:
             assert checked == [True, False, False, True]
         finally:
             sync.canary = saved
+
+
+    def test_the_default_canary_checks_the_first_sync_not_the_second_and_leaves_an_asleep_engine_alone(self, untied, caplog):
+        """What `WeightSync(...)` runs when given no canary (its constructor's default is
+        checked in test_vllm_canary_paths.py), on the real engine: the first sync checked in
+        "log" mode and quiet, the second not (every 100th); a state dict, and an engine asleep
+        (level 0: the scheduler paused, where the probe would wait for a wake-up), not
+        checked, each said once."""
+        llm, sync, model = untied
+        saved, sync.canary = sync.canary, as_canary(DEFAULT)
+        caplog.set_level("WARNING", logger="hal.sync.canary")
+        try:
+            perturb(model, 51)
+            first = sync.sync(model, version=next_version(llm))
+            assert first.canary is not None and first.canary.mode == "log" and not first.canary.fired, first.canary
+            assert first.canary.engines["llm"].max_abs < 1e-3
+            perturb(model, 52)
+            assert sync.sync(model, version=next_version(llm)).canary is None
+            sync.canary.config.every = 1  # due at every sync from here: what is said once shows
+            for _ in range(2):
+                assert sync.sync(dict(model.state_dict()), version=next_version(llm)).canary is None
+            llm.sleep(level=0)
+            try:
+                assert llm.llm_engine.is_sleeping()
+                for _ in range(2):
+                    perturb(model, 53)
+                    version = next_version(llm)
+                    result = sync.sync(model, version=version)
+                    assert result.canary is None and result.engine_versions == {"llm": str(version)}
+            finally:
+                llm.wake_up(tags=["scheduling"])
+            said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert len(said) == 2, said
+            assert "the sync's source (TensorSource) is not checked: it is not a module" in said[0]
+            assert "engine 'llm' is not checked: it is asleep" in said[1]
+        finally:
+            sync.canary = saved
+        healthy_sync(llm, sync, model, seed=54)

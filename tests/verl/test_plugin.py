@@ -452,11 +452,14 @@ def test_the_former_flat_paths_are_the_modules_they_moved_to():
 def test_canary_settings_map_onto_canary_config_by_field_name():
     from hal.integrations.verl.checkpoint import HalCheckpointEngine
     from hal.integrations.verl.settings import canary_settings
-    from hal.sync.canary import CanaryConfig, Probe
+    from hal.sync.canary import DEFAULT_EVERY, CanaryConfig, Probe
 
-    off = HalCheckpointEngine(bucket_size=1 << 20)
-    assert off.canary is None and not off.canary_settings.enabled  # off unless asked
-    assert HalCheckpointEngine(bucket_size=1 << 20, canary={"mode": "off"}).canary is None
+    default = HalCheckpointEngine(bucket_size=1 << 20)  # no `canary` in engine_kwargs["hal"]: on, by default
+    assert default.canary.by_default and default.canary.config == CanaryConfig(mode="log", every=DEFAULT_EVERY)
+    for off in (None, False, {"mode": "off"}):  # YAML's `canary: null`, `canary: false`, `canary: {mode: off}`
+        assert HalCheckpointEngine(bucket_size=1 << 20, canary=off).canary is None
+    given = HalCheckpointEngine(bucket_size=1 << 20, canary={"every": 10}).canary  # a mapping is a canary: "log" unless it says
+    assert given.config == CanaryConfig(mode="log", every=10) and not given.by_default
     engine = HalCheckpointEngine(
         bucket_size=1 << 20,
         canary={"mode": "enforce", "every": 5, "seed": 7, "tolerance": 0.05, "sequences": 2, "length": 8,
@@ -467,7 +470,7 @@ def test_canary_settings_map_onto_canary_config_by_field_name():
     )
     assert (engine.canary_settings.engine_logprobs, engine.canary_settings.timeout_s) == ("mypkg.canary:logprobs", 30.0)
     assert canary_settings({"mode": "log", "probe": [[1, 2, 3], [4, 5]]}).config.probe == Probe.of([[1, 2, 3], [4, 5]])
-    assert canary_settings(None).config == CanaryConfig() and canary_settings(False).config == CanaryConfig()
+    assert canary_settings(None).config == CanaryConfig(mode="off") == canary_settings(False).config
 
 
 @pytest.mark.parametrize(

@@ -24,13 +24,21 @@ rank 1 + i; with senders "all" trainer rank 0's group), each step one all-gather
 (JSON, never pickles), bounded by the canary's timeout:
 
 1. trainer rank 0 says whether this update is checked (every trainer rank counts alike)
-   and the probe; the rollout workers say nothing;
+   and the probe; each rollout worker says whether it has a way to answer (a hook, or its
+   adapter's `prompt_logprobs`) and, if not, why;
 2. every trainer rank computes the reference with its module (an FSDP2 forward is a
    collective of the trainer group: every rank takes part); each rollout worker asks its
    engine; then each rollout worker sends its answer;
 3. trainer rank 0 compares (`Canary.judge`, which logs) and hands the report to every
    trainer rank over the trainer's group; each trainer rank then returns it or, in
    "enforce" mode, raises the same `CanaryError` naming the rollout worker.
+
+The canary nobody configured (`Canary.default()`: no `canary` in engine_kwargs['hal'])
+never fails an update: a trainer without a module it can run the probe through, rollout
+workers without a way to answer, and a worker whose answer is an error are said once, in
+trainer rank 0's log, to be not checked. When no rollout worker has a way to answer,
+trainer rank 0 tells the other trainer ranks (one small all-gather of the trainer group,
+between steps 1 and 2) and no rank runs the forward.
 
 It sends the engines a probe and nothing else: no weight or version changes. Imports no verl.
 """
@@ -81,28 +89,48 @@ def trainer_check(
     `rollouts`: sync group 0's channel on trainer rank 0, None on the other trainer ranks;
     `trainers`: the trainer group's channel (None: this is the only trainer rank). `module`
     is the trainer's model (`missing` says why there is none: then nothing is checked, the
-    rollout workers are told so, and ValueError names the reason on every trainer rank);
-    `on_device()` is a context the forward runs in (verl's engine with parameter offload
-    loads the parameters there).
+    rollout workers are told so, and ValueError names the reason on every trainer rank; the
+    default canary says it once in the log instead); `on_device()` is a context the forward
+    runs in (verl's engine with parameter offload loads the parameters there).
     Returns the report when this update is checked, else None; `CanaryError` in "enforce"."""
     started = time.perf_counter()
     due = canary.due()
     probe: Probe | None = None
     if due and module is not None:
         probe = canary.probe_for(vocab_size_of(module))
+    unable: dict[str, str] = {}
     if rollouts is not None:
         message = {"version": version, "due": probe is not None, "probe": [list(s) for s in probe.sequences] if probe else None}
         with rollouts.bounded(timeout_s):
-            rollouts.all_gather_bytes(_encode(message), "canary probe", limit=PAYLOAD_LIMIT)
+            rows = rollouts.all_gather_bytes(_encode(message), "canary probe", limit=PAYLOAD_LIMIT)
+        words = [json.loads(row.decode()) if row else {} for row in rows[1:]]
+        unable = {engine_name(rank): word["unable"] for rank, word in enumerate(words, start=1) if word.get("unable")}
     if not due:
         return None
+    lead = trainers is None or trainers.rank == 0  # says what the default did not check
     if module is None:
-        raise ValueError(f"checkpoint engine 'hal': the canary needs the trainer's model: {missing}")
+        if not canary.by_default:
+            raise ValueError(f"checkpoint engine 'hal': the canary needs the trainer's model: {missing}")
+        if lead:
+            canary.not_checked("the trainer's model", str(missing))
+        return None
+    if canary.by_default and not _worth_a_forward(canary, unable, rollouts=rollouts, trainers=trainers, timeout_s=timeout_s):
+        if rollouts is not None:  # the rollout workers were told to answer: hear them out
+            with rollouts.bounded(timeout_s):
+                rollouts.all_gather_bytes(b"", "canary log-probs", limit=PAYLOAD_LIMIT)
+        return None
     began = time.perf_counter()
-    with on_device() if on_device is not None else contextlib.nullcontext():
-        reference = module_logprobs(module, probe)  # every trainer rank in step: FSDP2's gathers
+    reference: list[list[float]] | None = None
+    try:
+        with on_device() if on_device is not None else contextlib.nullcontext():
+            reference = module_logprobs(module, probe)  # every trainer rank in step: FSDP2's gathers
+    except Exception as exc:
+        if not canary.by_default:
+            raise
+        if lead:  # the rollout workers and the other trainer ranks still hear from this rank below
+            canary.not_checked("the trainer's model", f"its forward on the probe failed: {type(exc).__name__}: {exc}")
     reference_s = time.perf_counter() - began
-    payload = b""
+    payload = b"null"
     report: CanaryReport | None = None
     if rollouts is not None:
         with rollouts.bounded(timeout_s):
@@ -114,33 +142,58 @@ def trainer_check(
             if answer.get("none"):
                 continue  # this worker does not answer for its engine (a TP rank other than the first)
             name = engine_name(rank)
+            if name in unable and canary.by_default:
+                continue  # said in step 1
             answers[name] = CanaryError(answer["error"]) if "error" in answer else answer["logprobs"]
             if answer.get("seconds") is not None:
                 seconds[name] = float(answer["seconds"])
-        if not answers:
+        if not answers and not canary.by_default:
             answers["rollout"] = CanaryError("no rollout worker answered the probe (every hook returned None)")
-        report = canary.judge(
-            version, probe, reference, answers, dtypes=(dtype_of(module), wire_dtype), seconds=seconds, reference_s=reference_s
-        )
-        report.seconds = time.perf_counter() - started
-        payload = _encode(report.as_dict())
+        judged = canary.set_aside(answers) if reference is not None else {}
+        if judged:
+            report = canary.judge(
+                version, probe, reference, judged, dtypes=(dtype_of(module), wire_dtype), seconds=seconds, reference_s=reference_s
+            )
+            report.seconds = time.perf_counter() - started
+            payload = _encode(report.as_dict())
     if trainers is not None and trainers.world_size > 1:
         with trainers.bounded(timeout_s):
             rows = trainers.all_gather_bytes(payload, "canary report", limit=PAYLOAD_LIMIT)
-        report = CanaryReport.from_dict(json.loads(rows[0].decode()))
-        canary.last = report
-    if report is None:  # (a trainer rank 0 without a sync group: no engine to ask)
+        told = json.loads(rows[0].decode() or "null")
+        report = CanaryReport.from_dict(told) if told else None
+        if report is not None:
+            canary.last = report
+    if report is None:  # (a trainer rank 0 without a sync group, or the default with no answer to judge)
         return None
     canary.enforce(report)
     return report
 
 
-def rollout_answer(rollouts: Any, answer: Callable[[list[list[int]]], Any], *, timeout_s: float) -> bool:
-    """A rollout worker's part after a completed update: hear whether it is checked; if so,
-    `answer(sequences)` (the engine's log-probs, or None: not this worker's to answer) and
-    send it, or the error it raised. Returns whether the update was checked."""
+def _worth_a_forward(canary: Canary, unable: dict[str, str], *, rollouts: Any, trainers: Any, timeout_s: float) -> bool:
+    """The default canary, after step 1: whether any rollout worker can answer (trainer rank
+    0 says each one that cannot, once, grouped by reason), agreed by every trainer rank."""
+    go = True
+    if rollouts is not None:
+        by_reason: dict[str, list[str]] = {}
+        for name, why in unable.items():
+            by_reason.setdefault(why, []).append(name)
+        for why, names in by_reason.items():
+            canary.not_checked(", ".join(names), why)
+        go = len(unable) < rollouts.world_size - 1
+    if trainers is not None and trainers.world_size > 1:
+        with trainers.bounded(timeout_s):
+            rows = trainers.all_gather_bytes(b"1" if go else b"0", "canary: whether any rollout worker answers", limit=PAYLOAD_LIMIT)
+        go = rows[0] == b"1"  # trainer rank 0 heard the rollout workers
+    return go
+
+
+def rollout_answer(rollouts: Any, answer: Callable[[list[list[int]]], Any], *, timeout_s: float, refusal: str | None = None) -> bool:
+    """A rollout worker's part after a completed update: say whether it has a way to answer
+    (`refusal`: why not) and hear whether it is checked; if so, `answer(sequences)` (the
+    engine's log-probs, or None: not this worker's to answer) and send it, or the error it
+    raised. Returns whether the update was checked."""
     with rollouts.bounded(timeout_s):
-        rows = rollouts.all_gather_bytes(b"", "canary probe", limit=PAYLOAD_LIMIT)
+        rows = rollouts.all_gather_bytes(_encode({"unable": refusal}) if refusal else b"", "canary probe", limit=PAYLOAD_LIMIT)
     message = json.loads(rows[0].decode())
     if not message.get("due"):
         return False
@@ -154,6 +207,27 @@ def rollout_answer(rollouts: Any, answer: Callable[[list[list[int]]], Any], *, t
     with rollouts.bounded(timeout_s):
         rollouts.all_gather_bytes(_encode(reply), "canary log-probs", limit=PAYLOAD_LIMIT)
     return True
+
+
+def answer_refusal(settings: CanarySettings, adapter: Any) -> str | None:
+    """Why this rollout worker has no way to answer the probe (no hook that loads, no
+    `prompt_logprobs` method on its server adapter), or None."""
+    if settings.engine_logprobs is not None:
+        try:
+            load_hook(settings.engine_logprobs)
+        except ValueError as exc:
+            return str(exc)
+        return None
+    if not callable(getattr(adapter, "prompt_logprobs", None)):
+        return _no_method(adapter)
+    return None
+
+
+def _no_method(adapter: Any) -> str:
+    return (
+        f"the rollout worker's server adapter ({type(adapter).__name__}) has no prompt_logprobs(sequences) method "
+        "and engine_kwargs['hal'].canary.engine_logprobs names no hook"
+    )
 
 
 def engine_answer(settings: CanarySettings, adapter: Any) -> Callable[[list[list[int]]], Any]:
@@ -178,10 +252,7 @@ def engine_answer(settings: CanarySettings, adapter: Any) -> Callable[[list[list
     else:
         method = getattr(adapter, "prompt_logprobs", None)
         if not callable(method):
-            reason = (
-                f"the rollout worker's server adapter ({type(adapter).__name__}) has no prompt_logprobs(sequences) method "
-                "and engine_kwargs['hal'].canary.engine_logprobs names no hook"
-            )
+            reason = _no_method(adapter)
 
             def ask(sequences: list[list[int]]) -> Any:
                 raise ValueError(reason)

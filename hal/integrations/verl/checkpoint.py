@@ -42,7 +42,9 @@ trainer rank raise `PeerError`, and the next update builds new groups.
 Settings: verl passes `bucket_size` (`update_weights_bucket_megabytes`) and the mapping
 `engine_kwargs["hal"]`, whose keys are `SyncConfig` fields (`bucket_bytes`,
 `segment_bytes`, `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`, `delta`) plus this
-engine's own `transport`, `senders` and `canary` (hal.integrations.verl.settings.CanarySettings); `delta` is true (`DeltaConfig()`), false, or a mapping of
+engine's own `transport`, `senders` and `canary` (hal.integrations.verl.settings.CanarySettings;
+not given: on, in "log" mode, at the first update and every 100th after it; null or false:
+off); `delta` is true (`DeltaConfig()`), false, or a mapping of
 `DeltaConfig` fields (`{"anchor_every": 16, "choose": "time"}`); any other key is refused naming the valid ones (`is_master` is verl's).
 verl's default bucket size (2048 MiB) means "hal sizes the buckets" (from free device
 memory); any other value is the bucket size.
@@ -94,7 +96,7 @@ from hal.integrations.verl.settings import (
 from hal.integrations.verl.topology import NOT_IN_GROUP, build, group_key, node_address
 from hal.integrations.verl.weights import GeneratorSource, HandoffSink
 from hal.sync import ShardedSender, SyncError, SyncReceiver, TensorSpec, TrainerSync
-from hal.sync.canary import Canary, CanaryError, CanaryReport
+from hal.sync.canary import DEFAULT, Canary, CanaryError, CanaryReport
 from hal.sync.endpoints import ALL, GATHER, make_receiver, make_sender, open_transport
 from hal.sync.errors import PeerError
 from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
@@ -125,7 +127,7 @@ class HalCheckpointEngine(CheckpointEngine):
         is_master: bool = False,
         transport: str = "auto",
         senders: str = "master",
-        canary: Any = None,
+        canary: Any = DEFAULT,
         **settings: Any,
     ) -> None:
         self.transport = choice("transport", transport, TRANSPORT_CHOICES)
@@ -133,7 +135,9 @@ class HalCheckpointEngine(CheckpointEngine):
         self.config = sync_config_from(bucket_size, settings)
         self.canary_settings = canary_settings(canary)
         """`engine_kwargs["hal"]["canary"]` (hal.integrations.verl.settings.CanarySettings)."""
-        self.canary: Canary | None = Canary(self.canary_settings.config) if self.canary_settings.enabled else None
+        self.canary: Canary | None = (
+            Canary(self.canary_settings.config, by_default=self.canary_settings.by_default) if self.canary_settings.enabled else None
+        )
         """The canary's state across updates (trainer ranks count and judge; rollout workers answer); None when off."""
         self.canary_report: CanaryReport | None = None
         """The last check's report on a trainer rank (hal.integrations.verl.canary)."""
@@ -292,7 +296,9 @@ class HalCheckpointEngine(CheckpointEngine):
         if self._role != "trainer":
             adapter = verl_internals.server_adapter(verl_internals.owning_worker(self))
             answer = verl_canary.engine_answer(self.canary_settings, adapter)
-            verl_canary.rollout_answer(self._links[0].channel, answer, timeout_s=timeout_s)
+            verl_canary.rollout_answer(
+                self._links[0].channel, answer, timeout_s=timeout_s, refusal=verl_canary.answer_refusal(self.canary_settings, adapter),
+            )
             return
         import torch.distributed as dist
 

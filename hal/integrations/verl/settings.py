@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hal.sync import DeltaConfig, SyncConfig
-from hal.sync.canary import CanaryConfig, Probe
+from hal.sync.canary import DEFAULT, CanaryConfig, Probe, default_config
 from hal.sync.header_json import WIRE_DTYPES, dtype_from_name
 
 # verl's default `update_weights_bucket_megabytes` (CheckpointEngineConfig, verl 0.9.1):
@@ -29,7 +29,8 @@ SENDERS_CHOICES = ("master", "all")
 ENGINE_SETTINGS = {
     "transport": "how bytes travel: " + " | ".join(TRANSPORT_CHOICES) + " (default auto)",
     "senders": "which trainer ranks send: " + " | ".join(SENDERS_CHOICES) + " (default master)",
-    "canary": "the runtime-state canary after an update: a mapping of mode, every, seed, tolerance, ... (docs/canary.md)",
+    "canary": "the runtime-state canary after an update: a mapping of mode, every, seed, tolerance, ...; "
+              "not given: on, in log mode, every 100th update from the first; null or false: off (docs/canary.md)",
     "is_master": "set by verl on trainer rank 0 (the rank that sends)",
 }
 # SyncConfig fields this engine does not take, and why (docs/verl.md, "Not supported yet").
@@ -119,8 +120,8 @@ class CanarySettings:
     """`engine_kwargs["hal"]["canary"]`: the canary of hal.sync.canary after each completed
     update, as the checkpoint engine "hal" runs it (hal.integrations.verl.canary).
 
-    Every field but the last two is the `CanaryConfig` field of that name; `config` is
-    that `CanaryConfig`."""
+    `config` is the `CanaryConfig` of the mapping's `CanaryConfig` fields; `engine_logprobs`
+    and `timeout_s` are the engine's own; `by_default` says that nothing was configured."""
 
     config: CanaryConfig
     """mode ("off", "log", "enforce"), every, seed, sequences, length, vocab_size, probe
@@ -134,6 +135,9 @@ class CanarySettings:
     timeout_s: float | None = None
     """Bound on each of the canary's waits (the engines' answer included); None: `timeout_s`
     of the sync."""
+    by_default: bool = False
+    """Not configured (no `canary` in engine_kwargs['hal']): the default canary
+    (`hal.sync.canary.Canary.default()`), which checks what it can and never fails an update."""
 
     @property
     def enabled(self) -> bool:
@@ -144,14 +148,16 @@ CANARY_ENGINE_FIELDS = ("engine_logprobs", "timeout_s")
 
 
 def canary_settings(value: Any) -> CanarySettings:
-    """engine_kwargs["hal"]["canary"]: None/false (off), a mapping of `CanaryConfig` fields
-    plus `engine_logprobs` and `timeout_s`, or a `CanarySettings`; ValueError naming the
-    bad field otherwise."""
+    """engine_kwargs["hal"]["canary"]: `DEFAULT` (not given: the default canary), None/false
+    (off), a mapping of `CanaryConfig` fields plus `engine_logprobs` and `timeout_s`, or a
+    `CanarySettings`; ValueError naming the bad field otherwise."""
     if isinstance(value, CanarySettings):
         return value
     where = "checkpoint engine 'hal': engine_kwargs['hal'].canary"
+    if value is DEFAULT:
+        return CanarySettings(default_config(), by_default=True)
     if value is None or value is False:
-        return CanarySettings(CanaryConfig())
+        return CanarySettings(CanaryConfig(mode="off"))
     if isinstance(value, CanaryConfig):
         return CanarySettings(value)
     config_fields = [f.name for f in dataclasses.fields(CanaryConfig)]

@@ -30,8 +30,10 @@ its resend loop, whichever driver sent: after a completed sync that is due, the 
 computes its reference while every engine computes in a thread of its own; with
 senders="all" (the driver's trainer channel) every trainer rank takes part in the forward
 (an FSDP2 forward is a collective), rank 0 alone asks the engines and compares, and every
-rank returns the same report or raises the same `CanaryError`. Nothing here changes an
-engine's weights or its weight version.
+rank returns the same report or raises the same `CanaryError`. The canary a `WeightSync`
+runs when not given one (`Canary.default()`) asks only the engines it can ask without help
+and never fails a sync: hal.integrations.vllm.canary_default says what it leaves alone.
+Nothing here changes an engine's weights or its weight version.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm import canary_default, internals as vllm_internals
 from hal.integrations._shared import in_daemon_thread, result_within
 from hal.sync import ModuleSource
 from hal.sync.canary import Canary, CanaryError, CanaryReport, Probe, dtype_of, module_logprobs, vocab_size_of
@@ -181,6 +183,10 @@ def engine_prompt_logprobs(engine: Any, prompts: list[list[int]], *, timeout_s: 
     if inner is not None:
         return engine_prompt_logprobs(inner, prompts, timeout_s=timeout_s, lora_request=lora_request)
     if isinstance(engine, (OfflineEngine, ExtensionEngine)):
+        if canary_default.asleep(engine.llm):  # its generate would wait for a wake-up, holding the engine past the timeout
+            raise ValueError(
+                f"engine {name!r} is asleep (a sleep, a partial wake_up or a paused scheduler): wake it fully before the sync"
+            )
         return llm_prompt_logprobs(engine.llm, prompts, lora_request=lora_request, where=f"engine {name!r}")
     if isinstance(engine, ClientEngine):
         if isinstance(engine.client, HTTPVLLMWeightSyncClient):
@@ -250,11 +256,12 @@ def check_engines(
     timeout_s: float,
     lora_request: Any = None,
     channel: Any = None,
-) -> CanaryReport:
+) -> CanaryReport | None:
     """One check: every engine of `engines` and the trainer compute the probe, and `canary`
     judges (without raising). With `channel` (the trainer group of senders="all"), on every
     trainer rank: each computes the reference (the forward may be a collective), rank 0 asks
-    the engines and judges, and every rank gets rank 0's report (or raises its error)."""
+    the engines and judges, and every rank gets rank 0's report (or raises its error).
+    None: the default canary (`Canary.by_default`), and no engine computed the probe."""
     start = time.perf_counter()
     lead = channel is None or channel.rank == 0
     error: BaseException | None = None
@@ -268,8 +275,8 @@ def check_engines(
         report, error = _agree(channel, report, error, version, timeout_s)
     if error is not None:
         raise error
-    assert report is not None
-    report.seconds = time.perf_counter() - start
+    if report is not None:
+        report.seconds = time.perf_counter() - start
     return report
 
 
@@ -294,20 +301,31 @@ def _check(
         calls[engine.name] = in_daemon_thread(
             f"hal-canary-{engine.name}", lambda e=engine: _timed(engine_prompt_logprobs, e, prompts, timeout_s=timeout_s, lora_request=lora_request)
         )
+    got: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+
+    def answers() -> None:
+        for name, call in calls.items():
+            try:
+                got[name], seconds[name] = result_within(call, f"canary: engine {name!r} computing the probe", timeout_s)
+            except Exception as exc:  # noqa: BLE001 - an engine that cannot compute fires the canary, naming why
+                got[name] = exc
+
     reference_start = time.perf_counter()
-    reference = canary.reference(probe) if canary.reference is not None else module_logprobs(module, probe)
+    try:
+        reference = canary.reference(probe) if canary.reference is not None else module_logprobs(module, probe)
+    except BaseException:
+        answers()  # the engines' requests end before the caller may use the engines again
+        raise
     reference_s = time.perf_counter() - reference_start
     if not lead:
         return None
-    got: dict[str, Any] = {}
-    seconds: dict[str, float] = {}
-    for name, call in calls.items():
-        try:
-            got[name], seconds[name] = result_within(call, f"canary: engine {name!r} computing the probe", timeout_s)
-        except Exception as exc:  # noqa: BLE001 - an engine that cannot compute fires the canary, naming why
-            got[name] = exc
+    answers()
+    judged = canary.set_aside(got)
+    if not judged and canary.by_default:  # no engine computed the probe: each was logged as not checked
+        return None
     dtypes = (source_dtype(source, module), wire_dtype)
-    return canary.judge(version, probe, reference, got, dtypes=dtypes, seconds=seconds, reference_s=reference_s)
+    return canary.judge(version, probe, reference, judged, dtypes=dtypes, seconds=seconds, reference_s=reference_s)
 
 
 def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
@@ -331,7 +349,7 @@ def _agree(channel: Any, report: CanaryReport | None, error: BaseException | Non
     if failed is not None:
         rank, message = failed
         return None, error if rank == channel.rank and error is not None else RuntimeError(f"canary: trainer rank {rank}: {message}")
-    return CanaryReport.from_dict(words[0]["r"]), None
+    return (CanaryReport.from_dict(words[0]["r"]) if "r" in words[0] else None), None
 
 
 # ---- what WeightSync calls after a sync -------------------------------------------------------
@@ -357,6 +375,17 @@ def check_after_sync(
     if canary is None or not canary.due():
         return
     module = module_of(source)
+    if canary.by_default:  # checks what it can without help, never fails the sync (hal.integrations.vllm.canary_default)
+        asked = canary_default.engines_to_ask(canary, engines, source=source, module=module, channel=channel, gathering=gathering)
+        if not asked:
+            return
+        try:
+            result.canary = check_engines(
+                canary, asked, source=source, version=version, wire_dtype=wire_dtype, timeout_s=timeout_s, lora_request=lora_request,
+            )
+        except Exception as exc:  # noqa: BLE001 - the trainer's forward on the probe, the probe's vocabulary
+            canary.not_checked(f"the sync's source ({type(source).__name__})", f"the canary's check failed: {type(exc).__name__}: {exc}")
+        return
     if canary.reference is None and module is None:
         message = (
             f"canary: the sync of version {version} is not of a module ({type(source).__name__}), so the trainer's "

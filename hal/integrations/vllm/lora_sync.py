@@ -139,9 +139,11 @@ class LoraWeightSync:
     `trainer_group=g, senders="all"` (on every rank of `g`): every trainer rank sends its own
     rows (see the module doc); `token` as for `WeightSync`.
 
-    `canary` (a `CanaryConfig` or `Canary`, hal.sync.canary): after a sync that is due, the
-    engines compute the probe with the synced adapter (`lora_request()`) against the peft
-    model's forward (docs/canary.md); the report is `result.result.canary`.
+    `canary` (a `CanaryConfig` or `Canary`, hal.sync.canary; off unless given, unlike
+    `WeightSync`'s: an engine that serves LoRA computes the probe in a forced decode step
+    per token): after a sync that is due, the engines compute the probe with the synced
+    adapter (`lora_request()`) against the peft model's forward (docs/canary.md); the
+    report is `result.result.canary`.
     """
 
     def __init__(
@@ -197,6 +199,7 @@ class LoraWeightSync:
             wrapped, config=config, timeout_s=timeout_s, transport=transport,
             master_address=master_address, master_port=master_port, token=token,
             trainer_group=trainer_group, senders=senders,
+            canary=None,  # its source is the parts that travel: this class runs the canary on the peft model
         )
         self.canary = as_canary(canary)
         """The canary (hal.sync.canary), None when off: run here, since the sync's own source is the parts that travel."""

@@ -144,6 +144,8 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm.entrypoints.llm:LLM.llm_engine", why="shutdown_llm, OfflineEngine"),
     Need(target="vllm.v1.engine.llm_engine:LLMEngine.engine_core", why="shutdown_llm"),
     Need(target="vllm.v1.engine.llm_engine:LLMEngine.vllm_config", why="OfflineEngine, logprobs_mode"),
+    Need(target="vllm.v1.engine.llm_engine:LLMEngine.is_sleeping", call=Call(0),
+         why="canary_default.asleep (the default canary does not ask an engine that is asleep)"),
     Need(target="vllm.config.vllm:VllmConfig.model_config", why="logprobs_mode"),
     Need(target="vllm.config.model:ModelConfig.logprobs_mode", why="logprobs_mode (hal.integrations.vllm.canary)"),
     Need(target="vllm.config.vllm:VllmConfig.lora_config", why="lora_enabled (hal.integrations.vllm.canary)"),

@@ -42,7 +42,7 @@ from hal.integrations.vllm.engines import Engine, as_engine
 from hal.integrations.vllm.info import ENGINE_TRANSPORTS
 from hal.integrations.vllm.sharded_sync import EveryRankSends
 from hal.sync import Sender, SyncConfig, SyncError
-from hal.sync.canary import Canary, as_canary
+from hal.sync.canary import DEFAULT, Canary, as_canary
 from hal.sync.errors import check_version
 from hal.sync.protocol import GroupChannel
 from hal.sync.source import as_source
@@ -79,10 +79,13 @@ class WeightSync:
     called: checked against rank 0's names and sizes) or none, `[]` (they learn them from
     rank 0 at `init`). Over the "broadcast" transport only.
 
-    `canary` (a `hal.sync.canary.CanaryConfig` or `Canary`; off by default): every few
-    completed syncs, the engines' log-probs on a fixed probe are compared with the
-    trainer's (hal.integrations.vllm.canary, docs/canary.md); the result is
-    `SyncResult.canary`, and in "enforce" mode an engine that differs raises `CanaryError`.
+    `canary` (a `hal.sync.canary.CanaryConfig` or `Canary`; None: off): every few completed
+    syncs, the engines' log-probs on a fixed probe are compared with the trainer's
+    (hal.integrations.vllm.canary, docs/canary.md); the result is `SyncResult.canary`, and in
+    "enforce" mode an engine that differs raises `CanaryError`. Not given, it is on
+    (`Canary.default()`): "log" mode, the first sync and every 100th after it, of a source
+    that is a module, asking the engines in this process that are awake; what it does not
+    check it says once, in the log, and it never fails a sync (hal.integrations.vllm.canary_default).
     """
 
     def __init__(
@@ -98,7 +101,7 @@ class WeightSync:
         resend_after_failure: int = 1,
         trainer_group: Any = None,
         senders: str = "one",
-        canary: Any = None,
+        canary: Any = DEFAULT,
     ) -> None:
         if transport != "auto" and transport not in ENGINE_TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(ENGINE_TRANSPORTS)}, got {transport!r}")
@@ -149,7 +152,7 @@ class WeightSync:
         self.inconsistent: set[str] = set()
         """Engines holding part of a failed sync (some tensors new, some old), by name."""
         self.canary: Canary | None = as_canary(canary)
-        """The canary (hal.sync.canary), None when off."""
+        """The canary (hal.sync.canary): `Canary.default()` unless told otherwise; None when off."""
 
     @property
     def transport(self) -> str:
