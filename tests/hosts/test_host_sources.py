@@ -203,6 +203,8 @@ _TABLES = {"VLLM_NEEDS", "UNSUPPORTED_VLLM", "SUPPORTED_VLLM", "_WT"}
 # Names of Python's own the fence reads (the call stack in creating_worker_vllm_config, torch's
 # module internals, the warning filter's own flag).
 NOT_VLLM |= {"_getframe", "f_locals", "f_back", "_parameters", "restoring", "self", "Protocol", "runtime_checkable"}
+# ... and those of the filter of refused syncs (a LogRecord's, its own) and the worker class's name.
+NOT_VLLM |= {"exc_info", "message", "mark", "nullcontext", "startswith", "__module__", "__qualname__"}
 
 
 def test_vllm_needs_cover_every_vllm_name_the_fence_uses():

@@ -290,8 +290,8 @@ def no_mtp_completeness_check() -> Iterator[None]:
     try:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
     except ImportError:
-        yield
-        return
+        disable_mtp_completeness_check = contextlib.nullcontext
+    # outside the handler: an error of the block would read as raised "during" the ImportError
     with disable_mtp_completeness_check():
         yield
 
@@ -465,6 +465,22 @@ def lora_enabled(llm: Any) -> bool:
     is set): the canary then avoids prompt log-probs (hal.integrations.vllm.canary)."""
     require_supported_vllm()
     return llm.llm_engine.vllm_config.lora_config is not None
+
+
+def worker_closes_failed_updates(llm: Any) -> bool:
+    """Whether an offline `LLM`'s workers end an update whose `update_weights` raised, so
+    that a `finish_weight_update` after it is refused ("without a matching start"). From
+    vLLM 0.25 on the engine owns an update and vLLM's worker ends a failed one. On 0.23-0.24
+    the worker owns it: vLLM's own workers end it (`Worker.update_weights`; CPUWorker and
+    the others inherit it), vllm-ascend 0.23's `NPUWorker` keeps it open until finish
+    (tests/hosts/ reads both). A worker class of another package
+    (`llm.llm_engine.vllm_config.parallel_config.worker_cls`) counts as keeping it open: a
+    finish it refuses is only an error in the log, a start it refused would fail every sync after."""
+    if engine_owns_updates():
+        return True
+    worker_cls = llm.llm_engine.vllm_config.parallel_config.worker_cls
+    name = worker_cls if isinstance(worker_cls, str) else f"{worker_cls.__module__}.{worker_cls.__qualname__}"
+    return name.startswith("vllm.")
 
 
 def worker_model(worker: Any) -> torch.nn.Module:
