@@ -592,3 +592,40 @@ def reloads_lora_models() -> bool:
 
 def loaded_lora_ids(manager: Any) -> list[int]:
     return sorted(manager.list_adapters())
+
+
+# ---- vLLM's tracebacks of a refused sync -----------------------------------------------------
+# Where vLLM logs a failed call to a worker, traceback and all (loggers are module paths, so
+# private): the worker process's RPC loop, and the engine core's utility call, which sees the
+# worker's error as text ("Worker failed with error '...'").
+RPC_FAILURE_LOGS = (
+    ("vllm.v1.executor.multiproc_executor", "WorkerProc hit an exception."),
+    ("vllm.v1.engine.core", "Invocation of %s method failed"),
+)
+# vLLM's HTTP server runs under uvicorn, which logs an exception that left a route (a
+# failed POST /update_weights) with its traceback, after vLLM's own one line for it
+# ("Exception caught. Request id: ..."). uvicorn's, not vLLM's: no needs table reads it.
+SERVER_FAILURE_LOG = ("uvicorn.error", "Exception in ASGI application\n")
+
+
+class _RefusedSyncFilter(logging.Filter):
+    """Drops the ERROR record, traceback and all, of a call that failed with an error whose
+    text carries `mark`: a sync hal's engine refused and logged in one line
+    (hal.integrations.vllm.engine). Any other record of the logger passes."""
+
+    def __init__(self, message: str, mark: str) -> None:
+        super().__init__()
+        self.message, self.mark = message, mark
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.msg == self.message and exc is not None and self.mark in str(exc))
+
+
+def quiet_refused_syncs(mark: str) -> None:
+    """In this process, drop vLLM's tracebacks (`RPC_FAILURE_LOGS`, `SERVER_FAILURE_LOG`) of
+    calls that failed with an error whose text carries `mark`. Idempotent."""
+    for name, message in (*RPC_FAILURE_LOGS, SERVER_FAILURE_LOG):
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _RefusedSyncFilter) and f.mark == mark for f in target.filters):
+            target.addFilter(_RefusedSyncFilter(message, mark))
