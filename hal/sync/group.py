@@ -10,7 +10,8 @@ for a device group, which vllm-ascend's `NPUPlatform` cannot build). The group o
 library other than gloo is the hal backend's to build (`Backend.new_process_group`:
 torch_npu's HCCL group on the npu backend). The rendezvous layout is that of vLLM's
 `stateless_init_torch_distributed_process_group`, so a process joining with that helper
-still meets the ranks that join here.
+still meets the ranks that join here (unless rank 0 joins with a `RendezvousServer` of its
+caller's: it then waits for every other rank to count itself in, as only ranks joining here do).
 
     spec = SyncGroupSpec.create(world_size=1 + workers)           # on the trainer's side
     group = join_sync_group(spec, rank, timeout_s=60)             # every rank, concurrently
@@ -23,6 +24,8 @@ import datetime
 import ipaddress
 import os
 import socket
+import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +35,10 @@ from hal.procs import free_port
 from hal.sync.errors import PeerError
 
 LOOPBACK = "127.0.0.1"
+# Where every rank but 0 counts itself in once it reached the store, before it builds the
+# group; rank 0 serving a closable `RendezvousServer` builds its own once all have (see there).
+_ARRIVED = "hal/arrived"
+_POLL_S = 0.005
 
 
 def _is_loopback(address: str) -> bool:
@@ -114,7 +121,10 @@ def join_sync_group(
     Rank 0 serves the rendezvous from `server` when given (a `RendezvousServer` of this
     spec the caller made first, so that it can end a join still waiting from another
     thread: `server.close()`), else from one of its own. Either way the server lives as
-    long as the group and closes with `destroy_sync_group`.
+    long as the group and closes with `destroy_sync_group`. With `server` given, rank 0
+    builds its group only once every other rank has counted itself in (as this function
+    does on those ranks; a rank that joins with vLLM's helper does not), so that a rendezvous
+    closed before then ends the join quietly (`RendezvousServer.wait_for_ranks`).
 
     Raises PeerError when the other ranks do not all arrive within `timeout_s` (which is
     also the group's default timeout for every collective), or at once when `server` closes.
@@ -152,6 +162,10 @@ def join_sync_group(
         store = server.client if server is not None else dist.TCPStore(spec.address, spec.port, spec.world_size, False, timeout)
         # vLLM's stateless helper keeps its keys under this prefix: either side may use it.
         prefixed = dist.PrefixStore(spec.init_method, store)
+        if rank != 0:
+            prefixed.add(_ARRIVED, 1)
+        elif owned is None and server is not None:
+            server.wait_for_ranks(prefixed, spec.world_size - 1, timeout_s, where)
         if builder is None:
             group = _gloo_group(prefixed, rank, spec.world_size, timeout, bind_address)
         else:
@@ -223,6 +237,7 @@ class RendezvousServer:
         # Rank 0's own connection, made now: a connect retries until its timeout when
         # nothing listens, so joining after a close would wait; this one fails at once.
         self.client: Any = dist.TCPStore(spec.address, spec.port, spec.world_size, False, datetime.timedelta(seconds=timeout_s))
+        self._lock = threading.Lock()  # no call of rank 0's on the store is under way when it closes
 
     @property
     def closed(self) -> bool:
@@ -230,7 +245,28 @@ class RendezvousServer:
 
     def close(self) -> None:
         """Stop serving: the port closes and every rank still joining fails. Safe to call twice."""
-        self._store = self.client = None
+        with self._lock:
+            self._store = self.client = None
+
+    def wait_for_ranks(self, store: Any, count: int, timeout_s: float, where: str) -> None:
+        """Return once `count` ranks have counted themselves in (`store`: rank 0's view of
+        this server, prefixed as the group's keys are); PeerError, naming `where`, if the
+        server closes first or `timeout_s` passes. The count is polled, never waited for in
+        the store: a store call that a close cuts off prints c10d's C++ stack (its
+        "recvValue failed" warning), and the group's own rendezvous, in which rank 0 would
+        otherwise wait, is such a call. Ranks refused before they reach the store (an engine
+        that refuses the trainer's token) so never leave rank 0 in one."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if self.closed:
+                    raise PeerError(f"{where}: the rendezvous was closed while waiting for the other ranks")
+                arrived = store.add(_ARRIVED, 0)
+            if arrived >= count:
+                return
+            if time.monotonic() >= deadline:
+                raise PeerError(f"{where}: {arrived} of the {count} other ranks arrived within {timeout_s:g} s")
+            time.sleep(_POLL_S)
 
 
 def _listening_socket(address: str, port: int) -> int:

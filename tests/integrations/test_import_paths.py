@@ -1,6 +1,7 @@
 """Every import path the documentation names, every entry point pyproject.toml declares (and
 the ones installed here), the vLLM worker extensions by name, and the former flat paths of
-hal.integrations (before it was split by host: vllm/, verl/, ray/) resolve."""
+hal.integrations (before it was split by host: vllm/, verl/, ray/) resolve; every file of
+hal/ the documentation names by its path (hal/integrations/vllm/engine.py) exists."""
 
 from __future__ import annotations
 
@@ -97,6 +98,23 @@ def defined_in_source(path: str) -> bool:
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             names.add(node.value)  # a lazily answered name (hal.integrations.vllm's table)
     return attrs[0] in names
+
+
+_FILE = re.compile(r"(?<![\w/.])hal/[\w/]+\.py\b")
+
+
+def documented_files() -> list[tuple[str, str]]:
+    """(document, path) for every file of hal/ a document names by its path (hal/.../x.py)."""
+    return sorted({(doc.name, m) for doc in DOCS for m in _FILE.findall(doc.read_text())})
+
+
+def test_the_docs_name_files_of_hal():
+    assert len(documented_files()) > 10
+
+
+@pytest.mark.parametrize("doc, path", documented_files())
+def test_every_file_the_docs_name_exists(doc, path):
+    assert (ROOT / path).is_file(), f"{doc} names {path}, which does not exist"
 
 
 def test_the_docs_name_integration_paths():

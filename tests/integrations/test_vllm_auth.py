@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from typing import Iterator
 
@@ -67,6 +68,12 @@ def hal_engine_log() -> Iterator[list[logging.LogRecord]]:
 
 def token_warnings(records: list[logging.LogRecord]) -> list[str]:
     return [r.getMessage() for r in records if r.levelno == logging.WARNING and env.VERL_HAL_SYNC_TOKEN in r.getMessage()]
+
+
+def refusal_lines(records: list[logging.LogRecord]) -> list[str]:
+    """What the engine logged at WARNING and up: a refusal is one line, with no traceback."""
+    assert not [r for r in records if r.exc_info], "a refusal is logged without a traceback"
+    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
 
 
 def joined(worker) -> bool:
@@ -144,9 +151,11 @@ def test_a_trainer_without_the_token_is_refused_before_the_engine_joins(engine, 
     if vllm_internals.engines_can_be_shut_down():
         assert before == [None]  # the last test's trainer shut it down
     start = time.monotonic()
-    with pytest.raises(AuthError, match=message):
+    with hal_engine_log() as records, pytest.raises(AuthError, match=message):
         stranger.init()
     elapsed = time.monotonic() - start
+    [line] = refusal_lines(records)
+    assert re.match(r"hal weight transfer: refused the init of a trainer at 127\.0\.0\.1:\d+ \(AuthError\): " + message, line), line
     assert elapsed < REFUSED_WITHIN_S, f"refused only after {elapsed:.1f} s (the group timeout is {TIMEOUT_S:.0f} s)"
     assert llm.collective_rpc(group_of) == before, "the engine joined the stranger's group"
     # nothing was left behind: the right trainer connects and syncs, and the refused
@@ -172,12 +181,18 @@ def test_a_sync_with_another_token_is_refused_and_the_engine_keeps_its_weights(e
         serving, version = engine_greedy(llm, PROMPTS, MAX_TOKENS), weight_version(llm)
         sync.sender.token = "s3cret-but-wrong"
         perturb(model, seed=31)
-        with pytest.raises(AuthError, match=r"rank 1: the trainer's token does not match this engine's"):
+        with hal_engine_log() as records, pytest.raises(AuthError, match=r"rank 1: the trainer's token does not match this engine's"):
             sync.sync(model, version=int(version) + 1)
+        assert refusal_lines(records) == [
+            f"hal weight transfer: refused version {int(version) + 1} (AuthError): sync of version {int(version) + 1} failed: "
+            "the trainer's token does not match this engine's, or the header was not made for this sync (a replay)"
+        ]
         assert weight_version(llm) == version
         assert engine_greedy(llm, PROMPTS, MAX_TOKENS) == serving
         sync.sender.token = TOKEN  # the group survived the refusal
-        sync_and_compare(llm, model, sync, seed=32)
+        with hal_engine_log() as records:
+            sync_and_compare(llm, model, sync, seed=32)
+        assert refusal_lines(records) == []  # the next sync says nothing
     finally:
         sync.close()
 

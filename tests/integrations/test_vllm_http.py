@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -93,7 +94,7 @@ def server(tmp_path_factory):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"vllm serve did not become healthy within {STARTUP_TIMEOUT_S} s; log: {log.name}")
             time.sleep(1.0)
-        yield base, model_dir
+        yield base, model_dir, Path(log.name)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -130,7 +131,7 @@ def weight_version(base: str) -> str:
 
 
 def test_http_server_sync_matches_transformers_and_reports_version(server):
-    base, model_dir = server
+    base, model_dir, log = server
     model = load_trainer_model(model_dir)
     # vLLM's own client, as its RL examples build it; WeightSync completes it (ClientEngine)
     sync = WeightSync(
@@ -152,6 +153,7 @@ def test_http_server_sync_matches_transformers_and_reports_version(server):
             assert set(result.canary.engines) == {base} and not result.canary.fired, result.canary
             assert weight_version(base) == str(version)
             assert server_greedy(base, PROMPTS) == trainer_greedy(model, PROMPTS, MAX_TOKENS)
+        seen = log.stat().st_size
         with pytest.raises(StaleVersionError):
             sync.sync(model, version=4)
         assert weight_version(base) == "6"
@@ -159,8 +161,28 @@ def test_http_server_sync_matches_transformers_and_reports_version(server):
         engine.update_weight_version("inconsistent:6")
         assert weight_version(base) == engine.get_weight_version() == "inconsistent:6"
         engine.update_weight_version("6")
+        # the server has answered later requests, so it has logged all it logs of the refusal:
+        # the engine's one line, vLLM's one line for the failed route, no traceback
+        refusal, seen = server_log(log, seen)
+        assert [line[line.index("hal weight transfer"):] for line in refusal if "hal weight transfer" in line] == [
+            "hal weight transfer: refused version 4 (StaleVersionError): sync of version 4 failed: receiver holds weight "
+            "version 6; refusing older version 4"
+        ], refusal
+        assert not [line for line in refusal if "Traceback" in line or "Exception in ASGI" in line], "\n".join(refusal)
+        sync.sync(model, version=7)
+        assert weight_version(base) == "7"
+        after, _ = server_log(log, seen)
+        assert not [line for line in after if "ERROR" in line or "Traceback" in line], "\n".join(after)
     finally:
         sync.close()
+
+
+def server_log(log: Path, start: int) -> tuple[list[str], int]:
+    """The lines the server wrote to `log` from byte `start` on, and where they end."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        data = f.read()
+    return data.decode(errors="replace").splitlines(), start + len(data)
 
 
 # A trainer process as vLLM's own RL examples write it: it talks to `vllm serve` over HTTP
@@ -193,7 +215,7 @@ print(json.dumps({"plugins_loaded": vllm.plugins.plugins_loaded, "version": resu
 
 
 def test_vllm_trainer_factory_over_http_in_a_fresh_process(server, tmp_path):
-    base, model_dir = server
+    base, model_dir, _ = server
     script = tmp_path / "trainer.py"
     script.write_text(FRESH_TRAINER)
     seed, version = 41, 11

@@ -45,6 +45,7 @@ NPU_WORKER_METHODS = (
     "load_model", "_check_weight_transfer_engine", "init_weight_transfer_engine", "_check_nz_disabled",
     "start_weight_update", "update_weights", "finish_weight_update",
 )
+NPU_WORKER_CLS = "vllm_ascend.worker.worker.NPUWorker"  # what vllm-ascend's NPUPlatform sets as worker_cls
 MAX_TOKENS = 8
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13], [1, 40, 41]]
 
@@ -100,6 +101,17 @@ def npu_worker_class():
     return namespace["NPUWorker"], device, envs_ascend
 
 
+class Overlay:
+    """`real` with some attributes replaced."""
+
+    def __init__(self, real: Any, **replaced: Any) -> None:
+        self._real = real
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
 class AscendLLM:
     """What an `LLM` of vLLM 0.23 is to its one worker: vLLM's own four update methods, their
     `collective_rpc` reaching `worker` (the stand-in NPUWorker); everything else the real engine."""
@@ -108,7 +120,10 @@ class AscendLLM:
         from vllm import LLM
 
         self.llm, self.worker = llm, worker
-        self.llm_engine = types.SimpleNamespace(collective_rpc=self._collective_rpc, vllm_config=llm.llm_engine.vllm_config)
+        # the config as vllm-ascend's platform leaves it: its NPUWorker runs the engine
+        config = llm.llm_engine.vllm_config
+        vllm_config = Overlay(config, parallel_config=Overlay(config.parallel_config, worker_cls=NPU_WORKER_CLS))
+        self.llm_engine = types.SimpleNamespace(collective_rpc=self._collective_rpc, vllm_config=vllm_config)
         for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
             setattr(self, method, types.MethodType(getattr(LLM, method), self))
 

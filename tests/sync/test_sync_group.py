@@ -19,7 +19,8 @@ import torch.distributed as dist
 import hal
 from hal.backends.cpu import CpuBackend
 from hal.procs import free_port
-from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.sync.errors import PeerError
+from hal.sync.group import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group
 
 pytestmark = [pytest.mark.cpu, pytest.mark.timeout(60)]
 
@@ -125,3 +126,62 @@ def test_new_process_group_refuses_arguments_naming_them(rank, size, timeout, me
     with pytest.raises(ValueError, match=rf"backend 'other-library': new_process_group: {message}"):
         backend.new_process_group(dist.HashStore(), rank, size, timeout)
     assert backend.calls == []
+
+
+def test_rank_0_with_a_rendezvous_server_of_its_own_meets_the_other_ranks():
+    """Given its caller's server (WeightSync's trainer), rank 0 builds the group once the
+    other rank counted itself in; the group then works as any."""
+    spec = SyncGroupSpec.create(world_size=2)
+    server = RendezvousServer(spec, timeout_s=20)
+    groups: list = [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = join_sync_group(spec, rank, backend="gloo", timeout_s=20, server=server if rank == 0 else None)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    try:
+        _broadcast_works(groups)
+    finally:
+        for group in groups:
+            if group is not None:
+                destroy_sync_group(group)
+
+
+def test_a_rendezvous_closed_before_the_other_ranks_came_ends_rank_0s_join_at_once_and_quietly(monkeypatch, capfd):
+    """An engine that refuses the trainer's init never reaches the store; the trainer then
+    closes its rendezvous. Rank 0 was waiting for the others to count themselves in, not in
+    the group's own rendezvous (a store call cut off by the close prints c10d's C++ stack):
+    its join raises PeerError and prints nothing."""
+    spec = SyncGroupSpec.create(world_size=2)
+    server = RendezvousServer(spec, timeout_s=60)
+    waiting = threading.Event()
+    wait_for_ranks = RendezvousServer.wait_for_ranks
+
+    def announced(self, *args, **kwargs):
+        waiting.set()
+        return wait_for_ranks(self, *args, **kwargs)
+
+    monkeypatch.setattr(RendezvousServer, "wait_for_ranks", announced)
+    library = OtherLibrary()  # records every group it is asked to build
+    outcome: list = []
+
+    def join() -> None:
+        try:
+            outcome.append(join_sync_group(spec, 0, backend=library, timeout_s=60, server=server))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    assert waiting.wait(30), "rank 0 never began to wait for the other ranks"
+    server.close()
+    thread.join(30)
+    [exc] = outcome
+    assert isinstance(exc, PeerError) and "the rendezvous was closed while waiting for the other ranks" in str(exc), exc
+    assert library.calls == [], "rank 0 entered the group's own rendezvous"
+    printed = capfd.readouterr()
+    assert "c10d" not in printed.err + printed.out

@@ -63,7 +63,8 @@ from hal import env
 from hal.integrations.vllm import internals as vllm_internals
 from hal.integrations.vllm._reload import CarryArena, kernel_changes, kernel_tensors
 from hal.integrations.vllm.info import ENGINE_TRANSPORTS, HalInitInfo, HalUpdateInfo, dtype_from_name, dtype_name  # noqa: F401 - re-exported
-from hal.sync import SinkPolicy, SpecMismatchError, SyncMetrics, SyncReceiver, TensorSpec
+from hal.sync import SinkPolicy, SpecMismatchError, SyncError, SyncMetrics, SyncReceiver, TensorSpec
+from hal.sync.errors import AuthError, DeltaBaseError, HeaderError, StaleVersionError
 from hal.sync.endpoints import ALL, ONE, make_receiver, open_transport
 from hal.sync.auth import check_init_proof
 from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
@@ -72,6 +73,14 @@ logger = logging.getLogger(__name__)
 
 
 BACKEND_NAME = "hal"
+
+# What this engine refuses before it applies anything: a trainer without the token, a sync
+# that does not fit the model, an older version. Each refusal is one line in the log
+# (`_refused`); the error still fails vLLM's call, so the trainer and vLLM's own state
+# machine learn of it as before, and vLLM's tracebacks of it are dropped
+# (`vllm_internals.quiet_refused_syncs`, by `REFUSED` in the error's text).
+REFUSALS = (AuthError, HeaderError, SpecMismatchError, StaleVersionError, DeltaBaseError)
+REFUSED = "hal weight transfer: refused"
 
 
 class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
@@ -140,7 +149,10 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
                 "(docs/security.md)", env.VERL_HAL_SYNC_TOKEN,
             )
         else:  # refused before joining the group: no byte of a stranger's is ever received
-            check_init_proof(self._token, init_info.auth, **init_info.proven())
+            try:
+                check_init_proof(self._token, init_info.auth, **init_info.proven())
+            except AuthError as exc:
+                raise _refused(f"the init of a trainer at {init_info.master_address}:{init_info.master_port}", exc) from None
         if replace:
             # vLLM before 0.32 offers no way to shut this engine down: a trainer that connects
             # again (after its own close, or a new one) re-initialises; the old group goes first.
@@ -238,8 +250,11 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         if self._receiver is None:
             raise RuntimeError("hal weight transfer: not initialized; call init_weight_transfer_engine first")
         start = time.perf_counter()
-        with vllm_internals.no_mtp_completeness_check():
-            metrics = self._receiver.receive(self)
+        try:
+            with vllm_internals.no_mtp_completeness_check():
+                metrics = self._receiver.receive(self)
+        except REFUSALS as exc:
+            raise _refused(f"version {update_info.version}", exc) from None
         if metrics.version is not None and metrics.version != update_info.version:
             raise RuntimeError(
                 f"hal weight transfer: update_weights announced version {update_info.version}, "
@@ -336,6 +351,15 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         _destroy_groups(groups)
 
 
+def _refused(what: str, exc: SyncError) -> SyncError:
+    """`exc`, logged here in one line, as the error of this engine's refusal of `what`: the
+    same class and reports, its message after `REFUSED` (which is how vLLM's tracebacks of
+    it are told apart, across the worker's process boundary too)."""
+    message = f"{REFUSED} {what} ({type(exc).__name__}): {exc}"
+    logger.warning("%s", message)
+    return type(exc)(message, reports=exc.reports, my_rank=exc.my_rank)
+
+
 def _destroy_groups(groups: list[Any]) -> None:
     """Release every group; one that fails to go is logged, the others still go."""
     for group in groups:
@@ -414,9 +438,12 @@ def register() -> None:
     """Entry point of `vllm.general_plugins`: make `backend="hal"` known to vLLM's factories.
 
     Safe to call any number of times in any process (vLLM loads general plugins in the
-    API server, the engine core and every worker).
+    API server, the engine core and every worker). In each, vLLM's tracebacks of a sync this
+    engine refused are dropped: the refusal is one line of the engine's (`REFUSALS`).
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    vllm_internals.quiet_refused_syncs(REFUSED)
 
     register_engine(WeightTransferEngineFactory, BACKEND_NAME, *ENGINE_CLASS[vllm_internals.engine_owns_updates()])
     if not vllm_internals.keeps_weight_versions():

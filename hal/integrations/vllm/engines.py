@@ -280,18 +280,19 @@ class OfflineEngine:
         try:
             self.llm.update_weights({"update_info": update_info})
         except BaseException:
-            # vLLM 0.23-0.24: the worker owns the update, and some workers (vllm-ascend 0.23's
-            # NPUWorker) keep a failed one open until finish_weight_update
-            self._update_open = not vllm_internals.engine_owns_updates()
+            # vLLM 0.23-0.24: the worker owns the update; vLLM's own workers end a failed one,
+            # vllm-ascend 0.23's NPUWorker keeps it open until finish_weight_update
+            self._update_open = not vllm_internals.worker_closes_failed_updates(self.llm)
             raise
 
     def _end_failed_update(self) -> None:
         """Close an update whose `update_weights` failed before the next one starts (hal's engine
-        already put every layer back). vLLM 0.23's own worker closed it itself and refuses."""
+        already put every layer back). Not for vLLM's own workers, which closed it themselves
+        and would refuse (with an error and a traceback in the engine's log)."""
         self._update_open = False
         try:
             self.llm.finish_weight_update()
-        except Exception as exc:  # noqa: BLE001 - "without a matching start_weight_update": already closed
+        except Exception as exc:  # noqa: BLE001 - a worker of another platform that closed it after all
             logger.debug("engine %s: closing the failed update: %s", self.name, exc)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

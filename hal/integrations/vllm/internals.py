@@ -316,8 +316,8 @@ def no_mtp_completeness_check() -> Iterator[None]:
     try:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
     except ImportError:
-        yield
-        return
+        disable_mtp_completeness_check = contextlib.nullcontext
+    # outside the handler: an error of the block would read as raised "during" the ImportError
     with disable_mtp_completeness_check():
         yield
 
@@ -547,6 +547,22 @@ def lora_enabled(llm: Any) -> bool:
     return llm.llm_engine.vllm_config.lora_config is not None
 
 
+def worker_closes_failed_updates(llm: Any) -> bool:
+    """Whether an offline `LLM`'s workers end an update whose `update_weights` raised, so
+    that a `finish_weight_update` after it is refused ("without a matching start"). From
+    vLLM 0.25 on the engine owns an update and vLLM's worker ends a failed one. On 0.23-0.24
+    the worker owns it: vLLM's own workers end it (`Worker.update_weights`; CPUWorker and
+    the others inherit it), vllm-ascend 0.23's `NPUWorker` keeps it open until finish
+    (tests/hosts/ reads both). A worker class of another package
+    (`llm.llm_engine.vllm_config.parallel_config.worker_cls`) counts as keeping it open: a
+    finish it refuses is only an error in the log, a start it refused would fail every sync after."""
+    if engine_owns_updates():
+        return True
+    worker_cls = llm.llm_engine.vllm_config.parallel_config.worker_cls
+    name = worker_cls if isinstance(worker_cls, str) else f"{worker_cls.__module__}.{worker_cls.__qualname__}"
+    return name.startswith("vllm.")
+
+
 def worker_model(worker: Any) -> torch.nn.Module:
     """The model a vLLM worker runs (`worker.model_runner.get_model()`)."""
     return worker.model_runner.get_model()
@@ -656,3 +672,40 @@ def reloads_lora_models() -> bool:
 
 def loaded_lora_ids(manager: Any) -> list[int]:
     return sorted(manager.list_adapters())
+
+
+# ---- vLLM's tracebacks of a refused sync -----------------------------------------------------
+# Where vLLM logs a failed call to a worker, traceback and all (loggers are module paths, so
+# private): the worker process's RPC loop, and the engine core's utility call, which sees the
+# worker's error as text ("Worker failed with error '...'").
+RPC_FAILURE_LOGS = (
+    ("vllm.v1.executor.multiproc_executor", "WorkerProc hit an exception."),
+    ("vllm.v1.engine.core", "Invocation of %s method failed"),
+)
+# vLLM's HTTP server runs under uvicorn, which logs an exception that left a route (a
+# failed POST /update_weights) with its traceback, after vLLM's own one line for it
+# ("Exception caught. Request id: ..."). uvicorn's, not vLLM's: no needs table reads it.
+SERVER_FAILURE_LOG = ("uvicorn.error", "Exception in ASGI application\n")
+
+
+class _RefusedSyncFilter(logging.Filter):
+    """Drops the ERROR record, traceback and all, of a call that failed with an error whose
+    text carries `mark`: a sync hal's engine refused and logged in one line
+    (hal.integrations.vllm.engine). Any other record of the logger passes."""
+
+    def __init__(self, message: str, mark: str) -> None:
+        super().__init__()
+        self.message, self.mark = message, mark
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.msg == self.message and exc is not None and self.mark in str(exc))
+
+
+def quiet_refused_syncs(mark: str) -> None:
+    """In this process, drop vLLM's tracebacks (`RPC_FAILURE_LOGS`, `SERVER_FAILURE_LOG`) of
+    calls that failed with an error whose text carries `mark`. Idempotent."""
+    for name, message in (*RPC_FAILURE_LOGS, SERVER_FAILURE_LOG):
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _RefusedSyncFilter) and f.mark == mark for f in target.filters):
+            target.addFilter(_RefusedSyncFilter(message, mark))

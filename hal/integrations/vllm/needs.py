@@ -24,6 +24,7 @@ from hal.integrations.vllm.internals import (
     UNQUANTIZED_MOE_METHOD,
     LORA_VALIDATORS,
     QUANT_METHOD_ATTR,
+    RPC_FAILURE_LOGS,
     CLIENTS_SINCE,
     DEFAULT_MODEL_SINCE,
     ENGINE_OWNS_UPDATES_SINCE,
@@ -131,6 +132,8 @@ VLLM_NEEDS: tuple[Need, ...] = (
          why="reprocess_experts_on_reload (moe_kernel.fused_experts)"),
     Need(target=LAYERWISE_LOGGER, text="%s: Failed to load weights",
          why="_ComputedBufferWarningFilter (the logger LAYERWISE_LOGGER and its message)"),
+    *(Need(target=logger, text=message, why="quiet_refused_syncs (RPC_FAILURE_LOGS: the logger and its message)")
+      for logger, message in RPC_FAILURE_LOGS),
     Need(target="vllm.model_executor.layers.rotary_embedding:RotaryEmbedding", why="_ComputedBufferWarningFilter (layer names)"),
     Need(target=f"{EMBEDDING_METHOD[0]}:ParallelLMHead", why="_ComputedBufferWarningFilter (layer names)"),
     Need(target="vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check", call=Call(0), optional=True,

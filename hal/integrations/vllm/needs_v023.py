@@ -39,6 +39,8 @@ VLLM_V023_NEEDS: tuple[Need, ...] = (
     Need(target=f"{_WORKER}.start_weight_update", call=Call(0, "is_checkpoint_format"), why="LLM.start_weight_update", **_BEFORE),
     Need(target=f"{_WORKER}.update_weights", call=Call(0, "update_info"), why="LLM.update_weights", **_BEFORE),
     Need(target=f"{_WORKER}.finish_weight_update", call=Call(0), why="LLM.finish_weight_update", **_BEFORE),
+    # which worker runs an offline LLM's engine: vLLM's own end a failed update, NPUWorker does not
+    Need(target="vllm.config.parallel:ParallelConfig.worker_cls", why="worker_closes_failed_updates", **_BEFORE),
     # the reload's per-layer state, read while the worker's reload runs (reload_kernel_parameters)
     Need(target=f"{LAYERWISE_MODULE}:LAYERWISE_INFO", why="reload_kernel_parameters", **_BEFORE),
     Need(target="vllm.model_executor.model_loader.reload.types:LayerReloadingInfo.can_load", call=Call(0),
