@@ -193,8 +193,10 @@ def build_model(spec: TinyModelSpec):
             if param.dim() >= 2 or name.endswith(".bias"):
                 std = spec.router_std if name in routers and spec.router_std is not None else spec.init_std
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
-            else:  # RMSNorm weights (q/k norms too)
+            elif spec.norm_std:  # RMSNorm weights (q/k norms too), drawn around 1
                 param.copy_(1.0 + torch.randn(param.shape, generator=generator) * spec.norm_std)
+            else:  # ones, drawing nothing: the other tensors stay what the same seed gave before norm_std
+                param.fill_(1.0)
     if spec.tie_word_embeddings and model.lm_head.weight is not model.get_input_embeddings().weight:
         raise RuntimeError(f"{type(model).__name__}: tie_word_embeddings=True but lm_head is not tied")
     model.eval()
