@@ -50,7 +50,7 @@ UPDATES = ("path", "iterator", "state")
 # canary below fails when it changes). vLLM 0.23's and 0.27's reload differ (run 2026-11-27,
 # both alike: after "path" a tied Qwen2 head was current, after "state" a tied Llama head was
 # stale); there only what hal's refresh must achieve is checked. hal's engine is checked on every release by
-# test_hal_engine_keeps_tied_and_untied_models_exact_over_three_syncs.
+# the engine matrix (tests/integrations/test_vllm_families*.py: tied Llama and Qwen2, untied Llama).
 CANARY_HOLDS = release_of(vllm_internals.vllm_version()) >= (0, 29)
 STALE_HEAD = 1e-2  # relative error of a head still computing with the previous weights
 EXACT_HEAD = 1e-4  # a packed fp32 GEMM against F.linear on the same weight
@@ -188,32 +188,3 @@ def test_tiny_model_stamp_covers_architecture_and_tying(tmp_path):
     assert built(TinyModelSpec(architecture="qwen2", tie_word_embeddings=True)) == ("Qwen2ForCausalLM", True)
     with pytest.raises(ValueError, match="architecture"):
         TinyModelSpec(architecture="gpt2")
-
-
-# ---- through hal's own engine: the refresh is wired into every update --------------------------
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("architecture", "tied"), CASES)
-def test_hal_engine_keeps_tied_and_untied_models_exact_over_three_syncs(tmp_path, architecture, tied):
-    from hal.integrations.vllm.client import OfflineEngine, WeightSync
-    from hal.sync import SyncConfig
-    from hal.sync.canary import CanaryConfig
-
-    spec = TinyModelSpec(architecture=architecture, tie_word_embeddings=tied, seed=7)
-    model_dir = build_tiny_model(tmp_path / "model", spec)
-    model = load_trainer_model(model_dir)
-    with in_process_llm(model_dir) as llm:
-        engine, hf = greedy_pair(llm, model)
-        assert engine == hf, f"at start: engine greedy {engine} != transformers greedy {hf}"
-        outputs = [engine]
-        canary = CanaryConfig(mode="enforce")  # docs/canary.md: quiet on every healthy sync
-        with WeightSync([OfflineEngine(llm)], config=SyncConfig(bucket_bytes=256 << 10), timeout_s=60, canary=canary) as sync:
-            for version in (1, 2, 3):
-                perturb(model, seed=1000 + version)
-                report = sync.sync(model, version=version).canary
-                assert report is not None and not report.fired, report
-                engine, hf = greedy_pair(llm, model)
-                where = f"sync {version} ({architecture}, tied={tied})"
-                assert engine == hf, f"{where}: engine greedy {engine} != transformers greedy {hf}"
-                assert llm.collective_rpc(_is_tied) == [tied], f"{where}: the tie changed"
-                outputs.append(engine)
-        assert len({json.dumps(o) for o in outputs}) == len(outputs), "every sync should change greedy output"
