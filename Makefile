@@ -60,7 +60,7 @@ test:
 	$(MAKE) --no-print-directory test-verl
 
 # Two pytest-xdist workers, a file each at a time (`--dist loadfile`: a file's module- and
-# class-scoped engines start once, and every Ray test is in tests/integrations/test_ray.py,
+# class-scoped engines start once, and every Ray test is in tests/integrations/ray/test_ray.py,
 # so two Ray instances never run at once). Much of the suite waits on process start-up,
 # imports and timeouts on one core: two workers take about two thirds of the time.
 test-cpu: $(STAMP)

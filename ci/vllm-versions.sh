@@ -58,7 +58,7 @@ build() {
 # hal's vLLM engine tests: offline engine, HTTP server, TP=2 and replicas, tied model, LoRA,
 # delta, auth, bf16, the engine adapters, vllm-ascend's worker driving hal's engine of
 # 0.23-0.24 (test_vllm_v023.py), and vLLM's layerwise reload under the Ascend stand-ins
-ENGINE_TESTS=(tests/integrations/test_vllm*.py tests/integrations/test_ascend_reload.py)
+ENGINE_TESTS=(tests/integrations/vllm/test_*.py)
 failed=()
 for release in "$@"; do
     venv=".venv-vllm-$release"

@@ -9,7 +9,8 @@
 Importing this package touches no device and imports no optional library.
 """
 
-from hal.backend import Backend, BackendUnavailableError, Event, MemoryInfo, Stream
+from hal.backends.interface import Backend
+from hal.backends.types import BackendUnavailableError, Event, MemoryInfo, Stream
 from hal.device import backend_names, current, get_backend, reset, resolution, resolve, use
 
 __version__ = "0.1.0"

@@ -16,7 +16,8 @@ from importlib.metadata import entry_points
 from typing import Iterator
 
 from hal import env
-from hal.backend import Backend, BackendUnavailableError
+from hal.backends.interface import Backend
+from hal.backends.types import BackendUnavailableError
 from hal.backends import AUTO_CANDIDATES, BUILTIN_BACKENDS
 
 ENTRY_POINT_GROUP = "hal.backends"

@@ -14,12 +14,14 @@ would (the server itself was started with the environment of its first use).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing as mp
 import os
 import queue
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -146,7 +148,30 @@ def spawn_ranks(
                 p.join(timeout=5)
         out.close()
         # what a rank's device runtime left in /dev/shm: a killed rank runs no exit code
-        from hal.backends.process_files import remove_ended_process_files
-
         remove_ended_process_files(p.pid for p in procs if p.pid is not None and not p.is_alive())
     return [results[r] for r in range(world_size)]
+
+
+@functools.cache
+def _declared_formats() -> tuple[str, ...]:
+    """torch's counters and every backend's `process_files`, read once per process (the
+    backends' entry points are scanned to list them: about 20 ms)."""
+    from hal.backends.process_files import TORCH_COUNTERS
+    from hal.device import backend_class, backend_names
+
+    formats = {TORCH_COUNTERS}
+    for name in backend_names():
+        with contextlib.suppress(Exception):  # a backend that cannot load declares nothing
+            formats.update(getattr(backend_class(name), "process_files", ()))
+    return tuple(sorted(formats))
+
+
+def remove_ended_process_files(pids: Iterable[int]) -> list[str]:
+    """Unlink what processes that have ended left in /dev/shm (hal.backends.process_files):
+    torch's reference counters and every backend's declared `process_files`."""
+    from hal.backends.process_files import remove_process_files
+
+    removed = []
+    for pid in pids:
+        removed += remove_process_files(pid, _declared_formats())
+    return removed

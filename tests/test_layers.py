@@ -12,7 +12,7 @@ from pathlib import Path
 import hal
 
 ROOT = Path(hal.__file__).parent
-LIBRARY = ["hal", "hal.backends", "hal.kernels", "hal.sync", "hal.integrations", "hal.offload", "hal.procs", "hal.engine_processes", "hal.env"]
+LIBRARY = ["hal", "hal.backends", "hal.kernels", "hal.sync", "hal.canary", "hal.integrations", "hal.offload", "hal.procs", "hal.engine_processes", "hal.env"]
 
 
 def _modules() -> dict[str, Path]:
@@ -54,8 +54,8 @@ def test_importing_the_library_loads_no_tool():
         "import importlib, pkgutil, sys\n"
         f"for name in {LIBRARY!r}:\n"
         "    importlib.import_module(name)\n"
-        "import hal.integrations, hal.sync\n"
-        "for pkg in (hal.integrations, hal.sync):\n"
+        "import hal.canary, hal.integrations, hal.sync\n"
+        "for pkg in (hal.canary, hal.integrations, hal.sync):\n"
         "    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
         "        try:\n"
         "            importlib.import_module(info.name)\n"
@@ -170,4 +170,67 @@ def test_no_getattr_probe_of_a_receiver_or_a_source():
                 probed = _last_name(node.args[0]).lower()
                 if any(word in probed for word in _PROBED):
                     offences.append(f"{name}:{node.lineno} {node.func.id}({_last_name(node.args[0])}, ...)")
+    assert not offences, "\n".join(offences)
+
+
+# ---- packages by role (issue 40) ------------------------------------------------------------------
+# hal.sync's units in the order they may import each other: a unit imports only units of the
+# layers before it (the base vocabulary's modules also import each other); a package's own
+# modules import each other freely. Imports under `if TYPE_CHECKING:` never run and do not
+# count: the wire and the transports name the plan's BucketPlan in signatures only.
+SYNC_LAYERS = [
+    {"hal.sync.spec", "hal.sync.errors", "hal.sync.metrics", "hal.sync.config", "hal.sync.sink", "hal.sync.adapters", "hal.sync.source"},
+    {"hal.sync.wire"},
+    {"hal.sync.transport"},
+    {"hal.sync.plan"},
+    {"hal.sync.delta"},
+    {"hal.sync.send", "hal.sync.receive"},
+    {"hal.sync.lora"},
+    {"hal.sync.endpoints"},
+    {"hal.sync"},  # the package's __init__: what users import
+]
+
+
+def _sync_unit(module: str) -> str:
+    return ".".join(module.split(".")[:3])  # hal.sync, hal.sync.<base module>, hal.sync.<package>
+
+
+def _runtime_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """`_imports`, without the imports under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = [ast.Pass()]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def test_hal_sync_packages_import_only_the_layers_below():
+    modules = _modules()
+    rank = {unit: i for i, layer in enumerate(SYNC_LAYERS) for unit in layer}
+    units = {_sync_unit(m) for m in modules if m.startswith("hal.sync")}
+    assert units <= set(rank), f"place {sorted(units - set(rank))} in SYNC_LAYERS"
+    offences = []
+    for name, path in modules.items():
+        if not name.startswith("hal.sync"):
+            continue
+        own = _sync_unit(name)
+        for dep in _runtime_imports(name, path, modules):
+            other = _sync_unit(dep) if dep.startswith("hal.sync") else None
+            if other is None or other == own or rank[other] == rank[own] == 0:
+                continue
+            if rank[other] >= rank[own]:
+                offences.append(f"{name} imports {dep} ({other} is not below {own})")
     assert not offences, "\n".join(offences)

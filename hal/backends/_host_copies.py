@@ -9,7 +9,7 @@ The rest (a cast, strides, larger tensors, another device) stays torch's copy.
 
 The views hold their tensors, so their memory stays alive; they are valid while each
 tensor keeps it (the same address and strides), which the sync checks before running
-them again (hal.sync.steady).
+them again (hal.sync.plan.steady).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from itertools import repeat
 
 import torch
 
-from hal.backend import copy_many_non_blocking
+from hal.backends.hooks import copy_many_non_blocking
 
 # Pairs up to this size go as bytes: past it torch's cost per pair is noise next to the
 # copy, and torch copies large tensors with more threads, releasing the GIL meanwhile.

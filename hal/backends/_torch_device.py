@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from hal.backend import Backend, copy_many_non_blocking, copy_non_blocking
+from hal.backends.interface import Backend
+from hal.backends.hooks import copy_many_non_blocking, copy_non_blocking
 from hal.backends._ipc import HandleReader, check_view, dtype_name, to_hex
 from hal.backends.process_files import remove_at_exit
 

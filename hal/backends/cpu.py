@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from hal.backend import Backend, Event, Stream
+from hal.backends.interface import Backend
+from hal.backends.types import Event, Stream
 from hal.backends._host_copies import HostCopies
 from hal.backends._ipc import HandleReader, check_view, dtype_name
 

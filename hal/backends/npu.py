@@ -214,12 +214,12 @@ TORCH_NPU_NEEDS: tuple[Need, ...] = (
     Need(target=f"{_NPU}:set_device", call=Call(1), why="set_device"),
     Need(target=f"{_NPU}:get_device_name", call=Call(1), why="device_model"),
     Need(target=f"{_NPU}:_is_in_bad_fork", call=Call(0), why="torch's device-module checks (the fake has it)"),
-    # streams and events (hal.backend.Stream / Event name the methods)
+    # streams and events (hal.backends.types.Stream / Event name the methods)
     Need(target=f"{_NPU}:Stream", call=Call(0), why="new_stream"),
-    *(Need(target=f"{_NPU}:Stream.{method}", call=Call(n), why="hal.backend.Stream")
+    *(Need(target=f"{_NPU}:Stream.{method}", call=Call(n), why="hal.backends.types.Stream")
       for method, n in (("wait_stream", 1), ("wait_event", 1), ("record_event", 0), ("synchronize", 0), ("query", 0))),
     Need(target=f"{_NPU}:Event", call=Call(0, "enable_timing"), why="new_event"),
-    *(Need(target=f"{_NPU}:Event.{method}", call=Call(n), why="hal.backend.Event")
+    *(Need(target=f"{_NPU}:Event.{method}", call=Call(n), why="hal.backends.types.Event")
       for method, n in (("record", 1), ("wait", 1), ("query", 0), ("synchronize", 0), ("elapsed_time", 1))),
     Need(target=f"{_NPU}:current_stream", call=Call(0), why="current_stream"),
     Need(target=f"{_NPU}:stream", call=Call(1), why="stream, launch"),

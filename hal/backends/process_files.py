@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import functools
 import os
 from typing import Iterable
 
@@ -63,25 +62,3 @@ def _remove_own_files(pid: int, formats: tuple[str, ...]) -> None:
     # event handles opens them by name).
     if os.getpid() == pid:
         remove_process_files(pid, formats)
-
-
-@functools.cache
-def _declared_formats() -> tuple[str, ...]:
-    """torch's counters and every backend's `process_files`, read once per process (the
-    backends' entry points are scanned to list them: about 20 ms)."""
-    from hal.device import backend_class, backend_names
-
-    formats = {TORCH_COUNTERS}
-    for name in backend_names():
-        with contextlib.suppress(Exception):  # a backend that cannot load declares nothing
-            formats.update(getattr(backend_class(name), "process_files", ()))
-    return tuple(sorted(formats))
-
-
-def remove_ended_process_files(pids: Iterable[int]) -> list[str]:
-    """Unlink what processes that have ended left behind: torch's reference counters and
-    every backend's declared `process_files`. For the caller that ran them (hal.procs)."""
-    removed = []
-    for pid in pids:
-        removed += remove_process_files(pid, _declared_formats())
-    return removed

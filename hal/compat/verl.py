@@ -107,7 +107,7 @@ def is_device_available() -> bool:
     """True when the backend VERL_DEVICE selects is usable in this process (also on the
     CPU, whose device is always there); False, not an error, when it is known but not
     usable. An unknown VERL_DEVICE raises ValueError naming the valid backends."""
-    from hal.backend import BackendUnavailableError
+    from hal.backends.types import BackendUnavailableError
 
     try:
         hal.current()

@@ -23,9 +23,4 @@ Every private vLLM or verl name verl-hal uses is behind one fenced module per ho
 (`vllm.internals`, `verl.internals`), version-checked; `vllm.needs` and `vllm.needs_v023`
 list them with the releases they hold in (tests/hosts/ reads them against real sources);
 every megatron-core name read is in `megatron._internals`.
-
-The flat modules of before the split by host (`hal.integrations.vllm_client`,
-`vllm_engines`, `vllm_internals`, `vllm_lora`, `verl_checkpoint`, `verl_internals`,
-`verl_platform`, `verl_plugin`, `ray_placement`, `ray_scope`) are still importable, each
-as the very module it moved to, for the code, configs and entry points that name them.
 """

@@ -73,7 +73,7 @@ class SyncResult:
     resent: bool = False
     """The first attempt failed on the trainer's side and this is the resend's result."""
     canary: Any = None
-    """The canary's check of this sync (`hal.sync.canary.CanaryReport`), None when it did not run."""
+    """The canary's check of this sync (`hal.canary.report.CanaryReport`), None when it did not run."""
 
     @property
     def gib_per_s(self) -> float:

@@ -21,7 +21,7 @@ from hal.kernels.layout import align_up
 #   BITMASK: [count int64][ceil(words / 8) bytes, bit i = word i changed, padded to 8][count values]
 class Encoding(enum.IntEnum):
     """How a segment's bytes travel: the one list of encodings (the segment's status on the
-    wire carries it: hal.sync.protocol.SegmentStatus)."""
+    wire carries it: hal.sync.wire.channel.SegmentStatus)."""
 
     DENSE = 0  # the segment's bytes as packed
     INDICES = 1  # the words that changed, by index

@@ -8,7 +8,8 @@ from typing import Sequence
 
 import torch
 
-from hal.backend import Backend, Stream
+from hal.backends.interface import Backend
+from hal.backends.types import Stream
 
 # Every piece starts at a multiple of this: covers every element size and the
 # 128/256-byte alignment collective and DMA engines prefer.
@@ -76,7 +77,7 @@ class PieceViews:
 
     def of(self, plan, buffer: torch.Tensor, bucket) -> list[torch.Tensor | None]:
         """Per piece of `bucket` (by index): its typed view in `buffer` when the piece is a
-        whole tensor, else None. `plan` is a hal.sync.plan.BucketPlan."""
+        whole tensor, else None. `plan` is a hal.sync.plan.buckets.BucketPlan."""
         # a new layout drops them all; so do more (buffer, bucket) pairs than a layout has
         # use for (a few buffers per bucket): buffers were reallocated, the old keys are stale
         if plan.digest != self._digest or len(self._views) >= 4 * len(plan.buckets) + 8:

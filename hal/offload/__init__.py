@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hal.backend import Backend
+from hal.backends.interface import Backend
 from hal.offload.modules import module_states, offload_module, onload_module, parameter_names
 from hal.offload.mover import Mover
 from hal.offload.optimizers import check_can_offload, check_can_onload, offload_optimizer, onload_optimizer, optimizer_states

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hal.backend import Backend
+from hal.backends.interface import Backend
 from hal.offload.mover import Mover, Slot, check_on_device
 from hal.offload.reports import OffloadError
 

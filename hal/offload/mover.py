@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hal.backend import Backend
+from hal.backends.interface import Backend
 from hal.offload.reports import MoveReport, OffloadError
 
 

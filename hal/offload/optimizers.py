@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hal.backend import Backend
+from hal.backends.interface import Backend
 from hal.offload.modules import parameter_label
 from hal.offload.mover import Mover, Slot
 from hal.offload.reports import OffloadError

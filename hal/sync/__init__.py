@@ -28,20 +28,23 @@ from hal.sync.errors import (
     SyncError,
     VersionError,
 )
-from hal.sync.header import SyncHeader
-from hal.sync.hierarchy import HierarchicalTransport
+from hal.sync.wire.header import SyncHeader
+from hal.sync.transport.hierarchical import HierarchicalTransport
 from hal.sync.metrics import SyncMetrics
-from hal.sync.plan import BucketPlan, PlanCache, TensorSpec, build_plan
-from hal.sync.receiver import Receiver
+from hal.sync.plan.buckets import BucketPlan, PlanCache, build_plan
+from hal.sync.spec import TensorSpec
+from hal.sync.receive.receiver import Receiver
 from hal.sync.sink import CopyInto, copy_into
-from hal.sync.sender import Sender
-from hal.sync.sharded import ShardedReceiver, ShardedSender
+from hal.sync.send.sender import Sender
+from hal.sync.receive.sharded import ShardedReceiver
+from hal.sync.send.sharded import ShardedSender
 from hal.sync.sink import Sink, SinkPolicy, as_sink
 from hal.sync.source import ModuleSource, TensorSource, WeightSource, as_source
-from hal.sync.trainer import TrainerSync
-from hal.sync.protocol import SegmentStatus
-from hal.sync.ipc import IpcTransport
-from hal.sync.transport import BroadcastTransport, Transport
+from hal.sync.send.gather import TrainerSync
+from hal.sync.wire.channel import SegmentStatus
+from hal.sync.transport.ipc import IpcTransport
+from hal.sync.transport.broadcast import BroadcastTransport
+from hal.sync.transport.base import Transport
 
 __all__ = [
     "AuthError",

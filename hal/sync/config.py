@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hal.backend import Backend
+from hal.backends.interface import Backend
 
 MIB = 1 << 20
 
@@ -134,7 +134,7 @@ def default_bucket_bytes(backend: Backend, largest_tensor_bytes: int = 0, sender
     """1/64 of free device memory, between 32 MiB and 256 MiB, rounded to whole MiB;
     raised to hold the largest tensor whole when two such buckets take at most 1/8 of
     free memory. With several senders into the same receivers (every trainer rank sends,
-    hal.sync.sharded) each takes 1/`sender_count` of that (at least 1 MiB): a receiver holds two
+    hal.sync.send.sharded) each takes 1/`sender_count` of that (at least 1 MiB): a receiver holds two
     buckets per sender, and all of them add up to what one sender's would.
 
     Two buckets per side must fit beside the model and the engine's KV cache; past a few

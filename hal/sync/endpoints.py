@@ -21,18 +21,19 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime
 
 import torch
 
-from hal.backend import Backend
+from hal.backends.interface import Backend
 from hal.sync.config import SyncConfig
-from hal.sync.hierarchy import HierarchicalTransport
-from hal.sync.ipc import IpcTransport
+from hal.sync.transport.hierarchical import HierarchicalTransport
+from hal.sync.transport.ipc import IpcTransport
 from hal.sync.metrics import SyncMetrics
-from hal.sync.plan import TensorSpec
-from hal.sync.receiver import Receiver
-from hal.sync.sender import Sender
-from hal.sync.sharded import ShardedSender
-from hal.sync.sharded_receiver import ShardedReceiver
-from hal.sync.trainer import TrainerSync
-from hal.sync.transport import BroadcastTransport, Transport
+from hal.sync.spec import TensorSpec
+from hal.sync.receive.receiver import Receiver
+from hal.sync.send.sender import Sender
+from hal.sync.send.sharded import ShardedSender
+from hal.sync.receive.sharded import ShardedReceiver
+from hal.sync.send.gather import TrainerSync
+from hal.sync.transport.broadcast import BroadcastTransport
+from hal.sync.transport.base import Transport
 
 ONE, GATHER, ALL = "one", "gather", "all"
 SENDING = (ONE, GATHER, ALL)

@@ -58,7 +58,7 @@ class SyncMetrics:
     """Bytes encoded only to time the compare (choose="time"; their segments went whole)."""
     baseline_bytes: int | None = None
     """Memory the sender keeps for delta sync: one image of the last complete sync."""
-    # ---- several senders (hal.sync.sharded); None with one -------------------------
+    # ---- several senders (hal.sync.send.sharded); None with one -------------------------
     senders: int | None = None
     """Trainer ranks that each sent their own shares of the model."""
     model_bytes: int | None = None

@@ -8,10 +8,10 @@ every time: nothing per-sync survives into the next sync. This mirrors vLLM's
 A source may also list its tensors (`ListedSource.listing`): the tensor objects it holds,
 without a spec per tensor. A sender keeps the last listing and, when the next one lists
 the same objects with the same shapes and dtypes, reuses the specs, the plan and the
-lists it packs from (hal.sync.steady): a sync of unchanged tensors then costs per
+lists it packs from (hal.sync.plan.steady): a sync of unchanged tensors then costs per
 segment, not per tensor. `ModuleSource` and `TensorSource` list theirs. What a sender
 learned from one kind of source (its class) it reuses only for a source of that kind: a
-subclass that converts what it yields is another kind (hal.sync.steady).
+subclass that converts what it yields is another kind (hal.sync.plan.steady).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, runtim
 
 import torch
 
-from hal.sync.checkpoint_layout import checkpoint_layout
-from hal.sync.plan import TensorSpec
+from hal.sync.adapters.checkpoint_layout import checkpoint_layout
+from hal.sync.spec import TensorSpec
 
 # Only these are read as they are (a tensor subclass such as a DTensor may need a gather)
 PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
@@ -40,7 +40,7 @@ class WeightSource(Protocol):
 @runtime_checkable
 class LocalSource(Protocol):
     """A source that can also say what this rank holds without a gather: what every trainer
-    rank sending its own rows reads (hal.sync.sharded). `ModuleSource` and `TensorSource` are."""
+    rank sending its own rows reads (hal.sync.send.sharded). `ModuleSource` and `TensorSource` are."""
 
     def local_tensors(self) -> list[tuple[str, torch.Tensor]]: ...
 
@@ -49,7 +49,7 @@ class LocalSource(Protocol):
 class Listing:
     """The tensors a source holds for a sync, in `metadata()` order: their names and the
     tensor objects themselves (a DTensor as it is, not gathered), or views of them (a
-    checkpoint's per-expert tensors: hal.sync.checkpoint_layout; of a DTensor, meta views
+    checkpoint's per-expert tensors: hal.sync.adapters.checkpoint_layout; of a DTensor, meta views
     that only say its shape, with `as_yielded` false)."""
 
     names: list[str]
@@ -94,7 +94,7 @@ class ModuleSource:
     `torch.compile`), as the engine's checkpoint names them.
 
     A transformers model is sent as its checkpoint holds it (`checkpoint=True`,
-    hal.sync.checkpoint_layout): transformers 5's 3-D expert parameters
+    hal.sync.adapters.checkpoint_layout): transformers 5's 3-D expert parameters
     (`mlp.experts.gate_up_proj`) as the checkpoint's one tensor per expert
     (`mlp.experts.{e}.gate_proj.weight`, ...), views of the parameter, under the names
     transformers' own conversion mapping gives them. `checkpoint=False`: the module's own
@@ -313,7 +313,7 @@ class _ModuleTree:
         return [n for dicts in self.dicts for n in map(len, dicts)]
 
     def watch_split(self, tensors: list[torch.Tensor]) -> None:
-        """The listing holds views of `tensors` (hal.sync.checkpoint_layout), not the tensors:
+        """The listing holds views of `tensors` (hal.sync.adapters.checkpoint_layout), not the tensors:
         their memory replaced in place (`p.data = ...`) leaves the views on the old memory,
         so it is compared too (a DTensor's shape and dtype only: it is listed by shape)."""
         self.split = tensors

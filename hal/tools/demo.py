@@ -19,7 +19,7 @@ fraction of words changed, and the bytes sent against what a dense sync sends; t
 also compares the engine's log-probabilities of its greedy tokens with the trainer's
 (`LOGPROB_TOLERANCE` in hal.tools.demo_rl). See `add_arguments` for the configuration --delta picks and why.
 
-With --canary-every N the sync runs the canary (hal.sync.canary, docs/canary.md) at syncs
+With --canary-every N the sync runs the canary (hal.canary, docs/canary.md) at syncs
 1, N+1, 2N+1, ...: the engine's log-probs of a fixed probe against the trainer's, printed
 as the max |delta log-prob| beside the outputs column, plotted against its tolerance, and a
 FAIL when it fired.
@@ -57,6 +57,7 @@ from hal.tools.demo_rl import (
     trainer_greedy,
     trainer_logprobs,
 )
+from hal.tools.demo_records import CANARY_KEYS, DELTA_KEYS, canary_cell, canary_record, delta_record, median
 
 # the dense families of hal.tools.tiny_model.ARCHITECTURES (named here without importing torch)
 ARCHITECTURES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
@@ -159,40 +160,6 @@ def resolve_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--canary-every must be at least 1, got {canary_every!r}")
 
 
-DELTA_KEYS = ("delta", "changed_fraction", "wire_bytes", "dense_wire_bytes", "segments_by_encoding", "logprob_gap")
-CANARY_KEYS = ("canary_max_abs", "canary_tolerance", "canary_fired")
-
-
-def canary_record(report: Any) -> dict[str, Any]:
-    """The canary fields of a step (None where the canary did not run at this sync)."""
-    if report is None:
-        return {"canary_max_abs": None, "canary_tolerance": None, "canary_fired": None}
-    return {"canary_max_abs": report.max_abs, "canary_tolerance": report.tolerance, "canary_fired": report.fired}
-
-
-def canary_cell(record: dict[str, Any]) -> str:
-    """The canary column: the max |delta log-prob|, '-' where it did not run, '!' where it fired."""
-    if record.get("canary_max_abs") is None:
-        return "-" if record.get("canary_fired") is None else "failed!"
-    return f"{record['canary_max_abs']:.1e}" + ("!" if record["canary_fired"] else "")
-
-
-def delta_record(metrics: Any) -> dict[str, Any]:
-    """The delta fields of a sync's `SyncMetrics` for the per-step record."""
-    return {
-        "delta": bool(metrics.delta),
-        "changed_fraction": metrics.changed_fraction,
-        "wire_bytes": metrics.wire_bytes,
-        "dense_wire_bytes": metrics.dense_wire_bytes,
-        "segments_by_encoding": dict(metrics.segments_by_encoding or {}),
-    }
-
-
-def median(values: list[float]) -> float:
-    """The upper median, as the summary line has always printed it."""
-    return sorted(values)[len(values) // 2]
-
-
 def check_ray_options(args: argparse.Namespace) -> None:
     """Refuse the single-engine options `hal demo --ray` does not take; resolve the rest."""
     if args.tied or args.in_process:
@@ -212,7 +179,7 @@ def demo_canary(args: argparse.Namespace, trainer: Any, reference: Any, wire_dty
     every = getattr(args, "canary_every", None)
     if every is None:
         return None
-    from hal.sync.canary import TOLERANCES, Canary, CanaryConfig, module_logprobs
+    from hal.canary import TOLERANCES, Canary, CanaryConfig, module_logprobs
 
     if reference is None:
         return Canary(CanaryConfig(mode="log", every=every))

@@ -5,7 +5,7 @@ together by one placement group:
 
     trainer actor 0 ─┐ FSDP2 (fully_shard) over the trainers' own gloo group;
     trainer actor 1 ─┘   each sends only its own shard (WeightSync(..., senders="all"))
-          │  two sync groups: each trainer actor + both workers of the engine (hal.sync.group)
+          │  two sync groups: each trainer actor + both workers of the engine (hal.sync.wire.group)
           ▼
     engine actor: vllm.LLM, tensor_parallel_size=2 (two worker processes, one core each),
                   weight transfer backend "hal": each worker receives every sync from

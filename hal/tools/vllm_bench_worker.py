@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import hal
 from hal.integrations.vllm import internals as vllm_internals
-from hal.integrations.vllm.engine import HalWorkerExtension
+from hal.integrations.vllm.extension import HalWorkerExtension
 
 
 class BenchWorkerExtension(HalWorkerExtension):

@@ -912,7 +912,7 @@ def test_a_gloo_transport_moves_a_device_it_cannot_take_through_host_memory(devi
     from hal.backends.collectives import collective_traits
     from hal.backends.cpu import CpuBackend
     from hal.sync import BroadcastTransport, build_plan
-    from hal.sync.plan import TensorSpec
+    from hal.sync.spec import TensorSpec
 
     class OnDevice(CpuBackend):  # host memory, but says it is that device
         pass
@@ -926,7 +926,7 @@ def test_a_gloo_transport_moves_a_device_it_cannot_take_through_host_memory(devi
 
 
 def test_the_library_of_a_one_library_group_holds_for_a_device_it_has_no_backend_for():
-    from hal.sync.transport import _group_library
+    from hal.sync.transport.base import _group_library
 
     class Named:
         def __init__(self, name):

@@ -36,7 +36,7 @@ import hal
 from hal.backends.cpu import CpuBackend
 from hal.procs import free_port
 from hal.sync import BroadcastTransport, IpcTransport, Receiver, Sender, SyncConfig, TensorSource, TensorSpec
-from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.sync.wire.group import SyncGroupSpec, destroy_sync_group, join_sync_group
 
 NPU = torch.device("npu", 0)
 

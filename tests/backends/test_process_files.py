@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hal.backends.process_files import SHM_DIR, _remove_own_files, remove_at_exit, remove_ended_process_files
+from hal.backends.process_files import SHM_DIR, _remove_own_files, remove_at_exit
+from hal.procs import remove_ended_process_files
 from hal.backends.cuda import CudaBackend
 from hal.procs import spawn_ranks
 

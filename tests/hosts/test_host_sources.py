@@ -297,7 +297,7 @@ def test_torch_npu_needs_cover_the_device_module_calls_of_the_backend():
 
 
 def test_torch_npu_needs_cover_hals_stream_and_event_methods():
-    from hal.backend import Event, Stream
+    from hal.backends.types import Event, Stream
 
     listed = {n.target.partition(":")[2] for n in npu_backend.TORCH_NPU_NEEDS}
     for protocol in (Stream, Event):

@@ -1,6 +1,5 @@
 """Every import path the documentation names, every entry point pyproject.toml declares (and
-the ones installed here), the vLLM worker extensions by name, and the former flat paths of
-hal.integrations (before it was split by host: vllm/, verl/, ray/) resolve; every file of
+the ones installed here), the vLLM worker extensions by name resolve; every file of
 hal/ the documentation names by its path (hal/integrations/vllm/engine.py) exists."""
 
 from __future__ import annotations
@@ -23,22 +22,8 @@ _PATH = re.compile(r"hal\.integrations(?:\.[A-Za-z_]\w*)+(?::\w+)?")
 # reading the source (the main lane has no verl; the verl lane no vLLM).
 HOSTS = {"vllm": "vllm", "verl": "verl", "ray": "ray"}
 
-# The flat modules of hal.integrations that docs, configs and entry points named before the
-# split, and the module each now is (the same object).
-FORMER = {
-    "hal.integrations.vllm_client": "hal.integrations.vllm.client",
-    "hal.integrations.vllm_engines": "hal.integrations.vllm.engines",
-    "hal.integrations.vllm_internals": "hal.integrations.vllm.internals",
-    "hal.integrations.vllm_lora": "hal.integrations.vllm.lora",
-    "hal.integrations.verl_checkpoint": "hal.integrations.verl.checkpoint",
-    "hal.integrations.verl_internals": "hal.integrations.verl.internals",
-    "hal.integrations.verl_platform": "hal.integrations.verl.platform",
-    "hal.integrations.verl_plugin": "hal.integrations.verl.plugin",
-    "hal.integrations.ray_placement": "hal.integrations.ray.placement",
-    "hal.integrations.ray_scope": "hal.integrations.ray.scope",
-}
 # Names users hand to vLLM as strings (docs/vllm.md), and what each must be.
-WORKER_EXTENSIONS = ["hal.integrations.vllm.HalWorkerExtension", "hal.integrations.vllm_lora.HalLoraWorkerExtension"]
+WORKER_EXTENSIONS = ["hal.integrations.vllm.HalWorkerExtension", "hal.integrations.vllm.lora.HalLoraWorkerExtension"]
 
 
 def documented() -> list[str]:
@@ -127,13 +112,6 @@ def test_every_documented_path_resolves(path):
         assert resolve(path) is not None
     else:
         assert defined_in_source(path), f"{path}: not defined in its module"
-
-
-@pytest.mark.parametrize("old, new", sorted(FORMER.items()))
-def test_a_former_path_is_the_module_it_moved_to(old, new):
-    if not _installed(_host(new)) and new.rsplit(".", 1)[-1] in ("plugin", "platform", "checkpoint"):
-        pytest.skip(f"{new} imports {_host(new)}, not installed here (its lane checks it)")
-    assert importlib.import_module(old) is importlib.import_module(new)
 
 
 def _declared_entry_points() -> list[tuple[str, str, str]]:

@@ -129,7 +129,7 @@ def kept_past_exit_worker(rank, world):
 
     import torch
 
-    from hal.sync import protocol
+    from hal.sync.wire import channel as protocol
 
     channel = protocol.GroupChannel()
     with channel.bounded(30):

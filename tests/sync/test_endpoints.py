@@ -58,7 +58,7 @@ def test_the_registry_names_every_transport_and_refuses_others_by_name():
 
 
 def test_a_transport_has_a_control_channel_and_is_not_one():
-    from hal.sync.protocol import GroupChannel, SyncChannel
+    from hal.sync.wire import GroupChannel, SyncChannel
 
     transport = BroadcastTransport(FakeGroup(0, 3), src=0)
     assert not isinstance(transport, GroupChannel)

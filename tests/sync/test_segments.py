@@ -4,7 +4,7 @@ with the number of tensors in it (issue 19), and what arrives is still exact.
 The same bytes travel once as 64 tensors and once as 1,024 (and in bf16 from fp32, so the
 pack casts too), in one segment of one bucket, on cpu and on sim (asynchronous streams);
 every backend call of the sender and of the receiver in the steady state (the third sync of
-the same tensors, into the same destinations: hal.sync.steady) is counted, and so are the
+the same tensors, into the same destinations: hal.sync.plan.steady) is counted, and so are the
 garbage collections during that sync: a sync that keeps an object per tensor alive while it runs
 (a list of shapes, a tuple per tensor handed over) sets off the collector, whose full
 passes over a large model's objects cost more than the sync itself (docs/benchmarks.md).

@@ -56,8 +56,8 @@ def _sources(scenario: str):
     """The module and, per version, the source to send from it (made anew per sync, as a caller does)."""
     if scenario.startswith("peft"):
         from hal.sync.lora import MergedSource
-        from hal.sync.peft import base_weight_name
-        from tests.sync.test_lora_sync import tiny_peft_model
+        from hal.sync.lora import base_weight_name
+        from tests.sync.lora.test_lora_sync import tiny_peft_model
 
         model = tiny_peft_model()
         kinds = {"plain": lambda: ModuleSource(model, rename=base_weight_name), "merged": lambda: MergedSource(model)}
@@ -108,7 +108,7 @@ def fake_gpt() -> torch.nn.Module:
 
 
 def megatron_shape():
-    from hal.integrations.megatron import MegatronShape
+    from hal.integrations.megatron.convert import MegatronShape
 
     return MegatronShape(
         hidden_size=H, num_attention_heads=HEADS, num_query_groups=GROUPS, head_dim=HD, ffn_hidden_size=FFN,
@@ -117,7 +117,7 @@ def megatron_shape():
 
 
 def _megatron_expected(model: torch.nn.Module, kind: str) -> dict[str, list]:
-    from hal.integrations.megatron import assemble, hf_state
+    from hal.integrations.megatron.convert import assemble, hf_state
 
     if kind == "plain":
         return _portable(model.named_parameters())
@@ -166,7 +166,8 @@ def _megatron_kinds(rank: int) -> list[dict[str, list]]:
 
     from hal.integrations.megatron import MegatronSource
     from hal.sync import BroadcastTransport, SyncConfig
-    from hal.sync.sharded import ShardedReceiver, ShardedSender
+    from hal.sync.receive import ShardedReceiver
+    from hal.sync.send import ShardedSender
 
     trainer_group = dist.new_group([0])
     transport = BroadcastTransport(None, src=0)

@@ -287,7 +287,7 @@ def test_span_bytes_is_the_memory_only_when_the_tensors_tile_it():
 
 
 def test_allocate_lays_an_engine_table_out_as_the_wire_does():
-    from hal.sync.engine_specs import allocate
+    from hal.sync.receive import allocate
 
     specs = [TensorSpec(n, s, d) for n, s, d in LAYOUT]
     with hal.use("cpu"):

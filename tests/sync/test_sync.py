@@ -23,7 +23,8 @@ from hal.sync import (
     TensorSpec,
 )
 from hal.kernels import RangeChecksums
-from hal.sync.engine_specs import allocate, copy_into
+from hal.sync.receive import allocate
+from hal.sync.sink import copy_into
 from tests.multiproc import run_group
 
 pytestmark = pytest.mark.multiprocess

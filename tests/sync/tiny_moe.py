@@ -1,5 +1,5 @@
 """Tiny transformers-5 MoE models, built locally (no hub): what hal's checkpoint layout
-(hal.sync.checkpoint_layout) is tested on. transformers 5 keeps each layer's experts as 3-D
+(hal.sync.adapters.checkpoint_layout) is tested on. transformers 5 keeps each layer's experts as 3-D
 parameters (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I));
 their checkpoints, and vLLM's loaders, hold one tensor per expert."""
 

@@ -144,7 +144,7 @@ class TrainingWorkerOnHal(_verl_tests.TrainingWorkerTest):
                     if record.levelno >= logging.WARNING:
                         log.append(record.getMessage())
 
-            logging.getLogger("hal.sync.canary").addHandler(Keep())
+            logging.getLogger("hal.canary").addHandler(Keep())
             self._canary_listening = True
         return list(self._canary_log)
 
@@ -243,7 +243,7 @@ class ServerAdapterOnHal(_verl_tests.MockServerAdapter):
         import torch
         from transformers import AutoModelForCausalLM
 
-        from hal.sync.canary import Probe, module_logprobs
+        from hal.canary import Probe, module_logprobs
 
         weights = self.received_weights
         if self.engine is None:

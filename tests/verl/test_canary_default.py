@@ -23,8 +23,8 @@ pytest.importorskip("verl", reason="needs verl 0.9.1: make setup-verl, then run 
 
 from hal.integrations.verl.canary import answer_refusal, engine_answer, rollout_answer, trainer_check  # noqa: E402
 from hal.integrations.verl.settings import canary_settings  # noqa: E402
-from hal.sync.canary import DEFAULT, Canary, CanaryConfig, Probe, module_logprobs  # noqa: E402
-from tests.sync.test_canary import TinyLM  # noqa: E402
+from hal.canary import DEFAULT, Canary, CanaryConfig, Probe, module_logprobs  # noqa: E402  # noqa: E402
+from tests.canary.test_canary import TinyLM  # noqa: E402  # noqa: E402
 
 TIMEOUT_S = 30.0
 
@@ -128,7 +128,7 @@ def not_checked(caplog) -> list[str]:
 
 
 def test_no_rollout_worker_can_answer_so_no_trainer_rank_runs_the_forward_and_rank_0_says_so_once(caplog):
-    caplog.set_level("WARNING", logger="hal.sync.canary")
+    caplog.set_level("WARNING", logger="hal.canary")
     canaries, modules = [every_update(), every_update()], [CountingLM(), CountingLM()]
     for version in (1, 2):
         out = update(canaries, modules, [object(), object()], version=version)  # verl's vLLM adapter: no prompt_logprobs
@@ -139,7 +139,7 @@ def test_no_rollout_worker_can_answer_so_no_trainer_rank_runs_the_forward_and_ra
 
 
 def test_the_rollout_workers_that_answer_are_checked_and_an_error_is_set_aside_once(caplog):
-    caplog.set_level("WARNING", logger="hal.sync.canary")
+    caplog.set_level("WARNING", logger="hal.canary")
     canaries, modules = [every_update(), every_update()], [CountingLM(), CountingLM()]
     for version in (1, 2):
         out = update(canaries, modules, [Healthy(), Broken()], version=version)
@@ -156,7 +156,7 @@ def test_the_rollout_workers_that_answer_are_checked_and_an_error_is_set_aside_o
 
 
 def test_without_the_trainers_model_the_default_says_so_once_and_a_given_canary_raises(caplog):
-    caplog.set_level("WARNING", logger="hal.sync.canary")
+    caplog.set_level("WARNING", logger="hal.canary")
     canaries = [every_update(), every_update()]
     for version in (1, 2):
         out = update(canaries, [None, None], [Healthy(), Healthy()], version=version)

@@ -56,7 +56,7 @@ def shares(verl_flow) -> list[int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hal.sync.shard_plan import chunk_rows
+    from hal.sync.plan.shards import chunk_rows
 
     weights = AutoModelForCausalLM.from_pretrained(verl_flow.model_path, dtype=torch.bfloat16).state_dict()
     held = [0] * TRAINERS

@@ -34,8 +34,7 @@ def test_one_entry_point_and_verls_device_code_through_hal():
     entry point, which registers the platform and the checkpoint engine and does nothing
     else; then the issue's command, and more of `verl.utils.device`, with VERL_PLATFORM=hal."""
     ours = [ep for ep in entry_points(group="verl.plugins") if ep.value.startswith("hal.")]
-    # pyproject.toml's value: the former path of hal.integrations.verl.plugin, the same module
-    assert [(ep.name, ep.value) for ep in ours] == [("hal", "hal.integrations.verl_plugin")]
+    assert [(ep.name, ep.value) for ep in ours] == [("hal", "hal.integrations.verl.plugin")]
     proc = run_python(
         """
         import json, sys
@@ -121,7 +120,7 @@ def test_sim_answers_as_the_cpu_it_computes_on(hal_reset, monkeypatch):
 def test_a_driver_without_the_device_still_plans_for_it(hal_reset, monkeypatch):
     """A CPU-only Ray driver with VERL_DEVICE=cuda: the declared answers come from the
     backend's class, device work raises hal's reason."""
-    from hal.backend import BackendUnavailableError
+    from hal.backends.types import BackendUnavailableError
     from hal.backends.cuda import CudaBackend
     from hal.integrations.verl.platform import HalPlatform
 
@@ -430,29 +429,11 @@ def test_prepare_reports_senders_and_refuses_an_engine_whose_shards_differ_from_
     assert "refused" not in HalCheckpointEngine(bucket_size=1 << 20).prepare()
 
 
-def test_the_former_flat_paths_are_the_modules_they_moved_to():
-    """hal.integrations is split by host (issue 26); what configs and entry points named
-    before (`hal.integrations.verl_plugin`, ...) is the very module now under verl/."""
-    import importlib
-
-    for old, new in (
-        ("hal.integrations.verl_plugin", "hal.integrations.verl.plugin"),
-        ("hal.integrations.verl_checkpoint", "hal.integrations.verl.checkpoint"),
-        ("hal.integrations.verl_platform", "hal.integrations.verl.platform"),
-        ("hal.integrations.verl_internals", "hal.integrations.verl.internals"),
-    ):
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    from hal.integrations.verl_checkpoint import HalCheckpointEngine
-    from hal.integrations.verl.checkpoint import HalCheckpointEngine as moved
-
-    assert HalCheckpointEngine is moved
-
-
 # ---- the canary's settings (engine_kwargs["hal"]["canary"]) -------------------------------------
 def test_canary_settings_map_onto_canary_config_by_field_name():
     from hal.integrations.verl.checkpoint import HalCheckpointEngine
     from hal.integrations.verl.settings import canary_settings
-    from hal.sync.canary import DEFAULT_EVERY, CanaryConfig, Probe
+    from hal.canary import DEFAULT_EVERY, CanaryConfig, Probe
 
     default = HalCheckpointEngine(bucket_size=1 << 20)  # no `canary` in engine_kwargs["hal"]: on, by default
     assert default.canary.by_default and default.canary.config == CanaryConfig(mode="log", every=DEFAULT_EVERY)

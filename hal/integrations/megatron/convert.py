@@ -3,7 +3,7 @@
 Pure functions of a rank's local tensor and the model's shape (`MegatronShape`); nothing
 here imports megatron-core (hal.integrations.megatron._internals reads the model) and
 nothing is gathered: every rule maps a rank's own shard to its own blocks of one or more
-Hugging Face tensors (`hal.sync.shard_plan.Block`), and a tensor every tensor-parallel rank
+Hugging Face tensors (`hal.sync.plan.declare.Block`), and a tensor every tensor-parallel rank
 holds whole (a norm) stays a plain tensor, which the ranks holding it split between them.
 
 | Megatron (local name, per pipeline stage)             | Hugging Face (global layer index)                    | a TP rank's part                                      |
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hal.sync.shard_plan import Block
+from hal.sync.plan import Block
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

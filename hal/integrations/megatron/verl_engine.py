@@ -56,7 +56,7 @@ def refusal(engine: object) -> str | None:
 def source(engine: object) -> Any:
     """This rank's shards of the engine's model under Hugging Face names (no gather); the
     Hugging Face vocabulary cuts Megatron's padding rows."""
-    from hal.integrations.megatron import MegatronSource
+    from hal.integrations.megatron.source import MegatronSource
 
     vocab = getattr(_hf_config(engine), "vocab_size", None)
     return MegatronSource(list(engine.module), hf_vocab_size=vocab)

@@ -50,8 +50,8 @@ from hal.integrations.ray.placement import (
 )
 from hal.integrations.ray.scope import ActorScope
 
-# the sync group (hal.sync.group, no Ray needed), re-exported here for the Ray-minded reader
-from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
+# the sync group (hal.sync.wire.group, no Ray needed), re-exported here for the Ray-minded reader
+from hal.sync.wire import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
 
 __all__ = [
     "COLOCATED_STRATEGY",

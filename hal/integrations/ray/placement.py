@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from hal import env
-from hal.backend import Backend
+from hal.backends.interface import Backend
 from hal.integrations._shared import import_ray
 
 # Ray rewrites a device's visible-devices variable (CUDA_VISIBLE_DEVICES,

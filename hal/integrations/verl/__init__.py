@@ -8,7 +8,7 @@ What each module holds (importing this package imports none of them, and no verl
   `settings` (`engine_kwargs["hal"]` as a `SyncConfig`), `topology` (the sync groups of
   one update, one per sending trainer rank with `senders: all`) and `weights` (verl's
   generator as a hal source; hal's receive as verl's generator).
-- `canary`: the runtime-state canary (hal.sync.canary) after a completed update, run from
+- `canary`: the runtime-state canary (hal.canary) after a completed update, run from
   the checkpoint engine's `finalize()` (imports no verl).
 - `platform`: verl's device code through hal's resolved backend.
 - `internals`: every private verl name verl-hal uses, behind a version check.

@@ -1,4 +1,4 @@
-"""The canary (hal.sync.canary) in verl's checkpoint engine "hal": after a completed update,
+"""The canary (hal.canary) in verl's checkpoint engine "hal": after a completed update,
 the trainer's log-probs of a fixed probe against each rollout worker's.
 
 Where it runs, and why there. verl 0.9.1's `CheckpointEngineManager.update_weights()`
@@ -56,7 +56,7 @@ import torch
 
 from hal.integrations._shared import in_daemon_thread
 from hal.integrations.verl.settings import CanarySettings
-from hal.sync.canary import Canary, CanaryError, CanaryReport, Probe, dtype_of, module_logprobs, vocab_size_of
+from hal.canary import Canary, CanaryError, CanaryReport, Probe, dtype_of, module_logprobs, vocab_size_of
 
 # The largest canary message (a probe, one engine's log-probs, a report): far above any
 # probe of a few hundred tokens.

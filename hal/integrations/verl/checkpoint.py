@@ -55,7 +55,7 @@ generator once in full (on the master each tensor is kept in host memory until i
 sent: one copy of the weights, once), every later sync streams with that layout and
 checks each tensor against it; a sync whose tensors differ fails on every rank and the
 next one learns the layout again. With `"all"` the trainer ranks declare their shards
-from metadata each sync (`hal.sync.shard_plan`). Rollout workers accept the tensors the trainer's header
+from metadata each sync (`hal.sync.plan.shards`). Rollout workers accept the tensors the trainer's header
 declares (verl's rollout side has no model of its own to check them against).
 
 With `delta`, the wire carries only the changed words (docs/delta.md); each rollout worker
@@ -96,10 +96,10 @@ from hal.integrations.verl.settings import (
 from hal.integrations.verl.topology import NOT_IN_GROUP, build, group_key, node_address
 from hal.integrations.verl.weights import GeneratorSource, HandoffSink
 from hal.sync import ShardedSender, SyncError, SyncReceiver, TensorSpec, TrainerSync
-from hal.sync.canary import DEFAULT, Canary, CanaryError, CanaryReport
+from hal.canary import DEFAULT, Canary, CanaryError, CanaryReport
 from hal.sync.endpoints import ALL, GATHER, make_receiver, make_sender, open_transport
 from hal.sync.errors import PeerError
-from hal.sync.group import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.sync.wire import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class HalCheckpointEngine(CheckpointEngine):
             return
         import torch.distributed as dist
 
-        from hal.sync.protocol import trainer_channel
+        from hal.sync.wire import trainer_channel
 
         trainers = trainer_channel() if dist.is_initialized() else None
         first = trainers is None or trainers.rank == 0  # trainer rank 0: sync rank 0 of group 0

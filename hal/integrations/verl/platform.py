@@ -35,7 +35,8 @@ import torch
 from verl.plugin.platform import PlatformBase
 
 import hal
-from hal.backend import Backend, BackendUnavailableError
+from hal.backends.interface import Backend
+from hal.backends.types import BackendUnavailableError
 from hal.device import backend_class
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hal.sync import DeltaConfig, SyncConfig
-from hal.sync.canary import DEFAULT, CanaryConfig, Probe, default_config
-from hal.sync.header_json import WIRE_DTYPES, dtype_from_name
+from hal.canary import DEFAULT, CanaryConfig, Probe, default_config
+from hal.sync.wire import WIRE_DTYPES, dtype_from_name
 
 # verl's default `update_weights_bucket_megabytes` (CheckpointEngineConfig, verl 0.9.1):
 # a bucket size of exactly this many MiB means the user left it alone, and hal sizes the
@@ -117,7 +117,7 @@ def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float | int]:
 # ---- the canary (docs/canary.md, "verl's checkpoint engine") ---------------------------------
 @dataclass(frozen=True, slots=True)
 class CanarySettings:
-    """`engine_kwargs["hal"]["canary"]`: the canary of hal.sync.canary after each completed
+    """`engine_kwargs["hal"]["canary"]`: the canary of hal.canary after each completed
     update, as the checkpoint engine "hal" runs it (hal.integrations.verl.canary).
 
     `config` is the `CanaryConfig` of the mapping's `CanaryConfig` fields; `engine_logprobs`
@@ -137,7 +137,7 @@ class CanarySettings:
     of the sync."""
     by_default: bool = False
     """Not configured (no `canary` in engine_kwargs['hal']): the default canary
-    (`hal.sync.canary.Canary.default()`), which checks what it can and never fails an update."""
+    (`hal.canary.policy.Canary.default()`), which checks what it can and never fails an update."""
 
     @property
     def enabled(self) -> bool:

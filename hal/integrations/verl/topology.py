@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from hal.integrations.verl.settings import SENDERS_CHOICES
-from hal.sync.group import LOOPBACK, SyncGroupSpec
+from hal.sync.wire import LOOPBACK, SyncGroupSpec
 
 # The sync rank of trainer ranks outside the sync group ("master": they gather, they do not send).
 NOT_IN_GROUP = -1

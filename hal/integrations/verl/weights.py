@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Iterator
 
 import torch
 
-from hal.backend import Backend
+from hal.backends.interface import Backend
 from hal.sync import SinkPolicy, TensorSpec
 
 

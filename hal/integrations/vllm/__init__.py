@@ -13,7 +13,7 @@ What each module holds (importing this package imports none of them, and no vLLM
   (one sender, gather-then-send; the engines' calls), `sharded_sync` (every trainer rank
   sends), `engines` (vLLM's clients completed, hal's adapters) and `trainer_engine`;
   `canary`: after a sync, the canary's probe through each engine's own serving path
-  (`WeightSync(canary=...)`, hal.sync.canary, docs/canary.md); `canary_default`: what the
+  (`WeightSync(canary=...)`, hal.canary, docs/canary.md); `canary_default`: what the
   canary a `WeightSync` runs by default asks, and what it leaves alone.
 - `internals`: every private vLLM name verl-hal uses, behind a version check; `needs` lists
   them with how hal calls them and in which releases. Import vLLM only inside their functions.
@@ -34,7 +34,7 @@ from typing import Any
 _ENGINE_NAMES = {
     "BACKEND_NAME": "engine",
     "HalWeightTransferEngine": "engine",
-    "HalWorkerExtension": "engine",
+    "HalWorkerExtension": "extension",
     "register": "engine",
     "register_engine": "engine",
     "ENGINE_TRANSPORTS": "info",

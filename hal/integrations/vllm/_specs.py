@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 
 from hal.sync import TensorSpec
-from hal.sync.engine_specs import specs_from_safetensors
+from hal.sync.receive import specs_from_safetensors
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""What the canary that runs by default (`Canary.default()`, hal.sync.canary) checks after a
+"""What the canary that runs by default (`Canary.default()`, hal.canary) checks after a
 `WeightSync` sync, and what it leaves alone.
 
 A canary of the user's own (`canary=CanaryConfig(...)`) asks every engine and fails by
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from hal.integrations.vllm import internals as vllm_internals
-from hal.sync.canary import Canary
+from hal.canary import Canary
 
 
 def engines_to_ask(
@@ -70,7 +70,8 @@ def engines_to_ask(
 
 def refusal(engine: Any) -> str | None:
     """Why the default canary does not ask `engine` (one of `WeightSync`'s engines), or None."""
-    from hal.integrations.vllm.engines import ClientEngine, ExtensionEngine, OfflineEngine
+    from hal.integrations.vllm.engine_clients import ClientEngine
+    from hal.integrations.vllm.engine_local import ExtensionEngine, OfflineEngine
 
     if callable(getattr(engine, "prompt_logprobs", None)):  # an engine of the user's that computes them itself
         return None

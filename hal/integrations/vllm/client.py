@@ -27,7 +27,9 @@ Importing this module registers "hal" in vLLM's engine and trainer factories.
 from __future__ import annotations
 
 from hal.integrations.vllm import internals as vllm_internals
-from hal.integrations.vllm.engines import ClientEngine, Engine, ExtensionEngine, OfflineEngine, as_engine, weight_version
+from hal.integrations.vllm.engine_clients import ClientEngine
+from hal.integrations.vllm.engines import Engine, as_engine
+from hal.integrations.vllm.engine_local import ExtensionEngine, OfflineEngine, weight_version
 from hal.integrations.vllm.weight_sync import INCONSISTENT_PREFIX, SyncResult, WeightSync
 
 if vllm_internals.keeps_weight_versions():  # vLLM's trainer-side engine of hal's shape: 0.27 on

@@ -30,12 +30,12 @@ from hal.integrations.vllm.engines import Engine
 from hal.integrations.vllm.info import HalInitInfo, dtype_name
 from hal.procs import free_port
 from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics, TrainerSync
-from hal.sync.auth import init_proof
+from hal.sync.wire import init_proof
 from hal.sync.config import WaitBounds
 from hal.sync.endpoints import GATHER, ONE, make_sender, open_transport
 from hal.sync.errors import PeerError
-from hal.sync.group import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group
-from hal.sync.protocol import GroupChannel
+from hal.sync.wire import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.sync.wire import GroupChannel
 
 logger = logging.getLogger("hal.integrations.vllm.weight_sync")
 
@@ -276,7 +276,7 @@ class OneSender:
             settings.transport = "ipc" if local and backend.supports_ipc else "broadcast"
         port = settings.master_port or free_port(settings.master_address)
         # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
-        # workers use to join, would listen on every interface: hal.sync.group), from now on
+        # workers use to join, would listen on every interface: hal.sync.wire.group), from now on
         spec = SyncGroupSpec(address=settings.master_address, port=port, world_size=engines.world_size)
         server = RendezvousServer(spec, timeout_s=settings.timeout_s)
         calls = engines.ask_to_join(port)

@@ -11,7 +11,7 @@ without user code. Users drive it through vLLM's native API: `init_weight_transf
 
 Nothing here is specific to a device: the trainer<->worker group uses
 `hal.current().dist_backend` (gloo on the CPU, NCCL on CUDA, HCCL on Ascend), joined with
-the trainer's own `hal.sync.group.join_sync_group`, which asks the backend for the group
+the trainer's own `hal.sync.wire.group.join_sync_group`, which asks the backend for the group
 object (`Backend.new_process_group`): vLLM's stateless helper would ask the platform for
 the device group, which vllm-ascend's `NPUPlatform` cannot build (docs/ascend.md). The
 engine waits for device work through `hal.current().synchronize()` rather than
@@ -49,7 +49,6 @@ Every private vLLM name used here goes through `hal.integrations.vllm.internals`
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from typing import Any
@@ -61,16 +60,16 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 import hal
 from hal import env
 from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm import tied as vllm_tied
 from hal.integrations.vllm._reload import CarryArena, kernel_changes, kernel_tensors
 from hal.integrations.vllm.info import ENGINE_TRANSPORTS, HalInitInfo, HalUpdateInfo, dtype_from_name, dtype_name  # noqa: F401 - re-exported
 from hal.sync import SinkPolicy, SpecMismatchError, SyncError, SyncMetrics, SyncReceiver, TensorSpec
 from hal.sync.errors import AuthError, DeltaBaseError, HeaderError, StaleVersionError
 from hal.sync.endpoints import ALL, ONE, make_receiver, open_transport
-from hal.sync.auth import check_init_proof
-from hal.sync.group import SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.sync.wire import check_init_proof
+from hal.sync.wire import SyncGroupSpec, destroy_sync_group, join_sync_group
 
 logger = logging.getLogger(__name__)
-
 
 BACKEND_NAME = "hal"
 
@@ -191,7 +190,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             self.shutdown()  # leave no half-initialised group behind
             raise
         # every trainer rank sends its rows when the trainer lists their rendezvous: whole
-        # tensors reach this engine either way (hal.sync.sharded)
+        # tensors reach this engine either way (hal.sync.send.sharded)
         sending = ONE if init_info.rendezvous is None else ALL
         self._receiver = make_receiver(
             sending, transports, accepted, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate
@@ -304,7 +303,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
                     restore()
             # A weight tied to another module (lm_head to embed_tokens) is loaded through
             # its owner; state derived from it at load time is rebuilt here.
-            self.refreshed_tied = vllm_internals.refresh_tied_weights(self.model)
+            self.refreshed_tied = vllm_tied.refresh_tied_weights(self.model)
 
     def finish_weight_update(self) -> None:
         self._finish_reload()
@@ -367,63 +366,6 @@ def _destroy_groups(groups: list[Any]) -> None:
             destroy_sync_group(group)
         except Exception as exc:  # noqa: BLE001 - teardown must not fail the worker
             logger.warning("hal weight transfer: releasing a group failed: %s", exc)
-
-
-class HalWorkerExtension:
-    """The same engine through `worker_extension_cls`, for vLLM builds without the native API.
-
-        LLM(model=..., worker_extension_cls="hal.integrations.vllm.HalWorkerExtension")
-        llm.collective_rpc("hal_init", kwargs={"init_info": {...}})
-        llm.collective_rpc("hal_update", kwargs={"update_info": {"version": 3}})
-
-    Methods are mixed into vLLM's worker, which provides `vllm_config`, `device` and
-    `model_runner`.
-    """
-
-    def _hal_engine(self) -> HalWeightTransferEngine:
-        engine = getattr(self, "_hal_weight_engine", None)
-        if engine is None:
-            config = WeightTransferConfig(backend=BACKEND_NAME)
-            model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            if vllm_internals.engine_owns_updates():
-                engine = HalWeightTransferEngine(config, self.vllm_config, self.device, model)  # type: ignore[attr-defined]
-            else:  # vLLM 0.23-0.24's engine API; looked up as register() does (engine_v023 builds on this module)
-                engine_v023 = getattr(importlib.import_module(ENGINE_CLASS[False][0]), ENGINE_CLASS[False][1])
-                vllm_config = self.vllm_config  # type: ignore[attr-defined]
-                engine = engine_v023(config, vllm_config.parallel_config, model, vllm_config=vllm_config)
-            self._hal_weight_engine = engine
-        return engine
-
-    def hal_init(self, init_info: dict[str, Any]) -> None:
-        engine = self._hal_engine()
-        engine.init_transfer_engine(engine.parse_init_info(init_info))
-
-    def hal_update(self, update_info: dict[str, Any]) -> int | None:
-        engine = self._hal_engine()
-        engine.start_weight_update()
-        engine.update_weights(update_info)
-        return engine.version
-
-    def _connected_engine(self) -> HalWeightTransferEngine:
-        """The hal engine a trainer is connected to: vLLM's native one (`backend="hal"`)
-        when it is initialised, else this extension's own."""
-        native = getattr(self, "weight_transfer_engine", None)
-        if isinstance(native, HalWeightTransferEngine) and native.connected:
-            return native
-        return self._hal_engine()
-
-    def hal_version(self) -> int | None:
-        return self._hal_engine().version
-
-    def hal_state(self) -> dict[str, Any]:
-        """This worker's `version`, `consistent` and `torn` (see `HalWeightTransferEngine.state`)
-        for the connection in use: vLLM's native hal engine when initialised, else this extension's."""
-        return self._connected_engine().state()
-
-    def hal_shutdown(self) -> None:
-        engine = getattr(self, "_hal_weight_engine", None)
-        if engine is not None:
-            engine.shutdown()
 
 
 # The engine class vLLM's factory builds for "hal", by whether the engine owns an update's

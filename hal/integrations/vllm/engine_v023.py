@@ -29,14 +29,14 @@ worker differ (`WorkerOwnedUpdates`):
   what lets the tied head be refreshed after its owner was reloaded (the worker's finish
   runs no hal code). The worker's own `finish_weight_update` then finds nothing left to
   end: vLLM's `finalize_layerwise_reload` skips every layer whose reload already ended
-  (tests/integrations/test_vllm_v023.py checks both workers' sequences).
+  (tests/integrations/vllm/test_v023.py checks both workers' sequences).
 
 What 0.23's API cannot carry, and what hal does instead:
 - a weight version on finish (`finish_weight_update()` takes none; vLLM 0.23-0.26 keep no
   weight version at all): the version travels in `update_weights({"version": v})` and in
   hal's header; every worker checks it (an older one is refused on every rank) and keeps
   it (`state()`); the trainer's engine adapters keep the version every worker agreed on at
-  the end of the sync (`hal.integrations.vllm.engines.weight_version`).
+  the end of the sync (`hal.integrations.vllm.engine_local.weight_version`).
 - nothing for the trainer side: vLLM 0.23-0.25 ship no trainer clients and no trainer
   factory (`WeightSync` drives an offline `LLM` through `OfflineEngine`; a `vllm serve`
   0.23 has only the four update routes).
@@ -53,7 +53,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from hal.integrations.vllm import internals as vllm_internals
 from hal.integrations.vllm._reload import kernel_changes
-from hal.integrations.vllm.engine import HalUpdateInfo, HalWeightTransferEngine
+from hal.integrations.vllm.info import HalUpdateInfo
+from hal.integrations.vllm.engine import HalWeightTransferEngine
 from hal.integrations.vllm.lora_engine import HalLoraWeightTransferEngine
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]

@@ -4,7 +4,7 @@ vLLM parses both from the dicts its API carries (`init_weight_transfer_engine({"
 ...})`, `update_weights({"update_info": ...})`) with the engine's `init_info_cls` /
 `update_info_cls`; the trainer side (hal.integrations.vllm.weight_sync) builds them. Also
 which of hal's transports (`hal.sync.TRANSPORTS`) `HalInitInfo.transport` takes, and the
-dtype names as they travel (the names a sync's header gives them, hal.sync.header_json).
+dtype names as they travel (the names a sync's header gives them, hal.sync.wire.header_json).
 hal.integrations.vllm re-exports every name here.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from hal.sync import header_json
+from hal.sync.wire import header_json
 
 ENGINE_TRANSPORTS = ("broadcast", "ipc")
 """The transports (by their name in `hal.sync.TRANSPORTS`) a vLLM engine takes."""
@@ -25,12 +25,12 @@ ENGINE_TRANSPORTS = ("broadcast", "ipc")
 
 def dtype_from_name(name: str | None) -> torch.dtype | None:
     """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16, a dtype a sync may carry
-    (`hal.sync.header_json.WIRE_DTYPES`; ValueError naming the valid ones otherwise); None stays None."""
+    (`hal.sync.wire.header_json.WIRE_DTYPES`; ValueError naming the valid ones otherwise); None stays None."""
     return None if name is None else header_json.dtype_from_name(str(name).removeprefix("torch."))
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:
-    """The name `dtype` travels under (`hal.sync.header_json.dtype_name`); None stays None."""
+    """The name `dtype` travels under (`hal.sync.wire.header_json.dtype_name`); None stays None."""
     return None if dtype is None else header_json.dtype_name(dtype)
 
 
@@ -66,11 +66,11 @@ class HalInitInfo(WeightTransferInitInfo):
     all of them at once (`hal.sync.ShardedReceiver`). None: trainer rank 0 alone sends,
     over the group at `master_address:master_port`. Only with `transport="broadcast"`."""
     auth: str | None = None
-    """The trainer's proof that it knows the engine's token (`hal.sync.auth.init_proof`
+    """The trainer's proof that it knows the engine's token (`hal.sync.wire.auth.init_proof`
     over every other field, `proven()`, `rendezvous` included); None from a trainer without one."""
 
     def proven(self) -> dict[str, Any]:
-        """The fields `auth` proves (`hal.sync.auth.init_proof`): all but the proof itself."""
+        """The fields `auth` proves (`hal.sync.wire.auth.init_proof`): all but the proof itself."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "auth"}
 
     def __post_init__(self) -> None:

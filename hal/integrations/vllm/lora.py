@@ -15,13 +15,13 @@ engine serves the new adapter under one fixed LoRA id:
     llm.generate(prompts, params, lora_request=sync.lora_request())
     sync.engine_lost_weights()                     # when the engine reports it freed its weights
 
-What travels is decided by `hal.sync.lora.decide_lora_sync` (through `BaseWeightTracker`):
+What travels is decided by `hal.sync.lora.policy.decide_lora_sync` (through `BaseWeightTracker`):
 base and adapter on the first sync and after the engine lost its weights (sleep level 2
 with `free_cache_engine`), the adapter alone otherwise.
 
 Worker side (`HalLoraWeightTransferEngine`, a subclass of the "hal" engine): the receiver
 accepts the engine's checkpoint specs plus the adapter specs computed from the engine's
-own base shapes and the adapter config (`hal.sync.lora.adapter_specs`), never from the
+own base shapes and the adapter config (`hal.sync.lora.peft.adapter_specs`), never from the
 trainer's model, and refuses a sync that carries only part of the adapter before anything
 is applied. Base tensors go through the "hal" engine's layerwise reload. Adapter tensors
 are copied out of the receive buckets and built into a vLLM `LoRAModel`
@@ -46,8 +46,7 @@ call and patches the worker's `_load_adapter`; here the tensors come through hal
 receiver (any transport, any backend) and nothing in vLLM is patched.
 
 Registration: an installed verl-hal declares the `vllm.general_plugins` entry point
-`hal_lora_weight_transfer = "hal.integrations.vllm_lora:register"` (pyproject.toml; the
-former path of this module, the same module object), and
+`hal_lora_weight_transfer = "hal.integrations.vllm.lora:register"` (pyproject.toml), and
 vLLM runs general plugins in every process it starts (API server, engine core, workers),
 so every process knows "hal-lora" without user code. Importing this module also registers
 it (`register()`, idempotent; an import-time side effect on purpose, for a checkout that is

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from hal.integrations.vllm import internals as vllm_internals
-from hal.integrations.vllm.engine import HalInitInfo, HalUpdateInfo, HalWeightTransferEngine, dtype_from_name
+from hal.integrations.vllm.info import HalInitInfo, HalUpdateInfo, dtype_from_name
+from hal.integrations.vllm.engine import HalWeightTransferEngine
 from hal.sync import SpecMismatchError, TensorSpec
 from hal.sync.lora import adapter_specs
 
@@ -43,7 +44,7 @@ class HalLoraInitInfo(HalInitInfo):
     """The "hal" init info plus the adapter every sync may carry (fixed for the session)."""
 
     lora_config: dict[str, Any]
-    """The adapter's peft config as `hal.sync.lora.adapter_config` gives it (adapter_config.json)."""
+    """The adapter's peft config as `hal.sync.lora.peft.adapter_config` gives it (adapter_config.json)."""
     adapter_dir: str
     """Absolute directory on the engine's node where each worker publishes the adapter it
     received; the LoRA request names it and vLLM reloads the adapter from it."""
@@ -58,7 +59,7 @@ class HalLoraInitInfo(HalInitInfo):
             raise TypeError(f"HalLoraInitInfo.lora_config must be a dict (adapter_config.json), got {type(self.lora_config).__name__}")
         for key in ("r", "lora_alpha", "target_modules"):
             if key not in self.lora_config:
-                raise ValueError(f"HalLoraInitInfo.lora_config has no {key!r}: pass hal.sync.lora.adapter_config(model)")
+                raise ValueError(f"HalLoraInitInfo.lora_config has no {key!r}: pass hal.sync.lora.peft.adapter_config(model)")
         for key in _UNSUPPORTED_WHEN_SET:
             if self.lora_config.get(key):
                 raise NotImplementedError(

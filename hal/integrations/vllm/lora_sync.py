@@ -33,11 +33,11 @@ from hal.integrations.vllm.engines import Engine, as_engine
 from hal.integrations.vllm.lora_engine import DEFAULT_LORA_ID, DEFAULT_LORA_NAME, HalLoraInitInfo
 from hal.integrations.vllm.weight_sync import SyncResult, WeightSync
 from hal.sync import SyncConfig, TensorSource
-from hal.sync.canary import as_canary
+from hal.canary import as_canary
 from hal.sync.lora import BaseWeightTracker, LoraSyncDecision, MergedSource, adapter_tensors, base_tensors
 from hal.sync import errors
 from hal.sync.errors import RankReport
-from hal.sync.protocol import GroupChannel
+from hal.sync.wire import GroupChannel
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class LoraWeightSync:
     `trainer_group=g, senders="all"` (on every rank of `g`): every trainer rank sends its own
     rows (see the module doc); `token` as for `WeightSync`.
 
-    `canary` (a `CanaryConfig` or `Canary`, hal.sync.canary; off unless given, unlike
+    `canary` (a `CanaryConfig` or `Canary`, hal.canary; off unless given, unlike
     `WeightSync`'s: an engine that serves LoRA computes the probe in a forced decode step
     per token): after a sync that is due, the engines compute the probe with the synced
     adapter (`lora_request()`) against the peft model's forward (docs/canary.md); the
@@ -202,7 +202,7 @@ class LoraWeightSync:
             canary=None,  # its source is the parts that travel: this class runs the canary on the peft model
         )
         self.canary = as_canary(canary)
-        """The canary (hal.sync.canary), None when off: run here, since the sync's own source is the parts that travel."""
+        """The canary (hal.canary), None when off: run here, since the sync's own source is the parts that travel."""
 
     def init(self) -> None:
         self.weight_sync.init()

@@ -66,7 +66,7 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm.config.parallel:ParallelConfig.world_size", why="HalWeightTransferEngine.group_rank, OfflineEngine"),
     Need(target="vllm.config.parallel:ParallelConfig.rank", why="HalWeightTransferEngine.group_rank"),
     Need(target="vllm.lora.request:LoRARequest", why="hal.integrations.vllm.lora"),
-    # vLLM's trainer-side clients, which WeightSync drives (hal.integrations.vllm.engines.ClientEngine)
+    # vLLM's trainer-side clients, which WeightSync drives (hal.integrations.vllm.engine_clients.ClientEngine)
     Need(target=f"{_WT}.base:VLLMWeightSyncClient", why="ClientEngine, as_engine (the clients' protocol)", **_CLIENTS),
     *(Need(target=f"{_WT}.base:VLLMWeightSyncClient.{method}", call=Call(n), why="ClientEngine", **_CLIENTS) for method, n in (
         ("init_weight_transfer_engine", 1), ("start_weight_update", 0), ("update_weights", 1))),

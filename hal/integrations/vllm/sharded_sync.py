@@ -41,8 +41,8 @@ from hal.sync import Sender, ShardedSender, SyncError, SyncMetrics
 from hal.sync import errors as sync_errors
 from hal.sync.endpoints import ALL, make_sender, open_transport
 from hal.sync.errors import PeerError, RankReport
-from hal.sync.group import RendezvousServer, SyncGroupSpec, join_sync_group
-from hal.sync.protocol import GroupChannel, trainer_channel
+from hal.sync.wire import RendezvousServer, SyncGroupSpec, join_sync_group
+from hal.sync.wire import GroupChannel, trainer_channel
 
 # What each rank tells the others at init: its rendezvous and the engines it was given.
 MAX_ENDPOINT_BYTES = 1 << 16

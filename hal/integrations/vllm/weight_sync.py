@@ -18,7 +18,7 @@ A sharded trainer (FSDP2) either gathers and sends from one rank (`trainer_group
 process sends, the other ranks follow with `TrainerSync`), or sends from every rank
 (`trainer_group=g, senders="all"`, on every rank): each rank sends only its own rows over
 a group of its own with every engine worker, and the workers put whole tensors together
-(`hal.sync.sharded`; docs/vllm.md, "Every trainer rank sends").
+(`hal.sync.send.sharded`; docs/vllm.md, "Every trainer rank sends").
 
 The weight version is the trainer's step: the engine reports it afterwards
 (`get_weight_version`), and a version older than the engine's is refused. A sync that
@@ -42,9 +42,9 @@ from hal.integrations.vllm.engines import Engine, as_engine
 from hal.integrations.vllm.info import ENGINE_TRANSPORTS
 from hal.integrations.vllm.sharded_sync import EveryRankSends
 from hal.sync import Sender, SyncConfig, SyncError
-from hal.sync.canary import DEFAULT, Canary, as_canary
+from hal.canary import DEFAULT, Canary, as_canary
 from hal.sync.errors import check_version
-from hal.sync.protocol import GroupChannel
+from hal.sync.wire import GroupChannel
 from hal.sync.source import as_source
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class WeightSync:
     called: checked against rank 0's names and sizes) or none, `[]` (they learn them from
     rank 0 at `init`). Over the "broadcast" transport only.
 
-    `canary` (a `hal.sync.canary.CanaryConfig` or `Canary`; None: off): every few completed
+    `canary` (a `hal.canary.policy.CanaryConfig` or `Canary`; None: off): every few completed
     syncs, the engines' log-probs on a fixed probe are compared with the trainer's
     (hal.integrations.vllm.canary, docs/canary.md); the result is `SyncResult.canary`, and in
     "enforce" mode an engine that differs raises `CanaryError`. Not given, it is on
@@ -152,7 +152,7 @@ class WeightSync:
         self.inconsistent: set[str] = set()
         """Engines holding part of a failed sync (some tensors new, some old), by name."""
         self.canary: Canary | None = as_canary(canary)
-        """The canary (hal.sync.canary): `Canary.default()` unless told otherwise; None when off."""
+        """The canary (hal.canary): `Canary.default()` unless told otherwise; None when off."""
 
     @property
     def transport(self) -> str:

@@ -12,7 +12,7 @@ delta base is exactly it. A delta lands in one of two ways (docs/delta.md):
   buffer, one bucket) for the rest, which are delivered from there.
 
 Both answer the receiver's per-segment calls (`land`, `complete`, `image`) the way its
-plain path does (hal.sync.receiver), and record which tensors changed: a delta sync
+plain path does (hal.sync.receive.receiver), and record which tensors changed: a delta sync
 hands the sink only those (unless its policy says `apply_unchanged`).
 """
 
@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from hal import kernels
-from hal.backend import Backend
+from hal.backends.interface import Backend
 from hal.sync import errors
-from hal.sync.header import SyncHeader
-from hal.sync.plan import Bucket, BucketPlan, Segment, bucket_offsets, is_solo, segment_word
-from hal.sync.protocol import SegmentStatus
+from hal.sync.wire.header import SyncHeader
+from hal.sync.plan.buckets import Bucket, BucketPlan, Segment, bucket_offsets, is_solo, segment_word
+from hal.sync.wire.channel import SegmentStatus
 from hal.sync.sink import Pairs, Sink
 
 Destinations = tuple[tuple[str, int], ...]

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from hal import kernels
-from hal.backend import Backend
+from hal.backends.interface import Backend
 from hal.sync.config import DeltaConfig
 from hal.sync.delta.pacer import Pacer
-from hal.sync.plan import Bucket, BucketPlan, Segment, bucket_offsets, segment_word
+from hal.sync.plan.buckets import Bucket, BucketPlan, Segment, bucket_offsets, segment_word
 
 
 class PackedSegments:
@@ -36,7 +36,7 @@ class PackedSegments:
 
 
 NO_DELTA = PackedSegments()
-"""The per-segment interface without delta (a tensor's kind "whole" is hal.sync.shard_plan's)."""
+"""The per-segment interface without delta (a tensor's kind "whole" is hal.sync.plan.shards's)."""
 
 
 class DeltaSender:

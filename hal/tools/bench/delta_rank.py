@@ -131,7 +131,7 @@ def _setup(side: _Side, method: str) -> None:
     from hal.device import get_backend
     from hal.sync import BroadcastTransport, Receiver, Sender, SyncConfig, TensorSource, TensorSpec
     from hal.sync.config import DeltaConfig
-    from hal.sync.engine_specs import copy_into
+    from hal.sync.sink import copy_into
 
     config = side.config
     link = _Link(config.link_gb_per_s * 1e9) if config.link_gb_per_s and side.is_sender else None

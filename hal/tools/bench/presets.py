@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hal.sync.plan import TensorSpec
+from hal.sync.spec import TensorSpec
 
 # One parameter as the transfer sees it: described exactly like any sync's tensors.
 Param = TensorSpec

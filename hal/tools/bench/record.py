@@ -18,7 +18,7 @@ so that the file can be copied into docs/results/ as it is (docs/benchmarks.md,
 "Records"). A record transcribed from an older page instead has "source": "transcribed"
 and "transcribed_from": {"file", "commit", "section"}: where its numbers were printed.
 
-`check_record` says what a record lacks (tests/test_bench_results.py runs it over
+`check_record` says what a record lacks (tests/tools/test_bench_results.py runs it over
 docs/results/ and over the output of a tiny run of each mode); `load_records` reads a
 results folder.
 """

@@ -12,7 +12,7 @@ per parameter, all views into one flat buffer.
 
 Two methods run in interleaved rounds on the same K receivers:
 
-    sharded     hal.sync.sharded: every trainer rank r has a gloo sync group of its own
+    sharded     hal.sync.send.sharded: every trainer rank r has a gloo sync group of its own
                 with the K receivers ([r, M..M+K-1]) and sends only its shares through
                 `ShardedSender(BroadcastTransport(group_r))`; every receiver takes all M at
                 once through `ShardedReceiver([transport per sender], specs)` into

@@ -87,7 +87,7 @@ def megatron_blocks(params: list[Param], offsets: list[int], total: int, config:
     `Block`s (and whole norms) in one flat buffer of its own, holding the bytes the whole
     model's flat pattern has there; and the bytes it is to send (for the share check).
     Each block is cut from its parameter's pattern, made whole for a moment (set-up, not timed)."""
-    from hal.sync.shard_plan import Block
+    from hal.sync.plan import Block
     from hal.tools.bench.senders_megatron import megatron_held
 
     period = min(PATTERN_PERIOD, total)
@@ -132,7 +132,8 @@ def _rank_body(rank: int, config: SendersConfig) -> dict[str, Any]:
 
     from hal.device import get_backend
     from hal.sync import BroadcastTransport, Receiver, Sender, SyncConfig, TensorSource, TensorSpec, copy_into
-    from hal.sync.sharded import ShardedReceiver, ShardedSender
+    from hal.sync.receive import ShardedReceiver
+    from hal.sync.send import ShardedSender
 
     began = time.perf_counter()
     m = config.senders

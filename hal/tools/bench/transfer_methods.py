@@ -142,9 +142,9 @@ def _setup_floor_pipelined(ctx: RankContext) -> tuple[Callable[[], None], Callab
 def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Callable[[], None], Callable[[], None]]:
     from hal.device import get_backend
     from hal.sync import Receiver, Sender, SyncConfig, TensorSource, TensorSpec, as_sink
-    from hal.sync.engine_specs import copy_into
+    from hal.sync.sink import copy_into
     import hal.sync
-    from hal.sync import hierarchy
+    from hal.sync.transport import hierarchical as hierarchy
 
     backend = get_backend(ctx.config.sync_backend)  # host weights and gloo, whatever VERL_DEVICE says
 
@@ -162,7 +162,7 @@ def _setup_hal(ctx: RankContext, transport_name: str, target: str) -> tuple[Call
         sender = Sender(transport, sync_config, backend=backend)
         pairs = list(zip(names, ctx.tensors))
         if ctx.config.trace:
-            _trace_calls(sender.packer, ctx.trace, ("pack",))  # each segment's pack (hal.sync.packing)
+            _trace_calls(sender.packer, ctx.trace, ("pack",))  # each segment's pack (hal.sync.send.packing)
 
         # one model's segments per node: without --nodes every receiver is on one node
         expected_network = ctx.config.nodes * plan_segment_bytes(ctx.params, ctx.config.bucket_bytes) if hierarchical else 0

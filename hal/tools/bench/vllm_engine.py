@@ -37,7 +37,7 @@ parameters, 1.84 GiB in fp32, 290 tensors), built locally with random weights.
 vocabulary 64, 1.6 MiB): a run that shows every method works end to end in seconds (the
 docs' commands are run that way in the suite), whose times measure start-up, not transfer.
 
-`--vllm-canary SxL[,SxL...]` also times the canary (hal.sync.canary, docs/canary.md) after
+`--vllm-canary SxL[,SxL...]` also times the canary (hal.canary, docs/canary.md) after
 each sync of the rounds, outside the sync's time, once per probe shape: the trainer's
 log-probs of a probe of S sequences of L tokens (a transformers model holding the synced
 weights, assigned without a copy, its forward on one torch thread: `CANARY_THREADS`) against
@@ -54,7 +54,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -63,9 +62,7 @@ from typing import Any, Callable
 
 from hal.tools.bench.arg_types import comma_list
 from hal.integrations.vllm import internals as vllm_internals
-
-GIB = 1024**3
-MIB = 1024**2
+from hal.tools.bench.vllm_engine_report import GIB, MIB, canary_summary, median, print_summary
 
 
 def add_arguments(parser: Any) -> None:
@@ -160,10 +157,6 @@ def _mb_list(text: str) -> tuple[float, ...]:
     return values
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def _timed(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
     out = []
     for i in range(warmup + repeats):
@@ -237,7 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     canary_runs: dict[tuple[int, int], list[Any]] = {shape: [] for shape in canary_shapes}
     if canary_shapes:
         from hal.integrations.vllm.canary import check_engines
-        from hal.sync.canary import Canary, CanaryConfig
+        from hal.canary import Canary, CanaryConfig
         from hal.tools.tiny_model import load_trainer_model
 
         print(f"[bench vllm] loading the trainer's model for the canary ({', '.join(f'{s}x{n}' for s, n in canary_shapes)}) ...", flush=True)
@@ -319,11 +312,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def summarize(xs: list[float], metrics: list[dict[str, Any]]) -> dict[str, Any]:
         receiver = [m["receiver"] for m in metrics[warmup:] if m["receiver"]]
         return {
-            "seconds": _median(xs),
+            "seconds": median(xs),
             "all_seconds": xs,
-            "receiver_apply_seconds": _median([r["apply_s"] or 0.0 for r in receiver]) if receiver else None,
-            "receiver_total_seconds": _median([r["total_s"] for r in receiver]) if receiver else None,
-            "sender_transfer_seconds": _median([m["sender"]["transfer_s"] or 0.0 for m in metrics[warmup:]]),
+            "receiver_apply_seconds": median([r["apply_s"] or 0.0 for r in receiver]) if receiver else None,
+            "receiver_total_seconds": median([r["total_s"] for r in receiver]) if receiver else None,
+            "sender_transfer_seconds": median([m["sender"]["transfer_s"] or 0.0 for m in metrics[warmup:]]),
             "buckets": metrics[-1]["sender"]["buckets"],
         }
 
@@ -372,13 +365,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(apply_file.parent, ignore_errors=True)
     del flat
     apply_s, floor_s, memcpy_s = timings.get("apply", []), timings.get("floor", []), timings.get("memcpy", [])
-    apply_seconds = _median(apply_s) if apply_s else None
-    floor_seconds = _median(floor_s) if floor_s else None
+    apply_seconds = median(apply_s) if apply_s else None
+    floor_seconds = median(floor_s) if floor_s else None
     results = []
     for method in ("hal", "disk_reload", "rpc_bytes"):
         if timings.get(method):
             xs = timings[method]
-            s = _median(xs)
+            s = median(xs)
             results.append({"method": method, "seconds": s, "min_seconds": min(xs), "gib_per_s": total_bytes / s / GIB, "all_seconds": xs})
     seconds = {r["method"]: r["seconds"] for r in results}
     ratios: dict[str, float] = {}
@@ -401,7 +394,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": results,
         "apply_seconds": apply_seconds,
         "floor_seconds": floor_seconds,
-        "memcpy_seconds": _median(memcpy_s) if memcpy_s else None,
+        "memcpy_seconds": median(memcpy_s) if memcpy_s else None,
         "ratios": ratios,
         "transport": transports[0],
         "hal_by_config": by_config,
@@ -410,34 +403,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if canary_shapes:
         report["canary"] = [
-            _canary_summary(runs[warmup:], shape, seconds.get("hal"), first=runs[0] if runs else None) for shape, runs in canary_runs.items()
+            canary_summary(runs[warmup:], shape, seconds.get("hal"), first=runs[0] if runs else None) for shape, runs in canary_runs.items()
         ]
-    _print_summary(report)
+    print_summary(report)
     return report
-
-
-def _canary_summary(runs: list[Any], shape: tuple[int, int], sync_seconds: float | None, first: Any = None) -> dict[str, Any]:
-    """The canary's cost from the measured rounds: medians, and its share of a sync's time;
-    `first`: the first check of the run (a warm-up round's), whose time is `first_seconds`."""
-    xs = [r.seconds for r in runs]
-    engine_s = [s for s in (next(iter(r.engines.values())).seconds for r in runs) if s is not None]
-    out: dict[str, Any] = {
-        "probe": f"{shape[0]}x{shape[1]}",
-        "probe_tokens": runs[0].probe_tokens if runs else None,
-        "seconds": _median(xs) if xs else None,
-        "all_seconds": xs,
-        "reference_seconds": _median([r.reference_s for r in runs]) if runs else None,
-        "engine_seconds": _median(engine_s) if engine_s else None,
-        "max_abs": max((r.max_abs for r in runs), default=None),
-        "tolerance": runs[0].tolerance if runs else None,
-        "fired": any(r.fired for r in runs),
-        "first_seconds": first.seconds if first is not None else None,
-    }
-    if xs and sync_seconds:
-        out["over_sync"] = out["seconds"] / sync_seconds
-        out["every_10_over_sync"] = out["seconds"] / (10 * sync_seconds)
-        out["every_100_over_sync"] = out["seconds"] / (100 * sync_seconds)
-    return out
 
 
 def _floor_once(sync: Any, llm: Any, nbytes: int, timeout_s: float) -> float:
@@ -466,35 +435,3 @@ def _floor_once(sync: Any, llm: Any, nbytes: int, timeout_s: float) -> float:
     if thread.is_alive():
         raise TimeoutError(f"floor measurement: the worker did not return within {timeout_s} s")
     return max(sender_s, float(result["v"][0]))
-
-
-def _print_summary(report: dict[str, Any]) -> None:
-    print(
-        f"[bench vllm] {report['bytes'] / GIB:.3f} GiB in {report['tensors']} tensors; {report['timing']}; "
-        f"'hal' = {report['transport']} transport, {report['bucket_bytes'] / MIB:g} MiB buckets; engine {'multi-process' if report['multiprocess_engine'] else 'in-process'}; "
-        f"load average {report['load_average'][0]:.1f}"
-    )
-    for r in report["results"]:
-        print(f"  {r['method']:<12} {r['seconds']:>7.3f} s  ({r['gib_per_s']:.2f} GiB/s, best {r['min_seconds']:.3f} s)")
-    for cfg, r in report["hal_by_config"].items():
-        print(f"  {cfg:<18} {r['seconds']:>7.3f} s  ({r['buckets']} buckets; worker: apply {r['receiver_apply_seconds']:.3f} s "
-              f"of {r['receiver_total_seconds']:.3f} s; sender waited {r['sender_transfer_seconds']:.3f} s on the transport)")
-    if report["apply_seconds"] is not None:
-        print(f"  {'apply':<12} {report['apply_seconds']:>7.3f} s  (engine reload_weights from memory)")
-    if report["floor_seconds"] is not None:
-        print(f"  {'floor':<12} {report['floor_seconds']:>7.3f} s  (one flat broadcast trainer -> worker)")
-    if report["memcpy_seconds"] is not None:
-        print(f"  {'memcpy':<12} {report['memcpy_seconds']:>7.3f} s  (one copy of all bytes in the trainer: the ipc transport's floor)")
-    targets = {"disk_reload_over_hal": ">= 2.5", "rpc_bytes_over_hal": ">= 10", "hal_over_max_floor_apply": "<= 1.3"}
-    print("  " + ", ".join(f"{k} {v:.2f} (target {targets[k]})" for k, v in report["ratios"].items()), flush=True)
-    for canary in report.get("canary") or ():
-        if canary["seconds"] is None:
-            continue
-        share = (f"; {100 * canary['over_sync']:.0f}% of a sync at every sync, {100 * canary['every_10_over_sync']:.1f}% at every 10th, "
-                 f"{100 * canary['every_100_over_sync']:.2f}% at every 100th (the default) "
-                 "(targets: <= 0.1 s, <= 10% at every 10th)") if "over_sync" in canary else ""
-        if canary.get("first_seconds") is not None:
-            share += f"; the first check {canary['first_seconds']:.3f} s"
-        print(f"  {'canary':<12} {canary['seconds']:>7.3f} s  ({canary['probe']} probe, {canary['probe_tokens']} log-probs; trainer "
-              f"{canary['reference_seconds']:.3f} s, engine {canary['engine_seconds']:.3f} s, at once; max |delta| "
-              f"{canary['max_abs']:.1e} within {canary['tolerance']:g}{', FIRED' if canary['fired'] else ''}){share}", flush=True)

@@ -221,8 +221,8 @@ def hf_config(tied: bool, qwen2: bool = False) -> Any:
 def gather_hf(source: Any) -> dict[str, torch.Tensor] | None:
     """The whole Hugging Face state, assembled on world rank 0 from every rank's pieces (the
     test's gather, to compare against; the sync never does this). None elsewhere."""
-    from hal.integrations.megatron import assemble
-    from hal.sync.shard_plan import Block
+    from hal.integrations.megatron.convert import assemble
+    from hal.sync.plan import Block
 
     mine = [(n, (p.tensor.clone(), p.shape, p.offsets) if isinstance(p, Block) else p.clone()) for n, p in source.local_tensors()]
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -259,7 +259,7 @@ def logits_gap(rank: Rank, source: Any, seed: int = 7) -> float | None:
 
 class StandInEngine:
     """An engine of one worker that is a thread of trainer rank 0's process (what
-    tests/integrations/test_vllm_sharded.py's ThreadEngine is): at init it joins a group per
+    tests/integrations/vllm/test_sharded.py's ThreadEngine is): at init it joins a group per
     sending rank, as the hal vLLM engine does, and receives every sync with
     `ShardedReceiver` into plain tensors, `weights`."""
 
@@ -275,7 +275,7 @@ class StandInEngine:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from hal.integrations.vllm import HalInitInfo
         from hal.sync import BroadcastTransport, ShardedReceiver
-        from hal.sync.group import SyncGroupSpec, join_sync_group
+        from hal.sync.wire import SyncGroupSpec, join_sync_group
 
         info = HalInitInfo(**init_info)
         for address, port in info.endpoints():
@@ -304,7 +304,7 @@ class StandInEngine:
         pass
 
     def shutdown_weight_transfer_engine(self) -> None:
-        from hal.sync.group import destroy_sync_group
+        from hal.sync.wire import destroy_sync_group
 
         groups, self.groups = self.groups, []
         for group in groups:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hal.integrations.megatron import MegatronShape, assemble, hf_state, hf_tensors
-from hal.sync.shard_plan import Block, build_shard_plan, declare
+from hal.integrations.megatron.convert import MegatronShape, assemble, hf_state, hf_tensors
+from hal.sync.plan import Block, build_shard_plan, declare
 
 H, HEADS, GROUPS, HD, FFN, VOCAB = 16, 8, 4, 2, 12, 10
 HPG = HEADS // GROUPS

@@ -68,7 +68,8 @@ def _megatron_rank(rank: int, scenario: str) -> dict[str, Any]:
 
     from hal.integrations.megatron import MegatronSource
     from hal.integrations.vllm.client import WeightSync
-    from hal.sync import SyncConfig, SyncError, TensorSpec, sharded
+    from hal.sync import SyncConfig, SyncError, TensorSpec
+    from hal.sync.send import sharded
     from tests.integrations.megatron import harness as h
 
     torch.set_num_threads(1)

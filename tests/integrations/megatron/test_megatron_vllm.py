@@ -49,9 +49,9 @@ def _megatron_vllm_rank(rank: int, address: tuple[str, int], workers: int) -> di
     from hal.integrations.megatron import MegatronSource
     from hal.integrations.vllm.client import WeightSync
     from hal.sync import SyncConfig
-    from hal.tools.demo import trainer_greedy
+    from hal.tools.demo_rl import trainer_greedy
     from tests.integrations.megatron import harness as h
-    from tests.integrations.test_vllm_sharded import RemoteEngine, sha
+    from tests.integrations.vllm.test_sharded import RemoteEngine, sha
 
     torch.set_num_threads(1)
     meg = h.build(2, 2, seed=3)
@@ -104,8 +104,8 @@ def run(request, tmp_path_factory) -> Iterator[list[dict[str, Any]]]:
     import multiprocessing.forkserver
 
     from hal.procs import PRELOAD
-    from tests.integrations.test_vllm_sharded import served
-    from tests.integrations.test_vllm_topologies import multiprocess_llm, no_process_left_behind
+    from tests.integrations.vllm.test_sharded import served
+    from tests.integrations.vllm.test_topologies import multiprocess_llm, no_process_left_behind
     from tests.multiproc import run_group
 
     workers = request.param
@@ -120,7 +120,7 @@ def run(request, tmp_path_factory) -> Iterator[list[dict[str, Any]]]:
         with no_process_left_behind():
             with multiprocess_llm(
                 model_dir, cores=f"{CPUS[0]}|{CPUS[1]}" if workers == 2 else str(CPUS[0]),
-                worker_extension_cls="tests.integrations.test_vllm_sharded.RecordingExtension", **extra,
+                worker_extension_cls="tests.integrations.vllm.test_sharded.RecordingExtension", **extra,
             ) as llm:
                 env.delenv("VERL_HAL_SYNC_TOKEN")
                 with served(llm) as address:

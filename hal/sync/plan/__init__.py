@@ -1,0 +1,39 @@
+"""Where each tensor goes, from metadata alone.
+
+- `buckets`: one sender's layout: buckets, segments, pieces (`build_plan`, `PlanCache`);
+- `steady`: what each side recognises as unchanged since the last sync;
+- M-to-N (every trainer rank sends its own rows): `declare` (what a rank holds, and how
+  the ranks agree the plan from it), `shards` (`ShardPlan`: who sends which rows or
+  blocks, under which wire name, each tensor tiled exactly once).
+  The engine side's shard plan (each receiver takes only its own shard) belongs here too.
+
+Nothing per sync lives here: tensors and iterators are each sync's own.
+"""
+
+from hal.sync.plan.buckets import Bucket, BucketPlan, PlanCache, Segment, bucket_offsets, build_plan, is_solo, segment_word
+from hal.sync.plan.declare import Block, ShardPlanExchange, declare
+from hal.sync.plan.shards import BLOCK, SHARD0, ShardPlan, build_shard_plan, covering_blocks, parse_block_name
+from hal.sync.plan.steady import KnownDeclaration, KnownDestinations, KnownSource
+
+__all__ = [
+    "BLOCK",
+    "Block",
+    "Bucket",
+    "BucketPlan",
+    "KnownDeclaration",
+    "KnownDestinations",
+    "KnownSource",
+    "PlanCache",
+    "SHARD0",
+    "Segment",
+    "ShardPlan",
+    "ShardPlanExchange",
+    "bucket_offsets",
+    "build_plan",
+    "build_shard_plan",
+    "covering_blocks",
+    "declare",
+    "is_solo",
+    "parse_block_name",
+    "segment_word",
+]

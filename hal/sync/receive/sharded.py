@@ -1,0 +1,346 @@
+"""The receiving side of an M-to-N sync: an engine worker receives from every trainer
+rank at once and hands its sink whole tensors (the protocol: hal.sync.send.sharded; the
+assembly: hal.sync.receive.assembly). It is made of one `Receiver` per sender, each receive an
+`IncomingSync` that checks, delivers and concludes that sender's part (hal.sync.receive.receiver);
+what is its own is judging the headers together, the threads, and the agreements that
+bind the senders' groups."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import operator
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+
+import hal
+from hal.backends.interface import Backend
+from hal.sync import errors
+from hal.sync.config import WaitBounds
+from hal.sync.receive.assembly import Assembler, BufferPool, ShareInfo
+from hal.sync.errors import RankReport
+from hal.sync.receive.delivery import destination_problem
+from hal.sync.plan.shards import covering_blocks, parse_block_name
+from hal.sync.metrics import SyncMetrics
+from hal.sync.spec import TensorSpec
+from hal.sync.receive.receiver import IncomingSync, Receiver
+from hal.sync.sink import Sink, as_sink
+from hal.sync.transport.base import Transport
+
+class ShardedReceiver:
+    """An engine worker receiving from every trainer rank at once (see the module doc).
+
+    `transports`: one per trainer rank, in trainer-rank order (each that rank's group with
+    the engine workers). `specs`, `timeout_s`, `token`, `validate` as for `Receiver`,
+    about whole tensors. `budget_bytes` bounds the tensors being put together at once
+    (`hal.sync.receive.assembly`). A `SyncReceiver` (hal.sync.endpoints): `version`, `consistent`,
+    `torn` and `abort_error` are its per-sender receivers' together.
+    """
+
+    def __init__(
+        self,
+        transports: Sequence[Transport],
+        specs: Iterable[TensorSpec] | None,
+        *,
+        timeout_s: float = 60.0,
+        token: str | None = None,
+        validate: Any = None,
+        backend: Backend | None = None,
+        budget_bytes: int = 256 << 20,
+        version: int | None = None,
+    ) -> None:
+        if not transports:
+            raise ValueError("ShardedReceiver needs one transport per trainer rank, got none")
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"ShardedReceiver budget_bytes must be a non-negative int, got {budget_bytes!r}")
+        self.backend = backend or hal.current()
+        self.per_sender = [Receiver(t, None, timeout_s=timeout_s, token=token, backend=self.backend) for t in transports]
+        """One `Receiver` per sending trainer rank, in trainer-rank order (each checks and
+        concludes its sender's part of every sync)."""
+        self.timeout_s = float(timeout_s)
+        self.bounds = WaitBounds(self.timeout_s)
+        self.validate = validate
+        self.budget_bytes = int(budget_bytes)
+        self.specs: dict[str, TensorSpec] | None = None if specs is None else {s.name: s for s in specs}
+        self.version = version
+        # (headers' spec tuples, shares, whole specs in order, destination objects, destinations) of the last sync
+        self._index_kept: tuple | None = None
+        self.pool = BufferPool(self.backend, self.budget_bytes)
+        """Assembly buffers kept across syncs (at most `budget_bytes`)."""
+        self.streams = [self.backend.new_stream() for _ in range(len(self.per_sender) + 1)]
+        """The assembly's copies: one stream per sender's thread, one for handing over."""
+
+    @property
+    def sender_count(self) -> int:
+        """How many trainer ranks send to this receiver."""
+        return len(self.per_sender)
+
+    @property
+    def version(self) -> int | None:
+        """The weight version this side holds (as `Receiver.version`): set after a sync every
+        rank completed; an older one is refused by every sender's header check."""
+        return self.per_sender[0].version
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        for receiver in self.per_sender:
+            receiver.version = version
+
+    @property
+    def consistent(self) -> bool:
+        """False while the weights mix two versions (a failed sync handed the engine part of itself)."""
+        return all(receiver.consistent for receiver in self.per_sender)
+
+    @property
+    def torn(self) -> tuple[str, ...]:
+        """Tensors a broken group may have torn (none: shares never land in the engine's
+        tensors in place; the assembly copies whole tensors)."""
+        return tuple(sorted({name for receiver in self.per_sender for name in receiver.torn}))
+
+    @property
+    def abort_error(self) -> str | None:
+        """Why the sink's `abort()` failed after the last failed sync, if it did."""
+        return next((r.abort_error for r in self.per_sender if r.abort_error is not None), None)
+
+    def close(self) -> None:
+        """Free every transport's buffers (the groups are their owner's)."""
+        for receiver in self.per_sender:
+            receiver.close()
+
+    def receive(self, sink: Any) -> SyncMetrics:
+        sink = as_sink(sink)
+        start, host_start = time.perf_counter(), time.thread_time()
+        with contextlib.ExitStack() as stack:
+            for receiver in self.per_sender:
+                stack.enter_context(receiver.transport.bounded(self.timeout_s))
+            return self._receive(sink, start, host_start)
+
+    def _receive(self, sink: Sink, start: float, host_start: float) -> SyncMetrics:
+        assembler = Assembler(self.pool, self.streams, self.budget_bytes, self.timeout_s, sink)
+        incoming = [IncomingSync(receiver, assembler.part_sink(m)) for m, receiver in enumerate(self.per_sender)]
+        live = set(range(self.sender_count))  # the groups still in the sync (header agreed, none broken)
+        failure = self._headers(incoming, sink, assembler, live)
+        if failure is not None:
+            assembler.stop()
+        assembler.expect(live)
+        threads = [threading.Thread(target=self._deliver, args=(m, incoming[m], assembler, live), daemon=True) for m in sorted(live)]
+        for thread in threads:
+            thread.start()
+        assembler.drain()
+        for thread in threads:
+            thread.join()
+        report = self._outcome(failure, incoming, assembler)
+        version = next((i.header.version for i in incoming if i.header is not None), None)
+        where = f"sync of version {version}" if version is not None else "sync"
+        report = self._agree(incoming, live, report, "sync status")
+        report = self._agree(incoming, live, report, "every sender's status")
+        assembler.release()
+        error: errors.SyncError | None = None
+        try:
+            errors.raise_if_any([report], 0, where)
+        except errors.SyncError as exc:
+            error = exc
+        for inc in incoming:  # each part's outcome; the first part's abort reaches the engine's sink
+            inc.settle(error, touched=assembler.touched)
+        if error is not None:
+            raise error
+        return SyncMetrics(
+            version=version,
+            bytes=sum(i.plan.total_bytes for i in incoming),
+            buckets=sum(len(i.plan.buckets) for i in incoming),
+            tensors=len(self._index_kept[2]) if self._index_kept is not None else 0,
+            transfer_s=max((i.timer.get("transfer") or 0.0) for i in incoming),
+            total_s=time.perf_counter() - start,
+            host_s=time.thread_time() - host_start,
+            senders=self.sender_count,
+            model_bytes=sum(i.plan.total_bytes for i in incoming),
+        )
+
+    # ---- the phases ---------------------------------------------------------------------
+    def _headers(self, incoming: list[IncomingSync], sink: Sink, assembler: Assembler, live: set[int]) -> errors.SyncError | None:
+        """Take and check every sender's header, then agree in every group on all of them."""
+        reports: list[RankReport] = []
+        for m, inc in enumerate(incoming):
+            try:
+                reports.append(inc.check())
+            except errors.PeerError as exc:
+                live.discard(m)
+                reports.append(errors.report_exception(exc, sender=False))
+        shared = next((r for r in reports if r.error and r.kind != "base"), None)
+        if shared is None:
+            try:
+                self._index(incoming, sink, assembler)
+            except errors.SyncError as exc:
+                shared = errors.report_exception(exc, sender=False)
+        failure: errors.SyncError | None = None
+        for m in sorted(live):
+            inc, report = incoming[m], reports[m] if reports[m].error else (shared or reports[m])
+            try:
+                inc.agree_header(report, shared)
+            except errors.SyncError as exc:
+                live.discard(m)  # its sender stops at its offer: nothing more happens in that group
+                failure = failure or _unwrapped(exc)
+        if failure is None and len(live) < self.sender_count:
+            failure = errors.PeerError(f"sender(s) {sorted(set(range(self.sender_count)) - live)} did not send a header")
+        return failure
+
+    def _index(self, incoming: list[IncomingSync], sink: Sink, assembler: Assembler) -> None:
+        """Where each share goes; refuses shares that do not fit the engine's tensors or
+        do not cover every row exactly once, and destinations of another shape. Made once
+        per layout: the headers' decoded spec tuples are the same objects while nothing
+        changed, and the destinations are compared by identity."""
+        headers = tuple(inc.header.specs for inc in incoming)
+        cached = self._index_kept
+        if cached is None or len(cached[0]) != len(headers) or not all(map(operator.is_, cached[0], headers)):
+            self._index_kept = None
+            shares, specs = self._shares_of(headers)
+            cached = self._index_kept = (headers, shares, specs, [], {})
+        _, shares, specs, objects, destinations = cached
+        asked = [sink.destination(spec.name) for spec in specs]
+        if len(asked) != len(objects) or not all(map(operator.is_, asked, objects)):
+            problems = []
+            destinations = {}
+            for spec, dest in zip(specs, asked):
+                if dest is None:
+                    continue
+                problem = destination_problem(spec, dest)
+                if problem is not None:
+                    problems.append(problem)
+                    continue
+                destinations[spec.name] = dest
+            errors.refuse_specs(problems)
+            self._index_kept = (headers, shares, specs, asked, destinations)
+        if self.validate is not None:
+            self.validate(list(specs))
+        assembler.shares, assembler.destinations = shares, destinations
+
+    def _shares_of(self, headers: tuple[tuple[TensorSpec, ...], ...]) -> tuple[dict[str, ShareInfo], list[TensorSpec]]:
+        """Each wire tensor's place in its whole tensor, and the whole tensors in sending order."""
+        problems: list[str] = []
+        found: list[tuple[str, TensorSpec, tuple[int, ...], tuple[int, ...]]] = []  # wire name, whole, offsets, block shape
+        sequences: list[list[str]] = []  # per sender, the tensors it sends shares of, in order
+        for m, specs in enumerate(headers):
+            sequences.append([])
+            for wire in specs:
+                try:
+                    name, offsets = parse_block_name(wire.name)
+                except ValueError as exc:
+                    problems.append(f"sender {m}: {exc}")
+                    continue
+                sequences[-1].append(name)
+                whole = self.specs.get(name) if self.specs is not None else None
+                if self.specs is not None and whole is None:
+                    problems.append(f"parameter {name!r}: not a parameter this receiver accepts")
+                    continue
+                ndim = len(wire.shape)
+                if len(offsets) > max(ndim, 1) or (not ndim and offsets != (0,)):
+                    problems.append(f"parameter {name!r}: sender {m} sends a block at {offsets} of a {ndim}-d tensor")
+                    continue
+                offsets = offsets[:ndim] + (0,) * (ndim - len(offsets))
+                if whole is None:  # no specs of our own: every sender's shares say the shape
+                    whole = TensorSpec(name, tuple(o + n for o, n in zip(offsets, wire.shape)), wire.dtype)
+                if whole.dtype != wire.dtype or len(whole.shape) != ndim:
+                    problems.append(f"parameter {name!r}: sender {m} sends rows of {wire.shape} {wire.dtype}, the tensor is {whole.shape} {whole.dtype}")
+                    continue
+                found.append((wire.name, whole, offsets, wire.shape))
+        if self.specs is None:  # the whole shapes from the shares: the furthest element sent in each dimension
+            ends: dict[str, tuple[int, ...]] = {}
+            for _, whole, offsets, sizes in found:
+                end = tuple(o + n for o, n in zip(offsets, sizes))
+                ends[whole.name] = tuple(map(max, ends.get(whole.name, end), end))
+            found = [(w, TensorSpec(s.name, ends[s.name], s.dtype), o, n) for w, s, o, n in found]
+        problems += covering_blocks((whole, offsets, sizes) for _, whole, offsets, sizes in found)
+        errors.refuse_specs(problems)
+        specs = {whole.name: whole for _, whole, _, _ in found}
+        count: dict[str, int] = {}
+        for _, whole, _, _ in found:
+            count[whole.name] = count.get(whole.name, 0) + 1
+        order = {name: i for i, name in enumerate(sending_order(sequences))}
+        shares = {}
+        for wire_name, whole, offsets, sizes in found:
+            lo = offsets[0] if offsets else 0
+            rows = sizes[0] if sizes else 1
+            # a block that is not whole rows lands in a strided region of its tensor
+            region = None if sizes[1:] == whole.shape[1:] else tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+            shares[wire_name] = ShareInfo(specs[whole.name], order[whole.name], lo, lo + rows, count[whole.name], region)
+        return shares, sorted(specs.values(), key=lambda s: order[s.name])
+
+    def _deliver(self, m: int, inc: IncomingSync, assembler: Assembler, live: set[int]) -> None:
+        try:
+            inc.deliver()  # what ends it early is kept (`IncomingSync.lost`) and reported at the agreement
+            if isinstance(inc.lost, errors.PeerError):
+                live.discard(m)  # that group broke: nobody in it can agree any more
+        finally:
+            assembler.sender_done(m)
+
+    def _outcome(self, failure: errors.SyncError | None, incoming: list[IncomingSync], assembler: Assembler) -> RankReport:
+        """This receiver's word on the whole sync: the first thing that went wrong, if any."""
+        touched = assembler.touched
+        if failure is not None:
+            return errors.report_exception(failure, sender=False, inconsistent=touched)
+        for inc in incoming:
+            own = inc.report()
+            if own.error is not None:
+                return RankReport(error=own.error, kind=own.kind, inconsistent=touched)
+        if assembler.error is not None:
+            return errors.report_exception(assembler.error, sender=False, inconsistent=touched)
+        if any(inc.sender_failed for inc in incoming):
+            return RankReport(inconsistent=touched)  # the sender says why at the agreement
+        names = assembler.leftover()
+        if names:
+            return RankReport(error=f"tensors {names[: errors.MAX_REPORTED]} never got all their shares", kind="peer", inconsistent=touched)
+        return RankReport(inconsistent=touched)
+
+    def _agree(self, incoming: list[IncomingSync], live: set[int], report: RankReport, what: str) -> RankReport:
+        """Agree in every live group; returns this receiver's report with the first error any
+        group's ranks told (so the next agreement tells it to every sender)."""
+        for m in sorted(live):
+            try:
+                reports = incoming[m].agree_outcome(report, what, bound_s=self.bounds.behind_s)
+            except errors.PeerError as exc:
+                live.discard(m)
+                reports = [errors.report_exception(exc, sender=False)]
+            told = next((r for r in reports if r.error), None)
+            if report.error is None and told is not None:
+                report = RankReport(error=f"sender {m}'s group: {told.error}", kind=told.kind, inconsistent=report.inconsistent)
+        return report
+
+
+def sending_order(sequences: list[list[str]]) -> list[str]:
+    """One order of every name that keeps each sender's order (each sends its shares in the
+    plan's order, so one exists): the assembler's notion of "behind" must agree with every
+    sender's. Names in a cycle (senders that disagree) follow in first-seen order."""
+    after: dict[str, list[str]] = {}
+    waiting: dict[str, int] = {}
+    seen: dict[str, None] = {}
+    for sequence in sequences:
+        for i, name in enumerate(sequence):
+            seen.setdefault(name, None)
+            waiting.setdefault(name, 0)
+            if i:
+                after.setdefault(sequence[i - 1], []).append(name)
+                waiting[name] += 1
+    ready = collections.deque(name for name in seen if waiting[name] == 0)
+    order: list[str] = []
+    while ready:
+        name = ready.popleft()
+        order.append(name)
+        for nxt in after.get(name, ()):
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                ready.append(nxt)
+    if len(order) < len(seen):
+        placed = set(order)
+        order += [name for name in seen if name not in placed]
+    return order
+
+
+def _unwrapped(exc: errors.SyncError) -> errors.SyncError:
+    """The error a rank reported, as its own kind, without the "sync of version v failed:"
+    an agreement put before it (the senders put their own before it again)."""
+    reports = [r for _, r in sorted(exc.reports.items(), key=lambda item: item[0] != exc.my_rank) if r.error]
+    if not reports:
+        return exc
+    return errors.error_class(reports[0].kind)(reports[0].error, reports=exc.reports, my_rank=exc.my_rank)

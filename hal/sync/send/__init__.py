@@ -1,0 +1,19 @@
+"""The trainer side of a sync.
+
+- `sender`: `Sender`, one process sends its model (`Sender.offer` -> `OutgoingSync`);
+- `packing`: how a segment is packed from the source;
+- `gather`: `TrainerSync`, a sharded trainer's ranks gather in lockstep and one sends;
+- `sharded`: `ShardedSender`, every trainer rank sends its own rows (M-to-N).
+
+Which of them a trainer rank is: hal.sync.endpoints (`make_sender`).
+"""
+
+from hal.sync.send.gather import TrainerSync
+from hal.sync.send.sender import Sender
+from hal.sync.send.sharded import ShardedSender
+
+__all__ = [
+    "Sender",
+    "ShardedSender",
+    "TrainerSync",
+]
