@@ -207,6 +207,8 @@ NOT_VLLM |= {"_getframe", "f_locals", "f_back", "_parameters", "restoring", "sel
 NOT_VLLM |= {"arguments", "values", "is_meta", "modules", "pop"}
 # ... and those of the filter of refused syncs (a LogRecord's, its own) and the worker class's name.
 NOT_VLLM |= {"exc_info", "message", "mark", "nullcontext", "startswith", "__module__", "__qualname__"}
+# ... and torch's and typing's names of loaders_on_meta (issue 41's block)
+NOT_VLLM |= {"NamedTuple", "numel", "_non_persistent_buffers_set"}
 
 
 def test_vllm_needs_cover_every_vllm_name_the_fence_uses():

@@ -34,6 +34,14 @@ from hal.integrations.vllm.internals import (
     UNSTACKED_MAPPER_SINCE,
     WEIGHT_VERSIONS_SINCE,
 )
+from hal.integrations.vllm.internals import (  # issue 41: recording each worker's needs
+    LOADABLE_NUMEL_ATTR,
+    LOADER_ATTR,
+    RELOAD_META_MODULE,
+    RELOAD_UTILS_MODULE,
+    SKIP_LOAD_TENSORS_SINCE,
+    TORCHAO_FLAGS,
+)
 
 _OWNS = {"since": ENGINE_OWNS_UPDATES_SINCE}  # the engine of 0.25 on (hal.integrations.vllm.needs_v023 has 0.23-0.24's)
 _CLIENTS = {"since": CLIENTS_SINCE}
@@ -185,4 +193,25 @@ VLLM_NEEDS: tuple[Need, ...] = (
          why="reloads_lora_models (hal-lora's base syncs load through it)"),
     Need(target="vllm.lora.worker_manager", text="lora_skip_prefixes", optional=True,
          why="build_lora_model (read as vLLM's own adapter loader reads it)"),
+    # issue 41: loaders_on_meta, the layerwise-reload state a recording of each worker's needs runs in
+    *(Need(target=f"{LAYERWISE_MODULE}:{name}", call=Call(n), why=f"loaders_on_meta ({why})") for name, n, why in (
+        ("_get_original_loader", 1, "each loadable tensor's loader without vLLM's online_process_loader"),
+        ("_place_kernel_tensors", 2, "every layer gets its kernel tensors back"))),
+    Need(target=f"{LAYERWISE_MODULE}:default_weight_loader",
+         why="loaders_on_meta (_get_original_loader answers it for a tensor without a loader of its own)"),
+    Need(target="vllm.model_executor.model_loader.weight_utils:default_weight_loader", call=Call(2),
+         why="loaders_on_meta (what a norm's loader is)"),
+    *(Need(target=f"{LAYERWISE_MODULE}:initialize_layerwise_reload", sets=flag, why="loaders_on_meta (TORCHAO_FLAGS, put back)")
+      for flag in TORCHAO_FLAGS),
+    Need(target=f"{RELOAD_UTILS_MODULE}:get_layer_tensors", call=Call(1), why="loaders_on_meta (a layer's parameters and buffers)"),
+    Need(target=f"{RELOAD_META_MODULE}:SKIP_LOAD_TENSORS", since=SKIP_LOAD_TENSORS_SINCE,
+         why="_skip_load_names (tensors no loader writes; SKIP_TENSORS adds bias, which stays live)"),
+    Need(target=f"{RELOAD_META_MODULE}:SKIP_TENSORS", before=SKIP_LOAD_TENSORS_SINCE,
+         why="_skip_load_names (tensors no loader writes; bias goes to meta before 0.27)"),
+    *(Need(target=f"vllm.model_executor.model_loader.reload.types:LayerReloadingInfo.{member}", why="loaders_on_meta, reload_in_progress", **call)
+      for member, call in (("can_load", {"call": Call(0)}), ("reset", {"call": Call(0)}), ("kernel_tensors", {}))),
+    Need(target=f"vllm.model_executor.parameter:BasevLLMParameter.{LOADER_ATTR}",
+         why="loaders_on_meta (LOADER_ATTR: a property with a setter on vLLM's parameters, an attribute on plain ones)"),
+    Need(target=":".join(UNQUANTIZED_MOE_METHOD) + ".create_weights", sets=LOADABLE_NUMEL_ATTR, optional=True,
+         why="loaders_on_meta (LOADABLE_NUMEL_ATTR: a target's declared padding; none before it)"),
 )
