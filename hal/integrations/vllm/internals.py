@@ -732,8 +732,9 @@ def loaders_on_meta(model: torch.nn.Module, wrap: Callable[[str, str, Callable[.
                 info.reset()
         for tensor, had, loader in (*reversed(wrapped), *live):
             _put_loader(tensor, had, loader)
-        for module, names in non_persistent:
-            module._non_persistent_buffers_set = names
+        for module, names in non_persistent:  # in place: vLLM 0.23 registers every buffer back as persistent
+            module._non_persistent_buffers_set.clear()
+            module._non_persistent_buffers_set.update(names)
         for key in TORCHAO_FLAGS:
             if key in flags:
                 setattr(model, key, flags[key])
