@@ -105,10 +105,14 @@ class WorkerNeeds:
     targets: tuple[Target, ...]
     needs: tuple[Need, ...]  # in checkpoint order, then destination order
     fills: tuple[Fill, ...] = ()
-    digest: int = field(init=False, compare=False)
+    _digest: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "digest", needs_digest(encode_needs(self)))
+    @property
+    def digest(self) -> int:
+        """Of the encoded record; computed once, when first asked."""
+        if not self._digest:
+            self._digest.append(needs_digest(encode_needs(self)))
+        return self._digest[0]
 
     @property
     def nbytes(self) -> int:
@@ -266,6 +270,24 @@ def _tiling(target: Target, boxes: list[tuple[tuple[int, ...], tuple[int, ...], 
     boxes = [(o or (0,), s or (1,), what) for o, s, what in boxes if math.prod(s)]
     if not boxes:
         return None if target.numel <= target.padding else f"{target.numel} of {target.numel} elements are written by no loader"
+    if len(boxes) == 1 and boxes[0][1] == shape:
+        return None  # the common case, one box of the whole target (a norm, a TP=1 weight): nothing to count
+    if all(b[1][1:] == shape[1:] for b in boxes):  # row blocks (q, k, v into qkv; an expert's gate and up): intervals
+        at, holes, first_hole = 0, 0, None
+        for lo, hi, what in sorted((b[0][0], b[0][0] + b[1][0], b[2]) for b in boxes):
+            if lo < at:
+                by = [w for o, s, w in boxes if o[0] < at and lo < o[0] + s[0]]
+                return f"{box_text((lo,) + (0,) * (len(shape) - 1), (min(at, hi) - lo,) + shape[1:])} are written twice (by {' and '.join(by[:2])})"
+            if lo > at:
+                holes, first_hole = holes + (lo - at), first_hole or (at, lo)
+            at = hi
+        if at < shape[0]:
+            holes, first_hole = holes + (shape[0] - at), first_hole or (at, shape[0])
+        row = math.prod(shape[1:])
+        if holes * row > target.padding:
+            where = box_text((first_hole[0],) + (0,) * (len(shape) - 1), (first_hole[1] - first_hole[0],) + shape[1:])
+            return f"{holes * row} of {target.numel} elements are written by no loader ({where} among them)"
+        return None
     n = len(shape)
     lo = torch.tensor([b[0] for b in boxes], dtype=torch.int64)
     hi = lo + torch.tensor([b[1] for b in boxes], dtype=torch.int64)
@@ -309,20 +331,35 @@ def _covers(offsets: tuple[int, ...], sizes: tuple[int, ...], at: tuple[int, ...
 # ---- the record as it travels ------------------------------------------------------------
 def encode_needs(needs: WorkerNeeds) -> bytes:
     """JSON of names and int arrays: specs once, targets once, needs and fills as rows of ints."""
-    payload = {
-        "format": FORMAT,
-        "worker": needs.worker,
-        "specs": [[s.name, list(s.shape), dtype_name(s.dtype)] for s in needs.specs],
+    rest = {
         "targets": [[t.layer, t.name, list(t.shape), t.padding] for t in needs.targets],
         "needs": [[n.tensor, n.target, n.dst_offset, *n.offsets, *n.sizes, *n.dst_strides] for n in needs.needs],
         "fills": [[f.target, f.offset, len(f.shape), *f.shape, *f.stride] for f in needs.fills],
         "values": [f.value for f in needs.fills],
     }
-    return json.dumps(payload, separators=(",", ":")).encode()
+    head = json.dumps({"format": FORMAT, "worker": needs.worker}, separators=(",", ":"))[:-1]
+    return f'{head},"specs":{_specs_json(needs.specs)},{json.dumps(rest, separators=(",", ":"))[1:]}'.encode()
 
 
-def decode_needs(payload: bytes) -> WorkerNeeds:
-    """A worker's record from its JSON (never pickled); `HeaderError` naming what is wrong."""
+_SPECS_JSON: dict[int, tuple[tuple[TensorSpec, ...], str]] = {}
+
+
+def _specs_json(specs: tuple[TensorSpec, ...]) -> str:
+    """The specs' rows as JSON, kept for the last few spec lists: every worker of an engine
+    records against the same checkpoint (91k rows for DeepSeek-V3), encoded once."""
+    kept = _SPECS_JSON.get(id(specs))
+    if kept is not None and kept[0] is specs:
+        return kept[1]
+    text = json.dumps([[s.name, list(s.shape), dtype_name(s.dtype)] for s in specs], separators=(",", ":"))
+    if len(_SPECS_JSON) >= 4:
+        _SPECS_JSON.pop(next(iter(_SPECS_JSON)))
+    _SPECS_JSON[id(specs)] = (specs, text)
+    return text
+
+
+def decode_needs(payload: bytes, known: tuple[TensorSpec, ...] | None = None) -> WorkerNeeds:
+    """A worker's record from its JSON (never pickled); `HeaderError` naming what is wrong.
+    `known`: specs already decoded (another worker's), taken instead of equal ones."""
     worker: object = "?"
     try:
         data = json.loads(payload)
@@ -330,6 +367,7 @@ def decode_needs(payload: bytes) -> WorkerNeeds:
         if data["format"] != FORMAT:
             raise ValueError(f"format {data['format']!r}, this hal reads {FORMAT}")
         specs = tuple(TensorSpec(str(n), tuple(int(d) for d in shape), dtype_from_name(dt)) for n, shape, dt in data["specs"])
+        specs = known if known is not None and known == specs else specs
         targets = tuple(Target(str(l), str(n), tuple(int(d) for d in shape), int(p)) for l, n, shape, p in data["targets"])
         out = []
         for row in data["needs"]:

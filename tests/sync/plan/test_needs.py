@@ -183,3 +183,24 @@ def test_bytes_and_unused_tensors():
     assert needs.unused() == ("b",)
     assert issubclass(UnexpressibleLoad, ValueError)
     assert math.prod(TARGETS[0].shape) == TARGETS[0].numel
+
+
+def cols(tensor: int, lo: int, hi: int, at: int) -> Need:
+    """Columns lo..hi of a (4, 6) tensor into columns at.. of the (6, 6) target's first 4 rows."""
+    return Need(tensor, (0, lo), (4, hi - lo), 0, at, (6, 1))
+
+
+def test_column_blocks_are_counted_on_the_grid_of_their_edges():
+    full = (Need(1, (0, 0), (2, 6), 0, 24, (6, 1)), BIAS)  # rows 4..6 from b
+    assert coverage_problems(record(cols(0, 0, 3, 0), cols(0, 3, 6, 3), *full)) == []
+    (twice,) = coverage_problems(record(cols(0, 0, 4, 0), cols(0, 3, 6, 3), *full))
+    assert twice.startswith("parameter 'layer.weight': rows 0..4, columns 3..4 are written twice")
+    (hole,) = coverage_problems(record(cols(0, 0, 2, 0), cols(0, 3, 6, 3), *full))
+    assert hole == "parameter 'layer.weight': 4 of 36 elements are written by no loader (rows 0..4, columns 2..3 among them)"
+
+
+def test_workers_of_one_checkpoint_share_its_specs_when_decoded():
+    first = decode_needs(encode_needs(record(rows(0, 0, 4, 0))))
+    second = decode_needs(encode_needs(record(rows(1, 0, 2, 4))), known=first.specs)
+    assert second.specs is first.specs
+    assert decode_needs(encode_needs(record(rows(1, 0, 2, 4))), known=SPECS[:2]).specs == SPECS  # not these: its own
