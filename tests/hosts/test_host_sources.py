@@ -8,7 +8,7 @@ virtualenv's folder (`<venv>/hal-host-sources/`); without a network a test that 
 one skips with pip's reason. Other tests keep the tables honest: they cover every vLLM
 name the fence uses and every device-module call of the npu backend, and the fake
 torch_npu of the tests has torch_npu's own signatures. docs/ci.md, "Host sources read",
-has the results.
+says what is read; docs/results/runs/ has the dated reads.
 """
 
 from __future__ import annotations
