@@ -164,7 +164,7 @@ class Chain(StateDictAdapter):
         stages = self.stages(names, tensors)
         rules: dict[str, Rule] = {}
         for name in names:
-            rule = _through(stages, 0, name)
+            rule = _through(stages, name)
             if rule is not None:
                 rules[name] = rule
         return rules
@@ -217,10 +217,10 @@ class _Then(Derived):
         return [pair for made in self.rule.layout(tensor) for pair in _follow(self.later, 0, *made, layout=True)]
 
 
-def _through(stages: list[dict[str, Rule]], at: int, name: str) -> Rule | None:
-    """The composite rule of `name` from stage `at` on (None: kept as it is)."""
+def _through(stages: list[dict[str, Rule]], name: str) -> Rule | None:
+    """The composite rule of the first stage's `name` (None: kept as it is)."""
     target = name
-    for k in range(at, len(stages)):
+    for k in range(len(stages)):
         rule = stages[k].get(target)
         if rule is None:
             continue
