@@ -484,17 +484,15 @@ def reload_weights(worker: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> 
 
 # ---- LoRA manager internals -----------------------------------------------------------------
 # The first release whose engine keeps the model it was built for apart from the one an
-# update targets (`_default_model`); before it (0.25) that is `engine.model` (hal's engine
-# for 0.23-0.24 sets `_default_model` itself).
+# update targets (`_default_model`); before it (0.23-0.25) the engine has one model, `engine.model`.
 DEFAULT_MODEL_SINCE = (0, 26)
 
 
 def lora_manager(engine: Any) -> Any:
     """The LoRA manager of a weight-transfer engine's default model (`engine._default_model`,
-    set by vLLM's `WeightTransferEngine.__init__`; `engine.model` in vLLM 0.25), or None
+    set by vLLM's `WeightTransferEngine.__init__`; `engine.model` before vLLM 0.26), or None
     without LoRA."""
-    release = _release()
-    model = engine.model if ENGINE_OWNS_UPDATES_SINCE <= release < DEFAULT_MODEL_SINCE else getattr(engine, "_default_model", None)
+    model = engine.model if _release() < DEFAULT_MODEL_SINCE else getattr(engine, "_default_model", None)
     return getattr(model, "lora_manager", None)
 
 
