@@ -403,6 +403,42 @@ EMBEDDING_METHOD = ("vllm.model_executor.layers.vocab_parallel_embedding", "Unqu
 DERIVED_ATTR = "cpu_linear"
 
 
+def embedding_method() -> type:
+    """vLLM's `UnquantizedEmbeddingMethod` (`EMBEDDING_METHOD`)."""
+    import importlib
+
+    module_name, class_name = EMBEDDING_METHOD
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def quant_method_of(module: torch.nn.Module) -> Any:
+    """The quant method a vLLM layer computes with (`QUANT_METHOD_ATTR`), None for a plain torch module."""
+    return getattr(module, QUANT_METHOD_ATTR, None)
+
+
+def has_own_processing(quant_method: Any) -> bool:
+    """Whether `quant_method`'s class processes its weights its own way: a
+    `process_weights_after_loading` other than `UnquantizedEmbeddingMethod`'s (vllm-ascend's
+    310P embedding method derives `weight_nz`)."""
+    return type(quant_method).process_weights_after_loading is not embedding_method().process_weights_after_loading
+
+
+def rerun_processing(quant_method: Any, module: torch.nn.Module) -> None:
+    """`quant_method.process_weights_after_loading(module)` again, as vLLM runs it at load."""
+    quant_method.process_weights_after_loading(module)
+
+
+def derived_linear(module: torch.nn.Module) -> Any:
+    """What `module` computes its output with, derived from its weight when it was processed
+    (`DERIVED_ATTR`), or None where nothing is derived."""
+    return getattr(module, DERIVED_ATTR, None)
+
+
+def share_derived_linear(alias: torch.nn.Module, owner: torch.nn.Module) -> None:
+    """Make `alias`, which shares its weight with `owner`, compute with `owner`'s derived linear."""
+    setattr(alias, DERIVED_ATTR, getattr(owner, DERIVED_ATTR))
+
+
 # ---- engines and workers ----------------------------------------------------------------------
 def engine_process_ids(llm: Any) -> list[int]:
     """The processes an offline `LLM` started (their descendants are found from them): the
