@@ -16,8 +16,10 @@ What each module holds (importing this package imports none of them, and no vLLM
   `canary`: after a sync, the canary's probe through each engine's own serving path
   (`WeightSync(canary=...)`, hal.canary, docs/canary.md); `canary_default`: what the
   canary a `WeightSync` runs by default asks, and what it leaves alone.
-- `internals`: every private vLLM name verl-hal uses, behind a version check; `needs` lists
-  them with how hal calls them and in which releases. Import vLLM only inside their functions.
+- `internals` (a folder, the fence: `versions`, `reload`, `workers`, `lora`): every private
+  vLLM name verl-hal uses, behind a version check; `needs` lists them with how hal calls them
+  and in which releases. Import vLLM only inside their functions. `tied`: tied embeddings
+  after an update, through the fence's accessors.
 
 The names this package itself answers are the engine's, as `hal.integrations.vllm` has
 always named them (`worker_extension_cls="hal.integrations.vllm.HalWorkerExtension"`, the
