@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM versions lane (`make test-vllm-versions`): hal's vLLM engine tests against each older
-# vLLM release the fence admits (hal/integrations/vllm/internals.py, SUPPORTED_VLLM), one
+# vLLM release the fence admits (hal/integrations/vllm/internals/versions.py, SUPPORTED_VLLM), one
 # release at a time. `make test` runs the newest, in .venv; docs/ci.md says what it covers,
 # docs/results/runs/ has the results.
 #   ci/vllm-versions.sh 0.23 0.27 0.29 0.30 0.31
