@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import torch
 
-from hal.integrations._shared import in_daemon_thread
+from hal.threads import in_daemon_thread
 from hal.integrations.verl.settings import CanarySettings
 from hal.canary import Canary, CanaryError, CanaryReport, Probe, dtype_of, module_logprobs, vocab_size_of
 

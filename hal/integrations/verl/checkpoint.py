@@ -83,7 +83,7 @@ from verl.checkpoint_engine import CheckpointEngine
 import hal
 from hal import env
 from hal.integrations.verl import internals as verl_internals
-from hal.integrations._shared import in_daemon_thread
+from hal.threads import in_daemon_thread
 from hal.integrations.verl import canary as verl_canary
 from hal.integrations.verl.settings import (
     SENDERS_CHOICES,
