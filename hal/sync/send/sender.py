@@ -23,7 +23,7 @@ import hal
 from hal import kernels
 from hal.backends.interface import Backend
 from hal.sync import errors
-from hal.sync.config import SyncConfig, default_bucket_bytes, wire_dtype_for
+from hal.sync.config import ONE, SyncConfig, default_bucket_bytes, wire_dtype_for
 from hal.sync.delta import NO_DELTA, DeltaSender, agree_or_go_whole
 from hal.sync.wire.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
@@ -106,7 +106,9 @@ class Sender:
         side's source or a pack failed. The error's `reports` say which receivers were left
         holding part of the sync (`inconsistent_ranks`).
         """
-        return self.offer(source, version=version).send()
+        metrics = self.offer(source, version=version).send()
+        metrics.sending = ONE
+        return metrics
 
     def offer(self, source: Any, *, version: int) -> "OutgoingSync":
         """The first phase of `send`: announce `source` as `version` and learn every
@@ -167,6 +169,15 @@ class Sender:
                 return metadata, False
             known.remember(listing, metadata)
         return metadata, True
+
+    # ---- the sending contract (hal.sync.endpoints.SyncSender) ---------------------------------
+    def sync(self, source: Any, *, version: int) -> SyncMetrics:
+        """`send`, under the verb every sending side shares (`TrainerSync`, `ShardedSender`)."""
+        return self.send(source, version=version)
+
+    def close(self) -> None:
+        """Free the transport's buffers (the group is its owner's)."""
+        self.transport.close()
 
 
 class OutgoingSync:
