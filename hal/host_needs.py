@@ -2,7 +2,7 @@
 torch_npu): one `Need` per name, call, message or base class, declared beside the code
 that relies on it (`VLLM_NEEDS` in hal.integrations.vllm.needs, beside the fence;
 `TORCH_NPU_NEEDS` in hal.backends.npu). tests/hosts/ reads the host's Python sources with `ast` (never
-importing them) and checks every table; docs/ci.md records the reads.
+importing them) and checks every table; docs/ci.md ("Host sources read") says what is read.
 
 A *target* names what is needed: `"pkg.module"` (a module), `"pkg.module:Name"` (a name
 the module defines or imports) or `"pkg.module:Class.member"` (a member of a class: its

@@ -234,3 +234,115 @@ def test_hal_sync_packages_import_only_the_layers_below():
             if rank[other] >= rank[own]:
                 offences.append(f"{name} imports {dep} ({other} is not below {own})")
     assert not offences, "\n".join(offences)
+
+
+# ---- no object writes another's private state (issue 40) ------------------------------------------
+# A private attribute is written by its own object's methods only: `self._x = ...` (or `cls._x`),
+# never `other._x = ...`, `setattr(other, "_x", ...)` or `del other._x`, in any module. A class
+# that needs its owner (or its phase) to change calls a public step of it (`Receiver.completed`,
+# `LayerwiseReload.start`). On one object, the classes of one module write a private attribute:
+# a subclass or mixin of another module that writes its base's `self._x` writes another's state
+# too (hal's engine for vLLM 0.23 wrote the engine's `_reloading` and `_seen`). A host's private
+# that hal must write is named here with the reason; the fences (`FENCES`) may write their
+# host's, which is what they are for.
+HOST_PRIVATE_WRITES = {
+    ("hal.sync.wire.group", "_devices"): "torch's ProcessGroupGloo._Options: the only way to put gloo's listener on one address",
+    ("hal.sync.wire.group", "_timeout"): "torch's ProcessGroupGloo._Options, with the device above",
+    ("hal.backends.npu", "_timeout"): "torch_npu's ProcessGroupHCCL.Options, as torch_npu's own registry builds it",
+}
+FENCES = ("hal.integrations.vllm.internals", "hal.integrations.verl.internals")
+
+
+def _is_own(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _written(tree: ast.AST) -> list[tuple[int, ast.AST, str]]:
+    """(line, object, private name) of every write of an attribute: assigned (plain, annotated,
+    augmented, in a tuple), deleted, or by `setattr` / `delattr` with a constant name."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            if _private(node.args[1].value):
+                found.append((node.lineno, node.args[0], node.args[1].value))
+            continue
+        else:
+            continue
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and _private(sub.attr):
+                    found.append((sub.lineno, sub.value, sub.attr))
+    return found
+
+
+def test_no_module_writes_another_objects_private_state():
+    offences = []
+    for name, path in _modules().items():
+        if name.startswith(FENCES):
+            continue
+        for line, obj, attr in _written(ast.parse(path.read_text())):
+            if not _is_own(obj) and (name, attr) not in HOST_PRIVATE_WRITES:
+                offences.append(f"{name}:{line} writes {ast.unparse(obj)}.{attr}")
+    assert not offences, "\n".join(offences)
+
+
+def _classes() -> dict[tuple[str, str], ast.ClassDef]:
+    return {
+        (name, node.name): node
+        for name, path in _modules().items()
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def _imported_names(modules: dict[str, Path]) -> dict[str, dict[str, tuple[str, str]]]:
+    """Per module, each name it imports at top level from a hal module: (that module, the name there)."""
+    out: dict[str, dict[str, tuple[str, str]]] = {}
+    for name, path in modules.items():
+        names = out[name] = {}
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hal"):
+                for alias in node.names:
+                    names[alias.asname or alias.name] = (node.module, alias.name)
+    return out
+
+
+def test_the_classes_of_one_object_never_write_each_others_private_attributes():
+    modules = _modules()
+    classes = _classes()
+    imported = _imported_names(modules)
+
+    def resolve(module: str, name: str, depth: int = 0) -> tuple[str, str] | None:
+        if (module, name) in classes:
+            return module, name
+        found = imported.get(module, {}).get(name)
+        return resolve(*found, depth + 1) if found is not None and depth < 5 else None
+
+    def writes(key: tuple[str, str]) -> set[str]:
+        """Private attributes the class's own methods write on `self`."""
+        return {attr for line, obj, attr in _written(classes[key]) if isinstance(obj, ast.Name) and obj.id == "self"}
+
+    def family(key: tuple[str, str], seen: set[tuple[str, str]]) -> set[tuple[str, str]]:
+        seen.add(key)
+        for base in classes[key].bases:
+            found = resolve(key[0], base.id) if isinstance(base, ast.Name) else None
+            if found is not None and found not in seen:
+                family(found, seen)
+        return seen
+
+    offences = set()
+    for key in classes:
+        members = family(key, set())
+        writers: dict[str, set[str]] = {}
+        for member in members:
+            for attr in writes(member):
+                writers.setdefault(attr, set()).add(member[0])
+        for attr, by in writers.items():
+            if len(by) > 1:
+                offences.add(f"{key[0]}.{key[1]}: self.{attr} is written by the classes of {sorted(by)}")
+    assert not offences, "\n".join(sorted(offences))

@@ -31,7 +31,7 @@ class CollectiveTraits:
     """With exactly one receiver, a sync's transfers go as send/recv pairs rather than as
     broadcasts. Measured, not derived: gloo runs each broadcast through its worker
     threads at about 1 ms each on a small host, and send/recv avoids that
-    (docs/benchmarks.md, "What changed in session 2"). Not measured for NCCL/HCCL, so
+    (docs/device.md, "Collective traits"). Not measured for NCCL/HCCL, so
     they keep broadcasts, which are always correct."""
 
     point_to_point_device_memory: bool

@@ -43,8 +43,7 @@ class SimEvent:
     def _complete(self, done: threading.Event, stream: "SimStream") -> None:
         # Work before this event failed: report it through the event, as cudaEventSynchronize
         # returns an earlier kernel's error (taken off the stream: reported once).
-        with stream._idle:
-            self._error, stream._error = stream._error, None
+        self._error = stream._take_error()
         self.recorded_at = time.perf_counter()
         done.set()
 
@@ -137,6 +136,16 @@ class SimStream:
         with self._idle:
             return self._pending == 0
 
+    def _work_failed(self, error: BaseException) -> None:
+        """Work on this stream raised `error` (by the stream's thread): kept for the host."""
+        self._error = error
+
+    def _take_error(self) -> BaseException | None:
+        """The error of work queued so far, taken off the stream (reported once)."""
+        with self._idle:
+            error, self._error = self._error, None
+        return error
+
     def _raise_pending_error(self) -> None:
         with self._idle:
             error, self._error = self._error, None
@@ -160,7 +169,7 @@ def _run_stream(stream_ref: "weakref.ref[SimStream]", work: queue.SimpleQueue) -
                 time.sleep(stream.latency)
             fn(*args)
         except BaseException as exc:  # kept and re-raised on the host at the next synchronize
-            stream._error = exc
+            stream._work_failed(exc)
         finally:
             stream._task_done()
             # drop the finished work's arguments now: waiting for the next item must not

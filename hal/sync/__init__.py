@@ -15,7 +15,7 @@ engine tensor with its old or its new bytes, and the receiver says whether it is
 """
 
 from hal.sync.config import DeltaConfig, SyncConfig, WaitBounds, default_bucket_bytes, wire_dtype_for
-from hal.sync.endpoints import SENDING, TRANSPORTS, SyncReceiver, make_receiver, make_sender, open_transport
+from hal.sync.endpoints import SENDING, TRANSPORTS, SyncReceiver, SyncSender, TrainerSide, make_receiver, make_sender, open_transport
 from hal.sync.errors import (
     AuthError,
     ChecksumMismatchError,
@@ -76,9 +76,11 @@ __all__ = [
     "SyncHeader",
     "SyncMetrics",
     "SyncReceiver",
+    "SyncSender",
     "TRANSPORTS",
     "TensorSource",
     "TensorSpec",
+    "TrainerSide",
     "TrainerSync",
     "Transport",
     "VersionError",

@@ -10,6 +10,13 @@ from hal.backends.interface import Backend
 
 MIB = 1 << 20
 
+ONE, GATHER, ALL = "one", "gather", "all"
+SENDING = (ONE, GATHER, ALL)
+"""Which trainer ranks send a sync, in the words every part of hal uses (`make_sender`,
+`WeightSync(senders=)`, verl's `senders` setting, `SyncMetrics.sending`): "one", this
+process alone holds the model and sends it; "gather", a sharded trainer's ranks gather in
+lockstep and one of them sends; "all", every trainer rank sends its own rows."""
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DeltaConfig:

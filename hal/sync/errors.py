@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any, Callable
 
 
 class SyncError(RuntimeError):
@@ -253,8 +254,55 @@ def rebuild(report: RankReport, prefix: str = "", *, reports: "dict[int, RankRep
 
 
 def first_failure(reports: "list[RankReport]") -> "tuple[int, RankReport] | None":
-    """(rank, report) of the lowest rank that reported an error, or None."""
-    return next(((rank, rep) for rank, rep in enumerate(reports) if rep.error), None)
+    """(rank, report) of the lowest rank that reported an error (an empty message is one too), or None."""
+    return next(((rank, rep) for rank, rep in enumerate(reports) if rep.error is not None), None)
+
+
+def agree_failure(
+    channel: Any,
+    error: BaseException | None,
+    what: str,
+    prefix: "Callable[[int], str]",
+    *,
+    my_rank: int | None = None,
+    together: bool = False,
+) -> Exception | None:
+    """One step of a composite of ranks (a sharded trainer's init and outcome, what a LoRA
+    sync sends) ended as a sync ends, so that every rank goes on, or fails alike, together:
+    every rank of `channel` (a `hal.sync.wire.GroupChannel`, which imports this module) tells its `error` (None: its part went well) with its class kept
+    (`report_exception(..., keep_class=True)`) at one agreement (`what`), and gets back the
+    same error to raise, or None when no rank failed: the lowest failing rank's, as its own
+    class, its message after `prefix(rank)` (`rebuild`). The caller bounds the wait
+    (`channel.bounded`) and raises it (`from error`).
+
+    A `SyncError` keeps the reports of the agreement it came from (`RankReport.told`): the
+    first failing rank's, or with `together` every failing rank's as one (`retold_together`:
+    each rank's own sync group, all of them alike)."""
+    report = RankReport() if error is None else report_exception(error, sender=True, keep_class=True)
+    reports = channel.agree(report, what)
+    failed = first_failure(reports)
+    if failed is None:
+        return None
+    rank, first = failed
+    told = retold_together([r for r in reports if r.error is not None]) if together else None
+    return rebuild(first, prefix(rank), reports=told, my_rank=my_rank)
+
+
+def retold_together(failed: "list[RankReport]") -> "dict[int, RankReport]":
+    """The agreements `failed` retell (each a `SyncError` told with `keep_class`, `told`),
+    of groups alike (every trainer rank's own sync group: its rank 0 the sender, the same
+    receivers at the same ranks), as the reports of one: rank 0, the sender, with the first
+    report's error when a sender failed in any; each receiver that failed, or holds part of
+    the sync, in any."""
+    told = [r.told_reports for r in failed]
+    side = any(rep.sender and rep.error for t in told for rep in t.values())
+    inconsistent = {w for t in told for w, rep in t.items() if rep.inconsistent}
+    lost = {w for t in told for w, rep in t.items() if rep.error} - {0}
+    reports = {0: RankReport(error=failed[0].error if side else None, sender=True)}
+    for worker in sorted(inconsistent | lost):
+        if worker != 0:
+            reports[worker] = RankReport(error="failed" if worker in lost else None, inconsistent=worker in inconsistent)
+    return reports
 
 
 def raise_if_any(reports: "list[RankReport]", my_rank: int, what: str) -> None:

@@ -58,6 +58,9 @@ class SyncMetrics:
     """Bytes encoded only to time the compare (choose="time"; their segments went whole)."""
     baseline_bytes: int | None = None
     """Memory the sender keeps for delta sync: one image of the last complete sync."""
+    sending: str | None = None
+    """Which trainer ranks sent this sync (hal.sync.config.SENDING: "one", "gather", "all");
+    None on a receiving rank."""
     # ---- several senders (hal.sync.send.sharded); None with one -------------------------
     senders: int | None = None
     """Trainer ranks that each sent their own shares of the model."""

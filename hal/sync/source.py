@@ -11,7 +11,13 @@ the same objects with the same shapes and dtypes, reuses the specs, the plan and
 lists it packs from (hal.sync.plan.steady): a sync of unchanged tensors then costs per
 segment, not per tensor. `ModuleSource` and `TensorSource` list theirs. What a sender
 learned from one kind of source (its class) it reuses only for a source of that kind: a
-subclass that converts what it yields is another kind (hal.sync.plan.steady).
+subclass that converts what it yields is another kind (hal.sync.plan.steady), and so is
+a listing made by other adapters (below).
+
+Names and layouts are a state-dict adapter's (hal.sync.adapters): `ModuleSource`'s
+`adapter` (a `Chain`: wrapper prefixes, transformers' packed experts, a rename) makes the
+checkpoint's tensors of the module's, and its listing carries it (`Listing.adapter`): part
+of the key of what a sender keeps from one sync to the next.
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, runtim
 
 import torch
 
+from hal.sync.adapters.base import PLAIN, Chain, StateDictAdapter, adapt, stand_in
 from hal.sync.adapters.checkpoint_layout import checkpoint_layout
+from hal.sync.adapters.names import WRAPPER_COMPONENTS, Rename, Unwrap, unwrapped_name
 from hal.sync.spec import TensorSpec
 
-# Only these are read as they are (a tensor subclass such as a DTensor may need a gather)
-PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+__all__ = [
+    "PLAIN", "WRAPPER_COMPONENTS", "ListedSource", "Listing", "LocalSource", "ModuleSource", "TensorSource", "WeightSource",
+    "as_source", "materialize", "persistent_buffers", "unwrapped_name",
+]
+
+_UNWRAP = Unwrap()
 
 
 @runtime_checkable
@@ -60,6 +72,10 @@ class Listing:
     iteration does more (a subclass that overrides `__iter__`)."""
     basis: Any = None
     """What the source recognises its own unchanged listing by, next sync (its own business)."""
+    adapter: Any = None
+    """The state-dict adapters (hal.sync.adapters) that made these tensors of the source's
+    own, compared by `==`: part of the key of what a sender keeps from one sync to the next
+    (another adapter may make other bytes of the same tensors under the same names)."""
 
 
 @runtime_checkable
@@ -89,9 +105,10 @@ def _detached(tensor: torch.Tensor) -> torch.Tensor:
 
 class ModuleSource:
     """The parameters and persistent buffers of a module (what its `state_dict()` holds,
-    each tensor once), optionally renamed or filtered. Names are the module's own, without
-    the wrappers torch inserts (`WRAPPER_COMPONENTS`: activation checkpointing, FSDP1,
-    `torch.compile`), as the engine's checkpoint names them.
+    each tensor once), as the engine's checkpoint holds them: through the state-dict
+    adapters (hal.sync.adapters) `Unwrap` (names without the wrappers torch inserts,
+    `WRAPPER_COMPONENTS`: activation checkpointing, FSDP1, `torch.compile`), then the
+    checkpoint's layout, then `adapter`, then `rename` (its `adapter` attribute: their `Chain`).
 
     A transformers model is sent as its checkpoint holds it (`checkpoint=True`,
     hal.sync.adapters.checkpoint_layout): transformers 5's 3-D expert parameters
@@ -102,88 +119,85 @@ class ModuleSource:
 
     `rename(name)` returns the name the engine expects (given the checkpoint's name), or
     None to leave the tensor out of the sync (e.g. LoRA adapters when only the base
-    travels). Persistent buffers travel because training may change them and the engine
+    travels). `adapter`: another state-dict adapter (or a `Chain` of them) applied before
+    `rename`. Persistent buffers travel because training may change them and the engine
     loads them from a checkpoint (a MoE router's `e_score_correction_bias` in
     DeepSeek-V3's layout); non-persistent ones (rotary `inv_freq`) are the module's own
     cache and stay. `buffers=False`: parameters only.
     """
 
     def __init__(
-        self, module: torch.nn.Module, rename: Callable[[str], str | None] | None = None, *, buffers: bool = True, checkpoint: bool = True
+        self,
+        module: torch.nn.Module,
+        rename: Callable[[str], str | None] | None = None,
+        *,
+        buffers: bool = True,
+        checkpoint: bool = True,
+        adapter: StateDictAdapter | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ModuleSource needs a torch.nn.Module, got {type(module).__name__}")
         for field, value in (("buffers", buffers), ("checkpoint", checkpoint)):
             if not isinstance(value, bool):
                 raise TypeError(f"ModuleSource: {field} must be a bool, got {type(value).__name__}")
+        if adapter is not None and not isinstance(adapter, StateDictAdapter):
+            raise TypeError(f"ModuleSource: adapter must be a StateDictAdapter (hal.sync.adapters), got {type(adapter).__name__}")
         self.module = module
         self.rename = rename
         self.buffers = buffers
         self.checkpoint = checkpoint
+        self.adapter = Chain(
+            _UNWRAP, checkpoint_layout(module) if checkpoint else None, adapter, Rename(rename) if rename is not None else None
+        )
 
-    def _named(self, split: Callable, own: Callable | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) per tensor sent, in order: `own(tensor)` (the tensor itself without
-        `own`) for one the checkpoint holds as it is; views of `split(name, tensor)` for one it
-        holds as several (`name`: the module's)."""
+    def _named(self, split: Callable, whole: Callable | None = None, layout: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) per tensor sent, in order: `whole(tensor)` (the tensor itself without
+        `whole`) for one the checkpoint holds as it is; what a rule makes of `split(name, tensor)`
+        for one it holds otherwise (`name`: the module's)."""
         named = self.module.named_parameters()
         if self.buffers:
             named = chain(named, persistent_buffers(self.module))
-        rename = self.rename
-        layout = checkpoint_layout(self.module) if self.checkpoint else None
-        if layout is None:  # most modules: no step per tensor beyond the names
-            for name, tensor in named:
-                name = unwrapped_name(name)
-                target = rename(name) if rename else name
-                if target is not None:
-                    yield target, own(tensor) if own else tensor
-            return
-        named = [(unwrapped_name(name), tensor) for name, tensor in named]
-        rules = layout.rules(self.module, list(map(itemgetter(0), named)), list(map(itemgetter(1), named)))
-        for name, tensor in named:
-            rule = rules.get(name)
-            pairs = ((name, own(tensor) if own else tensor),) if rule is None else rule.apply(tensor, own, split)
-            for held_name, held in pairs:
-                target = rename(held_name) if rename else held_name
-                if target is not None:
-                    yield target, held
+        return adapt(named, self.adapter, whole=whole, split=split, layout=layout)
 
     def metadata(self) -> list[TensorSpec]:
         # DTensor reports its global shape, so no gather happens here (nor for its views: made of a meta tensor)
-        return [TensorSpec.of(name, p) for name, p in self._named(split=_stand_in)]
+        return [TensorSpec.of(name, p) for name, p in self._named(split=_stand_in, layout=True)]
 
     def listing(self, last: Listing | None) -> Listing:
-        """The parameters and buffers (the objects themselves), or the views of them the
-        checkpoint holds (made once per listing). `named_parameters()` costs microseconds
-        per parameter (names built, modules walked through generators): while the module
-        tree still holds the same modules, parameters and buffers under the same names
-        (`_ModuleTree.unchanged`), the last listing is handed back instead, to a source of
-        the same class only (a subclass may yield other bytes)."""
+        """The parameters and buffers (the objects themselves), or the tensors the checkpoint
+        holds made of them (views, made once per listing; stand-ins of what an adapter
+        computes). `named_parameters()` costs microseconds per parameter (names built,
+        modules walked through generators): while the module tree still holds the same
+        modules, parameters and buffers under the same names (`_ModuleTree.unchanged`), the
+        last listing is handed back instead, to a source of the same class with the same
+        adapters only (another may yield other bytes)."""
         basis = last.basis if last is not None else None
         if (
-            isinstance(basis, _ModuleTree) and basis.kind is type(self) and basis.module is self.module and basis.rename is self.rename
-            and basis.buffers == self.buffers and basis.checkpoint == self.checkpoint and basis.unchanged()
+            isinstance(basis, _ModuleTree) and basis.kind is type(self) and basis.module is self.module
+            and basis.buffers == self.buffers and basis.adapter == self.adapter and basis.unchanged()
         ):
             return last
-        tree = _ModuleTree(self.module, self.rename, self.buffers)  # before the walk: a change during it shows next time
-        tree.kind, tree.checkpoint = type(self), self.checkpoint
+        tree = _ModuleTree(self.module, self.adapter, self.buffers)  # before the walk: a change during it shows next time
+        tree.kind = type(self)
         split: list[torch.Tensor] = []
 
         def viewed(name: str, tensor: torch.Tensor) -> torch.Tensor:
             split.append(tensor)
             return _stand_in(name, tensor)
 
-        named = list(self._named(split=viewed))
+        named = list(self._named(split=viewed, layout=True))
         tree.watch_split(split)
-        # a split DTensor is listed as meta views (its shape): the sender iterates (gathers) it
-        as_yielded = type(self).__iter__ is ModuleSource.__iter__ and all(type(t) in PLAIN for t in split)
-        return Listing(list(map(itemgetter(0), named)), list(map(itemgetter(1), named)), as_yielded, tree)
+        # a split DTensor is listed as meta views (its shape), what an adapter computes as
+        # stand-ins: the sender iterates (gathers, computes) it
+        as_yielded = type(self).__iter__ is ModuleSource.__iter__ and self.adapter.views and all(type(t) in PLAIN for t in split)
+        return Listing(list(map(itemgetter(0), named)), list(map(itemgetter(1), named)), as_yielded, tree, self.adapter)
 
     def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The tensors as this rank holds them (DTensors not gathered), out of autograd."""
-        return list(self._named(own=torch.Tensor.detach, split=_local_split))
+        return list(self._named(whole=torch.Tensor.detach, split=_local_split))
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._named(own=_materialized, split=_split_materialized)
+        return self._named(whole=_materialized, split=_split_materialized)
 
 
 def _materialized(tensor: torch.Tensor) -> torch.Tensor:
@@ -194,18 +208,13 @@ def _split_materialized(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return materialize(tensor.detach())
 
 
-def _stand_in(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` out of autograd, or for a DTensor a meta tensor of its (global) shape: what its
-    views' shapes are read from without a gather."""
-    if type(tensor) in PLAIN:
-        return _detached(tensor)
-    return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+_stand_in = stand_in  # `tensor` out of autograd, or for a DTensor a meta tensor of its (global) shape
 
 
 def _local_split(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if type(tensor) not in PLAIN:
         raise ValueError(
-            f"parameter {name!r}: a {type(tensor).__name__} that the checkpoint holds as several tensors (transformers' packed experts): "
+            f"parameter {name!r}: a {type(tensor).__name__} that the checkpoint holds as other tensors than itself (transformers' packed experts, a merge): "
             "a sharded sync cannot send its shards yet; sync it from one trainer rank (Sender, TrainerSync, WeightSync "
             "without senders='all'), which gathers it, or pass ModuleSource(model, checkpoint=False)"
         )
@@ -248,21 +257,6 @@ _MODULES, _PARAMETERS, _BUFFERS = attrgetter("_modules"), attrgetter("_parameter
 _NON_PERSISTENT = attrgetter("_non_persistent_buffers_set")
 
 
-# Modules torch inserts around a user's module, whose attribute name is in `named_parameters()`
-# but not in the checkpoint the engine loads: activation checkpointing's `checkpoint_wrapper`
-# and FSDP1's wrapper (their `state_dict()` drops it too) and `torch.compile`'s
-# `OptimizedModule` (its `state_dict()` keeps it; no engine checkpoint has it).
-WRAPPER_COMPONENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
-
-
-def unwrapped_name(name: str) -> str:
-    """`name` without the components of `WRAPPER_COMPONENTS`:
-    `layers.0._checkpoint_wrapped_module.mlp.weight` is `layers.0.mlp.weight`."""
-    if "._" not in name and not name.startswith("_"):  # the common case: every wrapper's component starts with "_"
-        return name
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
-
-
 def persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """`module`'s buffers that its `state_dict()` holds, under their full names, each
     tensor once (`named_buffers` drops a buffer held twice)."""
@@ -286,10 +280,9 @@ class _ModuleTree:
     shape, dtype and memory may change under the same object (`p.data = ...`): the sender
     checks shapes and dtypes, and copies from the object."""
 
-    def __init__(self, module: torch.nn.Module, rename: Callable[[str], str | None] | None, buffers: bool = False) -> None:
-        self.module, self.rename, self.buffers = module, rename, buffers
+    def __init__(self, module: torch.nn.Module, adapter: Chain | None, buffers: bool = False) -> None:
+        self.module, self.adapter, self.buffers = module, adapter, buffers
         self.kind: type | None = None  # the class of the source that listed it
-        self.checkpoint = False
         self.split: list[torch.Tensor] = []  # tensors listed as views of them: their memory, watched
         self.split_memory: list[Any] = []
         modules = [module]
@@ -313,7 +306,7 @@ class _ModuleTree:
         return [n for dicts in self.dicts for n in map(len, dicts)]
 
     def watch_split(self, tensors: list[torch.Tensor]) -> None:
-        """The listing holds views of `tensors` (hal.sync.adapters.checkpoint_layout), not the tensors:
+        """The listing holds views of `tensors` (an adapter's: hal.sync.adapters), not the tensors:
         their memory replaced in place (`p.data = ...`) leaves the views on the old memory,
         so it is compared too (a DTensor's shape and dtype only: it is listed by shape)."""
         self.split = tensors

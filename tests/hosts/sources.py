@@ -11,7 +11,7 @@ installed package's directory. Nothing read is imported or executed.
 The tables live beside the code that relies on them: `VLLM_NEEDS` in
 `hal.integrations.vllm.needs` (beside the fence), `TORCH_NPU_NEEDS` in `hal.backends.npu`. tests/hosts/
 checks them against the installed vLLM, vLLM's newer releases and torch_npu's wheel
-(fetched with `fetch_wheel`, cached in the virtualenv), and docs/ci.md records the reads.
+(fetched with `fetch_wheel`, cached in the virtualenv); docs/ci.md ("Host sources read") lists the reads.
 
 A *target* names what is needed: `"pkg.module"` (a module), `"pkg.module:Name"` (a name
 the module defines or imports) or `"pkg.module:Class.member"` (a member of a class: its

@@ -8,7 +8,7 @@ virtualenv's folder (`<venv>/hal-host-sources/`); without a network a test that 
 one skips with pip's reason. Other tests keep the tables honest: they cover every vLLM
 name the fence uses and every device-module call of the npu backend, and the fake
 torch_npu of the tests has torch_npu's own signatures. docs/ci.md, "Host sources read",
-has the results.
+says what is read; docs/results/runs/ has the dated reads.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tests.hosts.sources import (
 )
 from hal.backends import npu as npu_backend
 from hal.integrations.vllm import internals as vllm_internals, needs as vllm_needs, needs_v023 as vllm_needs_v023
+from hal.integrations.vllm.internals import versions as vllm_versions
 from hal.integrations._shared import release_of
 from tests.conftest import FAKE_TORCH_NPU, REPO_ROOT
 
@@ -147,27 +148,28 @@ def test_vllm_release_read(release, hal_sources):
 
 def test_unsupported_vllm_error_is_one_line_naming_version_and_what_is_missing(monkeypatch):
     # A release read and found lacking is refused naming what it lacks (none is today: the
-    # entry below stands for one, as 0.23's did before its API generation had an engine).
-    monkeypatch.setattr(vllm_internals, "SUPPORTED_VLLM", tuple(r for r in vllm_internals.SUPPORTED_VLLM if r != (0, 23)))
-    monkeypatch.setitem(vllm_internals.UNSUPPORTED_VLLM, (0, 23), ("WeightTransferEngine (takes 3 positional argument(s), hal passes 4)",
+    # entry below stands for one, as 0.23's did before its API generation had an engine). The
+    # gate reads its module's globals (internals/versions.py), which the package re-exports.
+    monkeypatch.setattr(vllm_versions, "SUPPORTED_VLLM", tuple(r for r in vllm_versions.SUPPORTED_VLLM if r != (0, 23)))
+    monkeypatch.setitem(vllm_versions.UNSUPPORTED_VLLM, (0, 23), ("WeightTransferEngine (takes 3 positional argument(s), hal passes 4)",
                                                                    "LLM.get_weight_version"))
-    monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.23.0")
+    monkeypatch.setattr(vllm_versions, "vllm_version", lambda: "0.23.0")
     with pytest.raises(vllm_internals.UnsupportedVllmError) as caught:
         vllm_internals.require_supported_vllm()
     message = str(caught.value)
     assert "\n" not in message
-    supported = ", ".join(f"{a}.{b}.x" for a, b in vllm_internals.SUPPORTED_VLLM)
+    supported = ", ".join(f"{a}.{b}.x" for a, b in vllm_versions.SUPPORTED_VLLM)
     assert "0.24.x" in supported and "0.33.x" in supported
     assert message.startswith(f"verl-hal's vLLM integration supports vLLM {supported}; vLLM 0.23.0 is installed, which lacks what verl-hal uses: ")
     assert "WeightTransferEngine (takes 3 positional argument(s), hal passes 4)" in message
     assert "LLM.get_weight_version" in message
-    monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.34.2+cpu")  # neither run nor read: no list
+    monkeypatch.setattr(vllm_versions, "vllm_version", lambda: "0.34.2+cpu")  # neither run nor read: no list
     assert vllm_internals.unsupported_message("0.34.2+cpu") == (
-        f"verl-hal's vLLM integration supports vLLM {supported}; vLLM 0.34.2+cpu is installed (see hal/integrations/vllm/internals.py)"
+        f"verl-hal's vLLM integration supports vLLM {supported}; vLLM 0.34.2+cpu is installed (see hal/integrations/vllm/internals/versions.py)"
     )
     with pytest.raises(vllm_internals.UnsupportedVllmError):
         vllm_internals.require_supported_vllm()
-    monkeypatch.setattr(vllm_internals, "vllm_version", lambda: "0.33.1")
+    monkeypatch.setattr(vllm_versions, "vllm_version", lambda: "0.33.1")
     assert vllm_internals.require_supported_vllm() == "0.33.1"
 
 
@@ -208,11 +210,17 @@ NOT_VLLM |= {"arguments", "values", "is_meta", "modules", "pop"}
 # ... and those of the filter of refused syncs (a LogRecord's, its own) and the worker class's name.
 NOT_VLLM |= {"exc_info", "message", "mark", "nullcontext", "startswith", "__module__", "__qualname__"}
 # ... and torch's and typing's names of loaders_on_meta (issue 41's block)
-NOT_VLLM |= {"NamedTuple", "numel", "_non_persistent_buffers_set"}
+NOT_VLLM |= {"NamedTuple", "numel", "_non_persistent_buffers_set", "clear"}
+
+
+def _fence_sources() -> list[Path]:
+    """Every module of the fence (hal/integrations/vllm/internals/), the package's own first."""
+    folder = Path(vllm_internals.__file__).parent
+    return [folder / "__init__.py", *sorted(p for p in folder.glob("*.py") if p.name != "__init__.py")]
 
 
 def test_vllm_needs_cover_every_vllm_name_the_fence_uses():
-    parsed = ast.parse(inspect.getsource(vllm_internals))
+    parsed = ast.Module(body=[n for path in _fence_sources() for n in ast.parse(path.read_text()).body], type_ignores=[])
     skip: set[int] = set()
     for node in parsed.body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []

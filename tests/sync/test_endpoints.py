@@ -1,13 +1,18 @@
-"""The one place a sync's sender and receiver are chosen (hal.sync.endpoints), the one way a
-failure of any class crosses ranks (`RankReport`, `rebuild`), and the pieces derived once:
-the version check, the wait bounds. No process group is needed: fakes stand in for groups."""
+"""The one place a sync's sender and receiver are chosen (hal.sync.endpoints), the one
+contract of each side (`SyncSender`, `SyncReceiver`), the trainer's side of a sync group
+opened one way (`TrainerSide`), the one way a failure of any class crosses ranks
+(`RankReport`, `rebuild`, `agree_failure`), and the pieces derived once: the version check,
+the wait bounds. Fakes stand in for groups, but for `TrainerSide`'s (threads of this process)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
 import hal
+from hal.procs import free_port
 from hal.sync import (
     SENDING,
     TRANSPORTS,
@@ -17,10 +22,15 @@ from hal.sync import (
     Receiver,
     Sender,
     ShardedReceiver,
+    ShardedSender,
     SpecMismatchError,
     SyncConfig,
     SyncReceiver,
+    SyncSender,
+    TensorSource,
     TensorSpec,
+    TrainerSide,
+    TrainerSync,
     VersionError,
     WaitBounds,
     make_receiver,
@@ -28,7 +38,8 @@ from hal.sync import (
 )
 from hal.sync import errors
 from hal.sync.endpoints import make_sender
-from hal.sync.errors import RankReport, check_version
+from hal.sync.errors import PeerError, RankReport, agree_failure, check_version
+from hal.sync.wire import SyncGroupSpec, destroy_sync_group, join_sync_group
 
 pytestmark = pytest.mark.cpu
 
@@ -44,6 +55,15 @@ class FakeGroup:
 
     def size(self) -> int:
         return self._size
+
+    def allreduce(self, tensors, options):
+        assert self._size == 1, "a fake group reduces only over itself"
+        return Done()
+
+
+class Done:
+    def wait(self, timeout=None) -> bool:
+        return True
 
 
 SPECS = [TensorSpec("w", (4,), torch.float32)]
@@ -93,6 +113,102 @@ def test_the_sender_of_one_process():
         make_sender("all", None)
 
 
+def test_every_sending_side_is_a_sync_sender_and_frees_its_transport_on_close():
+    """`Sender`, `TrainerSync` and `ShardedSender` have one contract: `sync`, `version`, `close`."""
+    with hal.use("cpu"):
+        transports = [BroadcastTransport(FakeGroup(0, 2)) for _ in range(3)]
+        one = make_sender("one", transports[0])
+        gather = make_sender("gather", transports[1], trainer_group=FakeGroup(0, 1))  # this rank sends, alone in its group
+        every = make_sender("all", transports[2], trainer_group=FakeGroup(0, 1))
+    assert (type(one), type(gather), type(every)) == (Sender, TrainerSync, ShardedSender)
+    for sender in (one, gather, every):
+        assert isinstance(sender, SyncSender) and sender.version is None
+        sender.close()
+    assert not isinstance(Receiver(BroadcastTransport(FakeGroup(1, 2)), SPECS, timeout_s=5.0), SyncSender)
+
+
+def _receive_in_thread(spec: SyncGroupSpec, got: dict) -> threading.Thread:
+    """The receiving rank of `spec` (rank 1): joins, then receives one sync into `got`."""
+
+    def run() -> None:
+        group = join_sync_group(spec, 1, backend="gloo", timeout_s=20)
+        try:
+            receiver = Receiver(BroadcastTransport(group), [TensorSpec("w", (4,), torch.float32)], timeout_s=20)
+            receiver.receive(lambda pairs: got.update((n, t.clone()) for n, t in pairs))
+            got["version"] = receiver.version
+        finally:
+            destroy_sync_group(group)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_trainer_side_serves_joins_in_a_thread_opens_the_transport_and_makes_the_sender():
+    spec = SyncGroupSpec(address="127.0.0.1", port=free_port(), world_size=2)
+    got: dict = {}
+    with hal.use("cpu") as backend:
+        side = TrainerSide(spec, backend=backend, timeout_s=20)
+        joining = side.join()
+        assert side.join() is joining  # once
+        receiving = _receive_in_thread(spec, got)
+        group = side.group_within("the test's sync group", 30)
+        sender = side.open("one", "broadcast", config=SyncConfig(timeout_s=20))
+        try:
+            assert type(sender) is Sender and sender.transport.group is group and side.group is group
+            metrics = sender.sync(TensorSource([("w", torch.arange(4.0))]), version=3)
+            receiving.join(30)
+            assert (metrics.sending, sender.version, got["version"]) == ("one", 3, 3)
+            assert torch.equal(got["w"], torch.arange(4.0))
+        finally:
+            sender.close()
+            destroy_sync_group(group)
+
+
+def test_a_trainer_side_closed_before_the_receivers_came_ends_its_join_and_opens_nothing():
+    spec = SyncGroupSpec(address="127.0.0.1", port=free_port(), world_size=2)
+    with hal.use("cpu") as backend:
+        side = TrainerSide(spec, backend=backend, timeout_s=60)
+        joining = side.join()
+        side.close()  # an engine refused: nobody comes
+        with pytest.raises(PeerError, match="the rendezvous was closed"):
+            joining.result(30)
+        assert side.group is None
+        with pytest.raises(RuntimeError, match="is not joined"):
+            side.open("one", "broadcast")
+
+
+class Told:
+    """A channel whose agreement hands back what each rank told (this rank's report at `rank`)."""
+
+    def __init__(self, others: list[RankReport | None], rank: int = 0) -> None:
+        self.others, self.rank = others, rank
+
+    def agree(self, report: RankReport, what: str) -> list[RankReport]:
+        told = [report if r is None else r for r in self.others]
+        return [RankReport.decode(r.encode(), r.flags) for r in told]  # as they cross ranks
+
+
+def test_a_step_of_a_composite_of_ranks_ends_in_the_same_error_on_every_rank():
+    prefix = lambda rank: f"trainer rank {rank}: "  # noqa: E731
+    assert agree_failure(Told([None, RankReport()]), None, "init", prefix) is None
+    # rank 1's ValueError, even without a message, is every rank's
+    told = errors.report_exception(ValueError(), sender=True, keep_class=True)
+    failure = agree_failure(Told([None, told]), None, "init", prefix)
+    assert type(failure) is ValueError and failure.args[0] == "trainer rank 1: "
+    mine = agree_failure(Told([None, told]), KeyError("k"), "init", prefix)
+    assert type(mine) is KeyError and mine.args[0] == "trainer rank 0: 'k'"  # the lowest rank first
+    # the outcome of M groups alike: every failing rank's retold reports as one
+    lost = PeerError("worker 2 died", reports={0: RankReport(sender=True), 2: RankReport(error="x")})
+    torn = SpecMismatchError("shapes", reports={0: RankReport(sender=True, error="bad"), 1: RankReport(inconsistent=True)})
+    failure = agree_failure(
+        Told([None, errors.report_exception(torn, sender=True, keep_class=True)]), lost, "outcome",
+        lambda rank: "" if rank == 0 else prefix(rank), my_rank=0, together=True,
+    )
+    assert type(failure) is PeerError and str(failure) == "worker 2 died"
+    assert (failure.trainer_side, failure.inconsistent_ranks, failure.failed_ranks) == (True, [1], [0, 2])
+
+
 def test_a_version_is_checked_once_the_same_way_everywhere():
     assert check_version(7) == 7
     for bad in (-1, 2**63, True, "3", 1.0):
@@ -130,3 +246,24 @@ def test_a_retold_sync_error_keeps_who_failed_and_who_holds_part_of_it():
     plain = errors.report_exception(KeyError("k"), sender=False)
     assert (plain.kind, plain.error, plain.told) == ("error", "KeyError: 'k'", ())
     assert RankReport.decode('{"e":"x","k":"spec","r":[[1,"a"]]}').kind == "peer"  # malformed: refused as unreadable
+
+
+_SENDING_SIDES = {"Sender", "TrainerSync", "ShardedSender", "Driver", "OneSender", "GatherThenSend", "EveryRankSends"}
+
+
+def test_no_module_of_hal_branches_on_which_sending_side_it_holds():
+    """A caller that asks `isinstance(sender, ...)` is a missing method of the contract
+    (`SyncSender`; the vLLM drivers' `Driver`): each says what differs itself."""
+    import ast
+    from pathlib import Path
+
+    root = Path(hal.__file__).parent
+    offences = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass"):
+                if len(node.args) == 2:
+                    named = {n.id if isinstance(n, ast.Name) else getattr(n, "attr", "") for n in ast.walk(node.args[1])}
+                    if named & _SENDING_SIDES:
+                        offences.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert not offences, offences

@@ -2,7 +2,7 @@
 every sign and payload, negative zeros, fp8's NaN) arrive bit for bit, packed many to a
 segment, cut into ranges, through every same-node transport, verified or not, and again in
 the steady state. On a GPU torch's multi-tensor copy rewrites NaNs (H200, 2026-11-27:
-docs/ci.md); the cpu and sim lanes run the same path."""
+docs/results/runs/2026-11-27-cuda-h200.json); the cpu and sim lanes run the same path."""
 
 from __future__ import annotations
 

@@ -198,6 +198,35 @@ def test_a_listing_is_handed_back_only_to_a_source_of_its_own_kind():
     assert ModuleSource(model).listing(doubled) is not doubled
 
 
+def test_the_senders_steady_state_is_keyed_by_the_class_and_the_adapters():
+    """Issue 40 (item 5): a `ModuleSource` with another rename or adapter is another kind: the
+    specs, listing and lists a sender kept are not recalled for it, even under the same names
+    (a computing adapter may yield other bytes under the same names from the same tensors)."""
+    from hal.sync.plan.steady import KnownSource
+
+    model = Net()
+    known = KnownSource()
+
+    def recalled(source) -> bool:
+        """Whether the sender recalls what it kept when `source`'s sync starts (as Sender does)."""
+        known.begin(source)
+        listing = source.listing(known.listing)
+        metadata = known.recall(listing)
+        if metadata is None:
+            known.remember(listing, source.metadata())
+        known.settle()
+        return metadata is not None
+
+    recalled(ModuleSource(model))
+    assert recalled(ModuleSource(model))  # made anew, the same adapters: the steady state
+    assert not recalled(ModuleSource(model, rename=lambda n: n))  # the same names and tensors, another rename
+    assert not recalled(ModuleSource(model, rename=renamed))
+    assert recalled(ModuleSource(model, rename=renamed))  # the same function: the same rename
+    assert not recalled(ModuleSource(model, checkpoint=False))
+    assert recalled(ModuleSource(model))  # not a transformers model: no checkpoint layout either way
+    assert not recalled(Doubling(model))
+
+
 @pytest.fixture(scope="module")
 def outcomes():
     sent, received = run_group(kinds_worker, 2, args=(list(SCENARIOS),), timeout=240)

@@ -322,10 +322,11 @@ def test_topology_sync_ranks_transport_and_group_reuse():
 def test_senders_is_a_setting_refused_by_name_when_invalid():
     from hal.integrations.verl.checkpoint import HalCheckpointEngine
 
-    assert HalCheckpointEngine(bucket_size=1 << 20).senders == "master"  # today's default
+    assert HalCheckpointEngine(bucket_size=1 << 20).senders == "gather"  # the default, in hal.sync's words
+    assert HalCheckpointEngine(bucket_size=1 << 20, senders="master").senders == "gather"  # its former name
     assert HalCheckpointEngine(bucket_size=1 << 20, senders="all").senders == "all"
-    for bad in ("every", "ALL", True, None):
-        with pytest.raises(ValueError, match=r"senders must be one of master, all, got "):
+    for bad in ("every", "ALL", "one", True, None):
+        with pytest.raises(ValueError, match=r"senders must be one of gather, all, got "):
             HalCheckpointEngine(bucket_size=1 << 20, senders=bad)
     with pytest.raises(ValueError, match="valid: the SyncConfig fields .*, and canary, is_master, senders, transport"):
         HalCheckpointEngine(bucket_size=1 << 20, sender="all")  # a near miss is an unknown setting
@@ -377,12 +378,12 @@ def test_topology_refuses_workers_that_disagree_on_senders_or_a_refused_engine()
 
     build = HalCheckpointEngine.build_topology
     mixed = _all(2, 2)
-    mixed[3] = _metadata("a", senders="master")
-    with pytest.raises(ValueError, match="senders differs between workers: trainer rank 0 says 'all', rollout worker 1 says 'master'"):
+    mixed[3] = _metadata("a", senders="master")  # its former name: the word "gather"
+    with pytest.raises(ValueError, match="senders differs between workers: trainer rank 0 says 'all', rollout worker 1 says 'gather'"):
         build(2, 2, mixed)
     unset = [_metadata("a", master=True), _metadata("a"), _metadata("a", senders="all"), _metadata("a")]
     with pytest.raises(ValueError, match="rollout worker 0 says 'all'"):
-        build(2, 2, unset)  # a worker without the key says "master" (an engine of before the setting)
+        build(2, 2, unset)  # a worker without the key says "gather" (an engine of before the setting)
     refused = _all(2, 2)
     refused[1]["refused"] = "a LoRA (peft) model"
     with pytest.raises(ValueError, match="senders 'all' is refused on trainer rank 1: a LoRA"):

@@ -1,7 +1,7 @@
 """Megatron-core's names and layouts to Hugging Face's, one tensor-parallel shard at a time.
 
-Pure functions of a rank's local tensor and the model's shape (`MegatronShape`); nothing
-here imports megatron-core (hal.integrations.megatron._internals reads the model) and
+A state-dict adapter (`MegatronLayout`, hal.sync.adapters) of pure functions of a rank's
+local tensor and the model's shape (`MegatronShape`); nothing here imports megatron-core (hal.integrations.megatron._internals reads the model) and
 nothing is gathered: every rule maps a rank's own shard to its own blocks of one or more
 Hugging Face tensors (`hal.sync.plan.declare.Block`), and a tensor every tensor-parallel rank
 holds whole (a norm) stays a plain tensor, which the ranks holding it split between them.
@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-
+from typing import Any
 
 import torch
 
+from hal.sync.adapters import Derived, Renamed, Rule, StateDictAdapter
 from hal.sync.plan import Block
 
 
@@ -106,16 +107,53 @@ _REPLICATED = {
 }
 
 
-def hf_tensors(name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[Held]:
-    """The Hugging Face tensors (or blocks of them) that Megatron's local `name` holds on this
-    rank; empty when it maps to none (a tied `output_layer`). ValueError naming the
-    parameter when no rule knows it or its shape is not the one its rule expects."""
+class MegatronLayout(StateDictAdapter):
+    """Megatron's names and layouts as Hugging Face's, for one model chunk on one rank (its
+    `MegatronShape`): a state-dict adapter (hal.sync.adapters) whose rules are the table of
+    the module doc. A replicated tensor is renamed whole; a tied `output_layer` is left out;
+    every other tensor is a `Derived` rule that makes this rank's blocks, views of its shard
+    (de-interleaved `linear_qkv`, `[gate; up]` rows, columns, vocab rows). A name no rule
+    knows is refused by name when the rules are made, before any tensor is read."""
+
+    def __init__(self, shape: MegatronShape) -> None:
+        self.shape = shape
+
+    def rules(self, names: list[str], tensors: list[torch.Tensor]) -> dict[str, Rule]:
+        return {name: rule_of(name, self.shape) for name in names}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is MegatronLayout and other.shape == self.shape
+
+    __hash__ = None  # type: ignore[assignment]  # a shape holds its layer map (a dict)
+
+    def __repr__(self) -> str:
+        return f"MegatronLayout(tp_rank={self.shape.tp_rank}, layers={self.shape.layers})"
+
+
+class _Shards(Derived):
+    """One Megatron tensor's Hugging Face blocks on this rank: `make(hf_name_or_prefix, name, tensor, shape)`."""
+
+    __slots__ = ("make", "target", "name", "shape")
+
+    def __init__(self, make: Any, target: str, name: str, shape: MegatronShape) -> None:
+        self.make, self.target, self.name, self.shape = make, target, name, shape
+
+    def apply(self, tensor: torch.Tensor) -> list[Held]:
+        return self.make(self.target, self.name, tensor, self.shape)
+
+    def __repr__(self) -> str:
+        return f"{self.make.__name__.lstrip('_')}({self.name!r} -> {self.target!r})"
+
+
+def rule_of(name: str, shape: MegatronShape) -> Rule:
+    """The rule of Megatron's local `name` on this rank (the module doc's table). ValueError
+    naming the parameter when no rule knows it."""
     if name == "embedding.word_embeddings.weight":
-        return [_vocab_rows("model.embed_tokens.weight", name, tensor, shape)]
+        return _Shards(_vocab_rows, "model.embed_tokens.weight", name, shape)
     if name == "output_layer.weight":
-        return [] if shape.tied else [_vocab_rows("lm_head.weight", name, tensor, shape)]
+        return Renamed(None) if shape.tied else _Shards(_vocab_rows, "lm_head.weight", name, shape)
     if name == "decoder.final_layernorm.weight":
-        return [("model.norm.weight", tensor)]
+        return Renamed("model.norm.weight")
     match = _LAYER.fullmatch(name)
     if match is None:
         raise ValueError(f"Megatron parameter {name!r}: no Hugging Face name rule knows it (hal.integrations.megatron.convert)")
@@ -124,17 +162,15 @@ def hf_tensors(name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[He
         raise ValueError(f"Megatron parameter {name!r}: local layer {local} is not among this stage's layers {sorted(shape.layers)}")
     prefix = f"model.layers.{shape.layers[local]}."
     if rest in _REPLICATED:
-        return [(prefix + _REPLICATED[rest], tensor)]
+        return Renamed(prefix + _REPLICATED[rest])
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        return _qkv(prefix, rest.rpartition(".")[2], name, tensor, shape)
+        return _Shards(_qkv, prefix, name, shape)
     if rest == "self_attention.linear_proj.weight":
-        width = shape.num_attention_heads * shape.head_dim
-        return [_columns(prefix + "self_attn.o_proj.weight", name, tensor, (shape.hidden_size, width), shape.tp_rank, shape.tp_size)]
+        return _Shards(_o_proj, prefix + "self_attn.o_proj.weight", name, shape)
     if rest == "mlp.linear_fc1.weight":
-        return _gate_up(prefix + "mlp.", name, tensor, shape.ffn_hidden_size, shape.hidden_size, shape.tp_rank, shape.tp_size, shape.gated)
+        return _Shards(_dense_gate_up, prefix + "mlp.", name, shape)
     if rest == "mlp.linear_fc2.weight":
-        full = (shape.hidden_size, shape.ffn_hidden_size)
-        return [_columns(prefix + "mlp.down_proj.weight", name, tensor, full, shape.tp_rank, shape.tp_size)]
+        return _Shards(_dense_down, prefix + "mlp.down_proj.weight", name, shape)
     expert = _EXPERT.fullmatch(rest)
     if expert is not None and shape.num_experts is not None and shape.moe_ffn_hidden_size is not None:
         per_rank = shape.num_experts // shape.ep_size
@@ -142,11 +178,43 @@ def hf_tensors(name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[He
         if not 0 <= local_expert < per_rank:
             raise ValueError(f"Megatron parameter {name!r}: local expert {local_expert} of {per_rank} per expert-parallel rank")
         base = f"{prefix}mlp.experts.{shape.ep_rank * per_rank + local_expert}."
-        ffn, tp_rank, tp_size = shape.moe_ffn_hidden_size, shape.expert_tp_rank, shape.expert_tp_size
         if expert.group(2) == "linear_fc1":
-            return _gate_up(base, name, tensor, ffn, shape.hidden_size, tp_rank, tp_size, shape.gated)
-        return [_columns(base + "down_proj.weight", name, tensor, (shape.hidden_size, ffn), tp_rank, tp_size)]
+            return _Shards(_expert_gate_up, base, name, shape)
+        return _Shards(_expert_down, base + "down_proj.weight", name, shape)
     raise ValueError(f"Megatron parameter {name!r}: no Hugging Face name rule knows {rest!r} (hal.integrations.megatron.convert)")
+
+
+def hf_tensors(name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[Held]:
+    """The Hugging Face tensors (or blocks of them) that Megatron's local `name` holds on this
+    rank; empty when it maps to none (a tied `output_layer`). ValueError naming the
+    parameter when no rule knows it or its shape is not the one its rule expects."""
+    rule = rule_of(name, shape)
+    if rule.whole:
+        return [] if rule.name is None else [(rule.name, tensor)]
+    return rule.apply(tensor)
+
+
+def _o_proj(hf: str, name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[Held]:
+    width = shape.num_attention_heads * shape.head_dim
+    return [_columns(hf, name, tensor, (shape.hidden_size, width), shape.tp_rank, shape.tp_size)]
+
+
+def _dense_gate_up(prefix: str, name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[Held]:
+    return _gate_up(prefix, name, tensor, shape.ffn_hidden_size, shape.hidden_size, shape.tp_rank, shape.tp_size, shape.gated)
+
+
+def _dense_down(hf: str, name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[Held]:
+    return [_columns(hf, name, tensor, (shape.hidden_size, shape.ffn_hidden_size), shape.tp_rank, shape.tp_size)]
+
+
+def _expert_gate_up(prefix: str, name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[Held]:
+    ffn = shape.moe_ffn_hidden_size
+    return _gate_up(prefix, name, tensor, ffn, shape.hidden_size, shape.expert_tp_rank, shape.expert_tp_size, shape.gated)
+
+
+def _expert_down(hf: str, name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[Held]:
+    full = (shape.hidden_size, shape.moe_ffn_hidden_size)
+    return [_columns(hf, name, tensor, full, shape.expert_tp_rank, shape.expert_tp_size)]
 
 
 def _expect(name: str, tensor: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
@@ -154,15 +222,16 @@ def _expect(name: str, tensor: torch.Tensor, expected: tuple[int, ...], what: st
         raise ValueError(f"Megatron parameter {name!r}: expected a local shard of shape {expected} ({what}), got {tuple(tensor.shape)}")
 
 
-def _vocab_rows(hf: str, name: str, tensor: torch.Tensor, shape: MegatronShape) -> Held:
+def _vocab_rows(hf: str, name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[Held]:
     rows = shape.vocab_size // shape.tp_size
     _expect(name, tensor, (rows, shape.hidden_size), f"vocab {shape.vocab_size} / TP {shape.tp_size} rows of hidden {shape.hidden_size}")
     lo = min(shape.tp_rank * rows, shape.hf_vocab_size)
     hi = min(lo + rows, shape.hf_vocab_size)  # Megatron's padding rows are not Hugging Face's
-    return hf, Block(tensor[: hi - lo], (shape.hf_vocab_size, shape.hidden_size), (lo, 0))
+    return [(hf, Block(tensor[: hi - lo], (shape.hf_vocab_size, shape.hidden_size), (lo, 0)))]
 
 
-def _qkv(prefix: str, kind: str, name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[Held]:
+def _qkv(prefix: str, name: str, tensor: torch.Tensor, shape: MegatronShape) -> list[Held]:
+    kind = name.rpartition(".")[2]
     groups = shape.num_query_groups // shape.tp_size
     hpg, hd = shape.heads_per_group, shape.head_dim
     tail = (shape.hidden_size,) if kind == "weight" else ()
@@ -199,10 +268,7 @@ def _columns(hf: str, name: str, tensor: torch.Tensor, full: tuple[int, int], ra
 
 def hf_state(named: list[tuple[str, torch.Tensor]], shape: MegatronShape) -> list[Held]:
     """Every Hugging Face tensor (or block) this rank holds, in Megatron's order."""
-    out: list[Held] = []
-    for name, tensor in named:
-        out += hf_tensors(name, tensor, shape)
-    return out
+    return MegatronLayout(shape).to_checkpoint(named)
 
 
 def assemble(pieces: list[list[Held]], shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
@@ -219,6 +285,6 @@ def assemble(pieces: list[list[Held]], shapes: dict[str, tuple[int, ...]] | None
     return out
 
 
-__all__ = ["MegatronShape", "assemble", "hf_state", "hf_tensors"]
+__all__ = ["MegatronLayout", "MegatronShape", "assemble", "hf_state", "hf_tensors", "rule_of"]
 
 

@@ -7,13 +7,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from hal.integrations.megatron.convert import MegatronShape, hf_state
+from hal.integrations.megatron.convert import MegatronLayout, MegatronShape
 from hal.sync.plan import Block
 from hal.sync.spec import TensorSpec
 
 
 class MegatronSource:
-    """What this rank holds of the Hugging Face model, from its Megatron model chunk(s).
+    """What this rank holds of the Hugging Face model, from its Megatron model chunk(s),
+    through each chunk's `MegatronLayout` adapter (hal.integrations.megatron.convert).
 
     `model`: a `GPTModel`, one wrapped by Megatron (DDP, Float16Module), or the list of a
     rank's virtual-pipeline chunks. `hf_vocab_size`: the Hugging Face vocabulary when
@@ -35,13 +36,15 @@ class MegatronSource:
             self.shapes = list(shape) if isinstance(shape, (list, tuple)) else [shape]
         if len(self.shapes) != len(self.chunks):
             raise ValueError(f"MegatronSource: {len(self.chunks)} model chunks, {len(self.shapes)} shapes")
+        self.adapters = [MegatronLayout(shape) for shape in self.shapes]
+        """Each chunk's names and layouts (hal.sync.adapters' contract)."""
         self._internals = _internals
 
     def local_tensors(self) -> list[tuple[str, torch.Tensor | Block]]:
         """This rank's Hugging Face tensors and blocks (no gather), fresh every call."""
         out: list[tuple[str, torch.Tensor | Block]] = []
-        for chunk, shape in zip(self.chunks, self.shapes):
-            out += hf_state(self._internals.local_named(chunk), shape)
+        for chunk, adapter in zip(self.chunks, self.adapters):
+            out += adapter.to_checkpoint(self._internals.local_named(chunk))
         return out
 
     def metadata(self) -> list[TensorSpec]:

@@ -40,7 +40,9 @@ trainer rank 0's log, to be not checked. When no rollout worker has a way to ans
 trainer rank 0 tells the other trainer ranks (one small all-gather of the trainer group,
 between steps 1 and 2) and no rank runs the forward.
 
-It sends the engines a probe and nothing else: no weight or version changes. Imports no verl.
+The checkpoint engine holds a `CanaryDuty` (the canary's state across updates, the
+check at `finalize()`, its numbers for the next `send_weights`). It sends the engines a
+probe and nothing else: no weight or version changes. Imports no verl.
 """
 
 from __future__ import annotations
@@ -53,10 +55,14 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
-from hal.integrations._shared import in_daemon_thread
-from hal.integrations.verl.settings import CanarySettings
 from hal.canary import Canary, CanaryError, CanaryReport, Probe, dtype_of, module_logprobs, vocab_size_of
+from hal.integrations.verl import internals as verl_internals
+from hal.integrations.verl.settings import CanarySettings
+from hal.sync import SyncConfig
+from hal.sync.wire import trainer_channel
+from hal.threads import in_daemon_thread
 
 # The largest canary message (a probe, one engine's log-probs, a report): far above any
 # probe of a few hundred tokens.
@@ -283,3 +289,73 @@ def load_hook(path: str) -> Callable[..., Any]:
     if not callable(function):
         raise ValueError(f"checkpoint engine 'hal': canary.engine_logprobs {path!r} is not callable")
     return function
+
+
+class CanaryDuty:
+    """The canary's part in the checkpoint engine "hal" on one worker, across updates: the
+    update completed here since the last `finalize()` (`completed`), the check at
+    `finalize()` (`check`: a trainer rank's `trainer_check`, a rollout worker's
+    `rollout_answer`), and the last report's numbers for the next `send_weights` to return
+    (`take_metrics`: verl drops what `finalize()` returns)."""
+
+    def __init__(self, settings: CanarySettings, config: SyncConfig) -> None:
+        self.settings = settings
+        """`engine_kwargs["hal"]["canary"]` (hal.integrations.verl.settings.CanarySettings)."""
+        self.timeout_s = settings.timeout_s or config.timeout_s
+        self.wire_dtype = config.wire_dtype
+        self.canary: Canary | None = Canary(settings.config, by_default=settings.by_default) if settings.enabled else None
+        """The canary's state across updates (trainer ranks count and judge; rollout workers answer); None when off."""
+        self.report: CanaryReport | None = None
+        """The last check's report on a trainer rank."""
+        self._version: int | None = None  # the update completed here since the last check
+        self._metrics: dict[str, float] = {}  # the last report's, for the next send_weights to return
+
+    def completed(self, version: int | None) -> None:
+        """An update of `version` completed on this worker: the next `check` is of it."""
+        self._version = version
+
+    def take_metrics(self) -> dict[str, float]:
+        """The last report's numbers, once (verl merges them into the next update's metrics)."""
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+    def check(self, role: str | None, rollouts: Any, *, worker: Any, engine: Any) -> None:
+        """After an update (`finalize()`, on every worker at once): the canary, when on and
+        due. `role` is the worker's ("trainer" or a rollout worker's); `rollouts` sync group
+        0's channel (None on a trainer rank outside it); `worker` the verl worker that holds
+        the checkpoint engine (a rollout worker's server adapter answers); `engine` a trainer
+        rank's training engine (None: not found). In "enforce" mode a canary that fires
+        raises `CanaryError` on every trainer rank, naming the rollout worker."""
+        version, self._version = self._version, None
+        if self.canary is None or version is None or role is None:
+            return
+        if role != "trainer":
+            adapter = verl_internals.server_adapter(worker)
+            answer = engine_answer(self.settings, adapter)
+            rollout_answer(rollouts, answer, timeout_s=self.timeout_s, refusal=answer_refusal(self.settings, adapter))
+            return
+        trainers = trainer_channel() if dist.is_initialized() else None
+        first = trainers is None or trainers.rank == 0  # trainer rank 0: sync rank 0 of group 0
+        module, missing = None, None
+        if engine is None:
+            missing = "found no training engine (the checkpoint engine's worker holds none as `engine` or `actor.engine`)"
+        else:
+            missing = verl_internals.canary_refusal(engine)
+            module = verl_internals.training_module(engine) if missing is None else None
+        try:
+            report = trainer_check(
+                self.canary, module, version, rollouts=rollouts if first else None, trainers=trainers, timeout_s=self.timeout_s,
+                wire_dtype=self.wire_dtype, missing=missing,
+                on_device=(lambda: verl_internals.module_on_device(engine)) if module is not None else None,
+            )
+        except CanaryError as exc:
+            self._reported(exc.report)
+            raise CanaryError(f"checkpoint engine 'hal': {exc}", report=exc.report) from None
+        if report is not None:
+            self._reported(report)
+
+    def _reported(self, report: CanaryReport | None) -> None:
+        self.report = report
+        if report is not None:
+            self._metrics = report.as_metrics("checkpoint_engine/hal/canary/")
+            self._metrics["checkpoint_engine/hal/canary/version"] = report.version

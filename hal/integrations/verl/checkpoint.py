@@ -14,59 +14,45 @@ every worker, in verl's order:
     finalize()                         every worker: the canary when due (engine_kwargs["hal"]["canary"],
                                        hal.integrations.verl.canary); buckets freed, the groups kept
 
-Who sends is `engine_kwargs["hal"]["senders"]`:
+Who sends is `engine_kwargs["hal"]["senders"]`, in hal.sync's words (hal.sync.SENDING):
 
-- `"master"` (default): one sync group joins trainer rank 0 (the master, which sends) and
-  every rollout worker; the other trainer ranks iterate verl's weight generator in step
-  with it (its `full_tensor()` gathers are collectives over the trainer's group) and send
-  nothing (`hal.sync.TrainerSync`).
+- `"gather"` (default; `"master"`, its former name, is still taken): one sync group joins
+  trainer rank 0 (verl's master, which sends) and every rollout worker; the other trainer
+  ranks iterate verl's weight generator in step with it (its `full_tensor()` gathers are
+  collectives over the trainer's group) and send nothing (`hal.sync.TrainerSync`).
 - `"all"`: every trainer rank sends its own FSDP2 shard (`hal.sync.ShardedSender`) over a
   sync group of its own with every rollout worker; each rollout worker receives from all
   of them at once and yields whole tensors (`hal.sync.ShardedReceiver`). Nothing is
-  gathered: verl hands `send_weights` a generator that would gather every tensor on every
-  rank, so this engine closes it unread and sends the shards of the training engine's
-  module instead (`verl_internals.fsdp_shards`: `module.state_dict()` under verl's names,
-  the DTensors as they are). The training engine is `weights` itself when verl passes it
-  (as it does for its shard-operating backends), else the engine of the worker that holds
-  this checkpoint engine (`verl_internals.owning_worker`). What verl's generator would
-  transform on the way (LoRA, QAT, packed MoE experts, FSDP1) is refused by name, in
-  `build_topology` when `prepare` could see the engine. verl's Megatron engine sends each
-  rank's Megatron shards under Hugging Face names instead (`verl_internals.engine_shards`,
-  hal.integrations.megatron.verl_engine; docs/megatron.md).
+  gathered: the source is the training engine's shards (hal.integrations.verl.shards;
+  docs/megatron.md for verl's Megatron engine).
 
-`global_steps` is the weight version: a rollout worker refuses an older one (every rank
-then raises `StaleVersionError`); without it the version counts up from the last one.
-Every wait is bounded by `timeout_s`: a rollout worker that dies mid-sync makes every
-trainer rank raise `PeerError`, and the next update builds new groups.
+Either way a trainer rank holds one `hal.sync.SyncSender` and calls its `sync`; only the
+source differs. `global_steps` is the weight version: a rollout worker refuses an older one
+(every rank then raises `StaleVersionError`); without it the version counts up from the
+last one. Every wait is bounded by `timeout_s`: a rollout worker that dies mid-sync makes
+every trainer rank raise `PeerError`, and the next update builds new groups.
 
-Settings: verl passes `bucket_size` (`update_weights_bucket_megabytes`) and the mapping
-`engine_kwargs["hal"]`, whose keys are `SyncConfig` fields (`bucket_bytes`,
-`segment_bytes`, `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`, `delta`) plus this
-engine's own `transport`, `senders` and `canary` (hal.integrations.verl.settings.CanarySettings;
-not given: on, in "log" mode, at the first update and every 100th after it; null or false:
-off); `delta` is true (`DeltaConfig()`), false, or a mapping of
-`DeltaConfig` fields (`{"anchor_every": 16, "choose": "time"}`); any other key is refused naming the valid ones (`is_master` is verl's).
-verl's default bucket size (2048 MiB) means "hal sizes the buckets" (from free device
-memory); any other value is the bucket size.
-
-With `senders: "master"` the names, shapes and dtypes of a sync come from verl's generator, which declares
-nothing before it yields: the first sync of an engine learns them by iterating the
-generator once in full (on the master each tensor is kept in host memory until it is
-sent: one copy of the weights, once), every later sync streams with that layout and
-checks each tensor against it; a sync whose tensors differ fails on every rank and the
-next one learns the layout again. With `"all"` the trainer ranks declare their shards
-from metadata each sync (`hal.sync.plan.shards`). Rollout workers accept the tensors the trainer's header
-declares (verl's rollout side has no model of its own to check them against).
+With `senders: gather` the names, shapes and dtypes of a sync come from verl's generator,
+which declares nothing before it yields: the first sync of an engine learns them by
+iterating the generator once in full (on the master each tensor is kept in host memory
+until it is sent: one copy of the weights, once), every later sync streams with that
+layout and checks each tensor against it; a sync whose tensors differ fails on every rank
+and the next one learns the layout again. With `"all"` the trainer ranks declare their
+shards from metadata each sync (`hal.sync.plan.shards`). Rollout workers accept the tensors
+the trainer's header declares (verl's rollout side has no model of its own to check them
+against).
 
 With `delta`, the wire carries only the changed words (docs/delta.md); each rollout worker
 keeps an image of the last sync (one model at the wire dtype, on its device) and still
 yields every tensor each update, rebuilt from it: verl's server adapters hand the weights
 to vLLM, whose layerwise reload re-processes a layer from all its tensors.
 
-Where each part lives: the settings (`sync_config_from`, re-exported here) in
-hal.integrations.verl.settings; the topology in hal.integrations.verl.topology; verl's
-generator as a hal source and hal's receive as verl's generator in
-hal.integrations.verl.weights; the engine and one update here.
+Where each part lives: the settings (`engine_kwargs["hal"]`; `sync_config_from`, re-exported
+here) in hal.integrations.verl.settings; the topology in hal.integrations.verl.topology;
+verl's generator as a hal source and hal's receive as verl's generator in
+hal.integrations.verl.weights; the training engine's shards in hal.integrations.verl.shards;
+the canary after an update in hal.integrations.verl.canary (`CanaryDuty`); verl's
+contract and one update here.
 """
 
 from __future__ import annotations
@@ -74,32 +60,33 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import types
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import torch
 from verl.checkpoint_engine import CheckpointEngine
 
 import hal
 from hal import env
+from hal.canary import DEFAULT, Canary, CanaryError, CanaryReport
 from hal.integrations.verl import internals as verl_internals
-from hal.integrations._shared import in_daemon_thread
-from hal.integrations.verl import canary as verl_canary
+from hal.integrations.verl.canary import CanaryDuty
 from hal.integrations.verl.settings import (
-    SENDERS_CHOICES,
     TRANSPORT_CHOICES,
+    CanarySettings,
     canary_settings,
     choice,
     numeric_metrics,
+    senders_setting,
     sync_config_from,
 )
+from hal.integrations.verl.shards import ShardSending
 from hal.integrations.verl.topology import NOT_IN_GROUP, build, group_key, node_address
 from hal.integrations.verl.weights import GeneratorSource, HandoffSink
-from hal.sync import ShardedSender, SyncError, SyncReceiver, TensorSpec, TrainerSync
-from hal.canary import DEFAULT, Canary, CanaryError, CanaryReport
-from hal.sync.endpoints import ALL, GATHER, make_receiver, make_sender, open_transport
+from hal.sync import SyncError, SyncReceiver, SyncSender, TensorSpec, make_receiver, make_sender, open_transport
+from hal.sync.config import ALL, GATHER
 from hal.sync.errors import PeerError
 from hal.sync.wire import LOOPBACK, SyncGroupSpec, destroy_sync_group, join_sync_group
+from hal.threads import in_daemon_thread
 
 logger = logging.getLogger(__name__)
 
@@ -126,23 +113,16 @@ class HalCheckpointEngine(CheckpointEngine):
         bucket_size: int,
         is_master: bool = False,
         transport: str = "auto",
-        senders: str = "master",
+        senders: str = GATHER,
         canary: Any = DEFAULT,
         **settings: Any,
     ) -> None:
         self.transport = choice("transport", transport, TRANSPORT_CHOICES)
-        self.senders = choice("senders", senders, SENDERS_CHOICES)
+        self.senders = senders_setting(senders)
+        """Who sends (hal.sync.SENDING): "gather" or "all"."""
         self.config = sync_config_from(bucket_size, settings)
-        self.canary_settings = canary_settings(canary)
-        """`engine_kwargs["hal"]["canary"]` (hal.integrations.verl.settings.CanarySettings)."""
-        self.canary: Canary | None = (
-            Canary(self.canary_settings.config, by_default=self.canary_settings.by_default) if self.canary_settings.enabled else None
-        )
-        """The canary's state across updates (trainer ranks count and judge; rollout workers answer); None when off."""
-        self.canary_report: CanaryReport | None = None
-        """The last check's report on a trainer rank (hal.integrations.verl.canary)."""
-        self._canary_version: int | None = None  # the update completed here since the last finalize()
-        self._canary_metrics: dict[str, float] = {}  # the last report's, for the next send_weights to return
+        self.canary_duty = CanaryDuty(canary_settings(canary), self.config)
+        """The canary after each update (hal.integrations.verl.canary)."""
         self.is_master = bool(is_master)
         self.version: int | None = None
         """The weight version of the last sync this worker completed."""
@@ -151,24 +131,37 @@ class HalCheckpointEngine(CheckpointEngine):
         self.reported: dict[str, float | int] = {}
         """What the last `send_weights` returned to verl (on the trainer rank that reports)."""
         self.last_error: str | None = None
-        """`"<SyncError class>: <message>"` of the last update that failed here; None after a success."""
+        """`"<error class>: <message>"` of the last update that failed here; None after a success."""
         self._role: str | None = None
         self._rank: int | None = None
         self._specs: list[SyncGroupSpec] = []  # the sync groups this worker is in ("all": a rollout worker's, one per trainer rank)
         self._groups: list[Any] = []
         self._links: list[Any] = []  # their transports
-        self._trainer: TrainerSync | None = None  # "master", every trainer rank
-        self._sharded: ShardedSender | None = None  # "all", every trainer rank
-        self._receiver: SyncReceiver | None = None
-        self._learned_specs: list[TensorSpec] | None = None
-        self._engine: Any = None  # "all": the training engine whose shards this trainer rank sends
-        self._refusal: str | None = None  # why that engine's shards are not what verl's generator yields
+        self._sender: SyncSender | None = None  # every trainer rank
+        self._receiver: SyncReceiver | None = None  # every rollout worker
+        self._learned_specs: list[TensorSpec] | None = None  # "gather": the layout of verl's generator
+        self._shards = ShardSending()  # "all": the training engine whose shards this trainer rank sends
+
+    @property
+    def canary(self) -> Canary | None:
+        """The canary's state across updates (trainer ranks count and judge; rollout workers answer); None when off."""
+        return self.canary_duty.canary
+
+    @property
+    def canary_settings(self) -> CanarySettings:
+        """`engine_kwargs["hal"]["canary"]` (hal.integrations.verl.settings.CanarySettings)."""
+        return self.canary_duty.settings
+
+    @property
+    def canary_report(self) -> CanaryReport | None:
+        """The last check's report on a trainer rank (hal.integrations.verl.canary)."""
+        return self.canary_duty.report
 
     # ---- topology ---------------------------------------------------------------------
     def _group_report(self) -> Any:
         if not self._specs:
             return None
-        if self.senders == "master":
+        if self.senders == GATHER:
             return group_key(self._specs[0])
         return tuple(group_key(s) for s in self._specs)
 
@@ -183,7 +176,7 @@ class HalCheckpointEngine(CheckpointEngine):
             "group": self._group_report(),
             "rank": self._rank,
         }
-        if self.is_master or self.senders == "all":
+        if self.is_master or self.senders == ALL:
             from hal.procs import free_port
 
             backend = hal.current()
@@ -198,23 +191,17 @@ class HalCheckpointEngine(CheckpointEngine):
                 # (RAY_EXPERIMENTAL_NOSET_*), which verl's trainer workers do not: opt in.
                 host_ipc=bool(backend.supports_ipc and not backend.supports_device_memory_ipc()),
             )
-        if self.senders == "all":
+        if self.senders == ALL:
             engine = verl_internals.training_engine(verl_internals.owning_worker(self))
-            metadata["refused"] = self._check(engine) if engine is not None else None
+            metadata["refused"] = self._shards.check(engine) if engine is not None else None
         return metadata
-
-    def _check(self, engine: Any) -> str | None:
-        """Why `engine`'s shards cannot stand for verl's generator (None: they can); once per engine."""
-        if engine is not self._engine:
-            self._engine, self._refusal = engine, verl_internals.shard_refusal(engine)
-        return self._refusal
 
     @classmethod
     def build_topology(
         cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """The sync groups, ranks and transports (hal.integrations.verl.topology): with senders
-        "master" trainer rank 0 and every rollout worker; with "all" one group per trainer
+        "gather" trainer rank 0 and every rollout worker; with "all" one group per trainer
         rank with every rollout worker. Kept while every member still reports them under the
         same rank; a new group meets at its sender (on 127.0.0.1 when all its members are on
         that node). A refusal `prepare` found ("all") is raised here, naming the trainer rank."""
@@ -232,12 +219,12 @@ class HalCheckpointEngine(CheckpointEngine):
         transports: list[str] | None = None,
     ) -> None:
         """Join the sync group(s) as `rank`, unless `reuse` says this worker is in them already:
-        `spec` / `transport` with senders "master" (trainer ranks other than 0 only set up
+        `spec` / `transport` with senders "gather" (trainer ranks other than 0 only set up
         their lockstep), `specs` / `transports` with "all" (a trainer rank its own group, a
         rollout worker one per trainer rank, in trainer-rank order)."""
         if specs is None:
             specs, transports = ([] if rank == NOT_IN_GROUP else [spec]), [transport]
-        joined = (self._trainer is not None or self._sharded is not None) if role == "trainer" else self._receiver is not None
+        joined = (self._sender if role == "trainer" else self._receiver) is not None
         if reuse and joined and (self._role, self._rank) == (role, rank):
             return  # every member keeps its groups, and the trainer ranks their lockstep
         self._drop_group()
@@ -249,21 +236,16 @@ class HalCheckpointEngine(CheckpointEngine):
             self._specs.append(group_spec)
             self._links.append(open_transport(name, self._groups[-1], control_device=control))
         token = env.sync_token()
-        # "master": trainer rank 0 sends what every trainer rank gathers with it
-        sending = ALL if self.senders == "all" else GATHER
         if role == "trainer":
+            # "gather": trainer rank 0 sends what every trainer rank gathers with it (the others: no transport)
             link = self._links[0] if self._links else None
-            sender = make_sender(sending, link, config=self.config, backend=backend, token=token)
-            if sending == ALL:
-                self._sharded = sender
-            else:
-                self._trainer = sender
+            self._sender = make_sender(self.senders, link, config=self.config, backend=backend, token=token)
         else:
             # verl's rollout side has no model to check the trainers' tensors against: the
             # receiver takes what the headers declare (each still decoded and checked itself);
             # a stale version stays refused across new groups
             self._receiver = make_receiver(
-                sending, self._links, None, timeout_s=self.config.timeout_s, token=token, backend=backend, version=self.version
+                self.senders, self._links, None, timeout_s=self.config.timeout_s, token=token, backend=backend, version=self.version
             )
 
     def _drop_group(self) -> None:
@@ -272,7 +254,7 @@ class HalCheckpointEngine(CheckpointEngine):
         for group in self._groups:
             destroy_sync_group(group)
         self._groups, self._links, self._specs = [], [], []
-        self._trainer = self._sharded = self._receiver = None
+        self._sender = self._receiver = None
         self._rank = None
 
     def finalize(self) -> None:
@@ -282,57 +264,16 @@ class HalCheckpointEngine(CheckpointEngine):
         stay for the next update). In "enforce" mode a canary that fires raises
         `CanaryError` here on every trainer rank, naming the rollout worker."""
         try:
-            self._check_canary()
+            worker = verl_internals.owning_worker(self)  # on verl's thread: it reads the callers
+            rollouts = self._links[0].channel if self._links else None
+            self.canary_duty.check(self._role, rollouts, worker=worker, engine=self._shards.found(worker))
+        except CanaryError as exc:
+            self.last_error = f"CanaryError: {exc}"
+            raise
         finally:
             for link in self._links:
                 link.close()
             hal.current().empty_cache()
-
-    def _check_canary(self) -> None:
-        version, self._canary_version = self._canary_version, None
-        if self.canary is None or version is None or self._role is None:
-            return
-        timeout_s = self.canary_settings.timeout_s or self.config.timeout_s
-        if self._role != "trainer":
-            adapter = verl_internals.server_adapter(verl_internals.owning_worker(self))
-            answer = verl_canary.engine_answer(self.canary_settings, adapter)
-            verl_canary.rollout_answer(
-                self._links[0].channel, answer, timeout_s=timeout_s, refusal=verl_canary.answer_refusal(self.canary_settings, adapter),
-            )
-            return
-        import torch.distributed as dist
-
-        from hal.sync.wire import trainer_channel
-
-        trainers = trainer_channel() if dist.is_initialized() else None
-        first = trainers is None or trainers.rank == 0  # trainer rank 0: sync rank 0 of group 0
-        rollouts = self._links[0].channel if first and self._links else None
-        module, missing = None, None
-        engine = self._found_engine()
-        if engine is None:
-            missing = "found no training engine (the checkpoint engine's worker holds none as `engine` or `actor.engine`)"
-        else:
-            missing = verl_internals.canary_refusal(engine)
-            module = verl_internals.training_module(engine) if missing is None else None
-        try:
-            report = verl_canary.trainer_check(
-                self.canary, module, version, rollouts=rollouts, trainers=trainers, timeout_s=timeout_s,
-                wire_dtype=self.config.wire_dtype, missing=missing,
-                on_device=(lambda: verl_internals.module_on_device(engine)) if module is not None else None,
-            )
-        except CanaryError as exc:
-            self._canary_reported(exc.report)
-            error = CanaryError(f"checkpoint engine 'hal': {exc}", report=exc.report)
-            self.last_error = f"CanaryError: {error}"
-            raise error from None
-        if report is not None:
-            self._canary_reported(report)
-
-    def _canary_reported(self, report: CanaryReport | None) -> None:
-        self.canary_report = report
-        if report is not None:
-            self._canary_metrics = report.as_metrics("checkpoint_engine/hal/canary/")
-            self._canary_metrics["checkpoint_engine/hal/canary/version"] = report.version
 
     # ---- one update ---------------------------------------------------------------------------
     def _next_version(self, global_steps: int | None) -> int:
@@ -352,7 +293,7 @@ class HalCheckpointEngine(CheckpointEngine):
             "sync_rank": self._rank,
             "version": self.version,
             "group": self._group_report(),
-            "transport": names if self.senders == "all" else (names[0] if names else None),
+            "transport": names if self.senders == ALL else (names[0] if names else None),
             "last_error": self.last_error,
             "metrics": dict(self.metrics),
             "reported": dict(self.reported),
@@ -367,80 +308,54 @@ class HalCheckpointEngine(CheckpointEngine):
     @torch.no_grad()
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
         """Every trainer rank: sync the weights as version `global_steps`: with senders
-        "master" verl's weight generator, with "all" this rank's shards of the training
+        "gather" verl's weight generator, with "all" this rank's shards of the training
         engine (`weights` when verl passes the engine, else its worker's; the generator is
         closed unread, so nothing is gathered).
 
         Returns the sync's metrics (on the master; {} on the others) for verl to merge into
         the step's metrics. Raises the sync's `SyncError` on every trainer rank."""
-        if self.senders == "all":
-            engine = weights if verl_internals.is_training_engine(weights) else self._training_engine()
-            return await self._send_shards(engine, weights, self._next_version(global_steps))
-        if self._trainer is None:
+        engine = self._shards.engine_of(weights, verl_internals.owning_worker(self)) if self.senders == ALL else None
+        sender = self._sender
+        if sender is None:
             raise RuntimeError("checkpoint engine 'hal': send_weights before init_process_group on this trainer rank")
         version = self._next_version(global_steps)
-        source = GeneratorSource(weights, self._learned_specs, asyncio.get_running_loop(), keep=self._trainer.is_sender)
-        try:
-            metrics = await asyncio.wrap_future(_in_thread(lambda: self._trainer.sync(source, version=version)))
-        except SyncError as exc:
-            if source.changed or source.learned:
-                self._learned_specs = None
-            self._failed(exc)
-            raise
-        self._learned_specs = source.specs
-        return self._completed(version, metrics, self._trainer.is_sender)
-
-    def _found_engine(self) -> Any:
-        """The training engine of the worker that holds this checkpoint engine, or the one
-        prepare() found in this worker, or None (on the caller's thread:
-        `verl_internals.owning_worker` reads its callers)."""
-        engine = verl_internals.training_engine(verl_internals.owning_worker(self))
-        return self._engine if engine is None else engine
-
-    def _training_engine(self) -> Any:
-        """`_found_engine()`, which senders 'all' cannot do without."""
-        engine = self._found_engine()
-        if engine is None:
-            raise RuntimeError(
-                "checkpoint engine 'hal': senders 'all' sends the training engine's own shards, and found no engine: "
-                "pass it to send_weights (as verl does for shard-operating backends), or call send_weights from the "
-                "worker that holds this checkpoint engine (its `engine` or `actor.engine`)"
-            )
-        return engine
-
-    async def _send_shards(self, engine: Any, weights: Any, version: int) -> dict[str, Any]:
-        if self._sharded is None:
-            raise RuntimeError("checkpoint engine 'hal': send_weights before init_process_group on this trainer rank")
-        if isinstance(weights, types.GeneratorType):
-            weights.close()  # verl's generator, unread: its full_tensor() gathers never run
-        refused = self._check(engine)
-        if refused is not None:
-            message = f"senders 'all' is refused on this trainer rank: {refused}"
-            self.last_error = f"ValueError: {message}"
-            raise ValueError(f"checkpoint engine 'hal': {message}")
-        sender = self._sharded
+        learning: GeneratorSource | None = None
+        if engine is not None:  # "all": every rank reads its shards; the master reports
+            try:
+                source: Callable[[], Any] = self._shards.source(engine, weights)
+            except ValueError as exc:
+                self.last_error = f"ValueError: {exc}"
+                raise
+            report = self.is_master
+        else:  # "gather": the rank in the sync group sends, and keeps what it learns until it has sent it
+            sends = bool(self._links)
+            learning = GeneratorSource(weights, self._learned_specs, asyncio.get_running_loop(), keep=sends)
+            source, report = (lambda: learning), sends
 
         def sync() -> Any:
             with torch.no_grad():
-                return sender.sync(verl_internals.engine_shards(engine), version=version)
+                return sender.sync(source(), version=version)
 
         try:
             metrics = await asyncio.wrap_future(_in_thread(sync))
         except SyncError as exc:
+            if learning is not None and (learning.changed or learning.learned):
+                self._learned_specs = None
             self._failed(exc)
             raise
-        return self._completed(version, metrics, self.is_master)
+        if learning is not None:
+            self._learned_specs = learning.specs
+        return self._completed(version, metrics, report)
 
     def _completed(self, version: int, metrics: Any, report: bool) -> dict[str, Any]:
         self.version = version
         self.metrics = metrics.as_dict()
         self.last_error = None
-        self._canary_version = version
+        self.canary_duty.completed(version)
         if not report:
             return {}
         # verl drops what finalize() returns: the last canary check's numbers come with the next update's
-        out = {**numeric_metrics(self.metrics), **self._canary_metrics}
-        self._canary_metrics = {}
+        out = {**numeric_metrics(self.metrics), **self.canary_duty.take_metrics()}
         self.reported = out
         return out
 
@@ -472,7 +387,7 @@ class HalCheckpointEngine(CheckpointEngine):
         self.version = receiver.version
         self.metrics = metrics.as_dict()
         self.last_error = None
-        self._canary_version = self.version
+        self.canary_duty.completed(self.version)
 
     @staticmethod
     def _receive(receiver: SyncReceiver, handoff: HandoffSink) -> Any:

@@ -196,8 +196,9 @@ def fsdp_shards(engine: object) -> list[tuple[str, Any]]:
     verl's names, the first two steps of verl's own `get_per_tensor_param` and
     `get_per_tensor_param_shard` (transformer_impl.py:1016-1018 and 928-929:
     `convert_weight_keys(module.state_dict(), module)`), FSDP2 DTensors as they are (no
-    gather, no copy, the trainer's dtype)."""
-    from verl.utils.model import convert_weight_keys
+    gather, no copy, the trainer's dtype). verl's names are the `KeyMapping` adapter's
+    (hal.sync.adapters: the same reversal of a model's `_checkpoint_conversion_mapping`)."""
+    from hal.sync.adapters import KeyMapping, adapt
 
     module = engine.module
-    return list(convert_weight_keys(module.state_dict(), getattr(module, "_fsdp_wrapped_module", module)).items())
+    return list(adapt(module.state_dict().items(), KeyMapping.of(getattr(module, "_fsdp_wrapped_module", module))))

@@ -1,9 +1,16 @@
 """The settings of verl's checkpoint engine "hal": verl's `bucket_size` and `engine_kwargs["hal"]` as a `SyncConfig`.
 
-`engine_kwargs["hal"]` takes the `SyncConfig` fields (`bucket_bytes`, `segment_bytes`,
-`bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`, `delta`) plus the engine's own
-(`ENGINE_SETTINGS`: `transport`, `senders`, `canary`); anything else is refused naming the
-valid ones. `canary` is a mapping of `CanarySettings` fields (`canary_settings`). Imports no verl.
+verl passes `bucket_size` (`update_weights_bucket_megabytes`) and the mapping
+`engine_kwargs["hal"]`, whose keys are the `SyncConfig` fields (`bucket_bytes`,
+`segment_bytes`, `bypass_cpu`, `wire_dtype`, `verify`, `timeout_s`, `delta`) plus the
+engine's own (`ENGINE_SETTINGS`): `transport`, `senders` (who sends, in hal.sync's words:
+`gather` or `all`; `master` is taken as the former name of `gather`) and `canary`
+(`CanarySettings`, `canary_settings`; not given: on, in "log" mode, at the first update and
+every 100th after it; null or false: off). `delta` is true (`DeltaConfig()`), false, or a
+mapping of `DeltaConfig` fields (`{"anchor_every": 16, "choose": "time"}`). Any other key is
+refused naming the valid ones (`is_master` is verl's). verl's default bucket size (2048 MiB)
+means "hal sizes the buckets" (from free device memory); any other value is the bucket
+size. Imports no verl.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hal.sync import DeltaConfig, SyncConfig
+from hal.sync.config import ALL, GATHER
 from hal.canary import DEFAULT, CanaryConfig, Probe, default_config
 from hal.sync.wire import WIRE_DTYPES, dtype_from_name
 
@@ -22,13 +30,16 @@ from hal.sync.wire import WIRE_DTYPES, dtype_from_name
 VERL_DEFAULT_BUCKET_MEGABYTES = 2048
 # This engine's own settings in engine_kwargs["hal"], beside SyncConfig's fields.
 TRANSPORT_CHOICES = ("auto", "broadcast", "ipc", "hierarchical")
-# Which trainer ranks send: "master" (trainer rank 0 sends what verl's generator gathers;
-# the others gather with it) or "all" (every trainer rank sends its own FSDP2 shard over a
-# sync group of its own with every rollout worker; nothing is gathered).
-SENDERS_CHOICES = ("master", "all")
+# Which trainer ranks send (hal.sync.SENDING): "gather" (trainer rank 0, verl's master, sends
+# what verl's generator gathers; the others gather with it) or "all" (every trainer rank
+# sends its own FSDP2 shard over a sync group of its own with every rollout worker; nothing
+# is gathered). Not "one": every rank of verl's trainer is called to send.
+SENDERS_CHOICES = (GATHER, ALL)
+# The names a `senders` value had before hal.sync's one vocabulary, still taken (docs/verl.md).
+FORMER_SENDERS = {"master": GATHER}
 ENGINE_SETTINGS = {
     "transport": "how bytes travel: " + " | ".join(TRANSPORT_CHOICES) + " (default auto)",
-    "senders": "which trainer ranks send: " + " | ".join(SENDERS_CHOICES) + " (default master)",
+    "senders": "which trainer ranks send: " + " | ".join(SENDERS_CHOICES) + " (default gather; master: its former name)",
     "canary": "the runtime-state canary after an update: a mapping of mode, every, seed, tolerance, ...; "
               "not given: on, in log mode, every 100th update from the first; null or false: off (docs/canary.md)",
     "is_master": "set by verl on trainer rank 0 (the rank that sends)",
@@ -98,6 +109,14 @@ def choice(setting: str, value: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"checkpoint engine 'hal': {setting} must be one of {', '.join(choices)}, got {value!r}")
     return value
+
+
+def senders_setting(value: Any) -> str:
+    """engine_kwargs["hal"]["senders"] in hal.sync's words: one of `SENDERS_CHOICES`, or a
+    former name of one (`FORMER_SENDERS`); ValueError naming the valid ones otherwise."""
+    if isinstance(value, str) and value in FORMER_SENDERS:
+        return FORMER_SENDERS[value]
+    return choice("senders", value, SENDERS_CHOICES)
 
 
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float | int]:

@@ -5,7 +5,7 @@ the list (trainer ranks first, in rank order, then rollout workers) to the engin
 `build_topology`, and dispatches what it returns to each worker's `init_process_group`.
 Two shapes, by `engine_kwargs["hal"]["senders"]`:
 
-- `"master"`: one sync group, trainer rank 0 (sync rank 0, the sender) and rollout worker i
+- `"gather"`: one sync group, trainer rank 0 (sync rank 0, the sender) and rollout worker i
   (sync rank 1 + i); the other trainer ranks are outside it (`NOT_IN_GROUP`).
   `init_process_group(role=, rank=, spec=, transport=, reuse=)`.
 - `"all"`: one sync group per trainer rank r, trainer rank r (sync rank 0, the sender of
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from hal.integrations.verl.settings import SENDERS_CHOICES
+from hal.integrations.verl.settings import FORMER_SENDERS, SENDERS_CHOICES
+from hal.sync.config import ALL, GATHER
 from hal.sync.wire import LOOPBACK, SyncGroupSpec
 
-# The sync rank of trainer ranks outside the sync group ("master": they gather, they do not send).
+# The sync rank of trainer ranks outside the sync group ("gather": they gather, they do not send).
 NOT_IN_GROUP = -1
 
 GroupKey = tuple[str, int, int]  # (address, port, world size) of a sync group
@@ -66,8 +67,10 @@ def _meeting(sender: dict[str, Any], members: list[dict[str, Any]], kept: GroupK
 
 
 def senders_of(metadata: list[dict[str, Any]], trainers: int) -> str:
-    """The `senders` setting every worker reports; ValueError naming two that disagree."""
-    said = [m.get("senders", "master") for m in metadata]
+    """The `senders` setting every worker reports (a worker of before the setting says
+    "gather"; a former name is its word's); ValueError naming two that disagree."""
+    said = [m.get("senders", GATHER) for m in metadata]
+    said = [FORMER_SENDERS.get(value, value) if isinstance(value, str) else value for value in said]
     for index, value in enumerate(said):
         if value not in SENDERS_CHOICES:
             raise ValueError(f"build_topology: {_worker(index, trainers)} reports senders {value!r}; valid: {', '.join(SENDERS_CHOICES)}")
@@ -85,12 +88,12 @@ def build(trainers: int, rollouts: int, metadata: list[dict[str, Any]]) -> tuple
         raise ValueError(f"build_topology: {len(metadata)} metadata for {trainers} + {rollouts} workers")
     if not metadata[0].get("master") or any(m.get("master") for m in metadata[1:]):
         raise ValueError("build_topology: trainer rank 0, and only it, must be the checkpoint engine's master (is_master=True)")
-    if senders_of(metadata, trainers) == "all":
+    if senders_of(metadata, trainers) == ALL:
         return _every_trainer_rank(trainers, rollouts, metadata)
-    return _master(trainers, rollouts, metadata)
+    return _gathered(trainers, rollouts, metadata)
 
 
-def _master(trainers: int, rollouts: int, metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+def _gathered(trainers: int, rollouts: int, metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
     master = metadata[0]
     members = [master, *metadata[trainers:]]
     world_size = len(members)

@@ -4,8 +4,9 @@ What each module holds (importing this package imports none of them, and no vLLM
 
 - `engine`: the weight-transfer engine `backend="hal"` (worker side) and `HalWorkerExtension`;
   `info`: what a trainer sends it (`HalInitInfo`, `HalUpdateInfo`), the transports it takes,
-  dtype names; `_reload`, `_specs`: what the engine keeps around vLLM's layerwise reload and
-  the checkpoint's specs. vLLM calls `register()` in every process through the
+  dtype names; `reload`: one update as vLLM's layerwise reload applies it (`LayerwiseReload`:
+  start, load, finish) and what it keeps across updates; `_specs`: the checkpoint's specs;
+  `engine_v023`: the same engine behind vLLM 0.23-0.24's worker. vLLM calls `register()` in every process through the
   `vllm.general_plugins` entry point `hal_weight_transfer` that pyproject.toml declares.
 - `lora`, `lora_engine`, `lora_sync`: the LoRA engine `backend="hal-lora"` and its trainer side.
 - `client`: the trainer side's names (`WeightSync`, the engines it drives, vLLM's trainer
@@ -15,8 +16,10 @@ What each module holds (importing this package imports none of them, and no vLLM
   `canary`: after a sync, the canary's probe through each engine's own serving path
   (`WeightSync(canary=...)`, hal.canary, docs/canary.md); `canary_default`: what the
   canary a `WeightSync` runs by default asks, and what it leaves alone.
-- `internals`: every private vLLM name verl-hal uses, behind a version check; `needs` lists
-  them with how hal calls them and in which releases. Import vLLM only inside their functions.
+- `internals` (a folder, the fence: `versions`, `reload`, `workers`, `lora`): every private
+  vLLM name verl-hal uses, behind a version check; `needs` lists them with how hal calls them
+  and in which releases. Import vLLM only inside their functions. `tied`: tied embeddings
+  after an update, through the fence's accessors.
 
 The names this package itself answers are the engine's, as `hal.integrations.vllm` has
 always named them (`worker_extension_cls="hal.integrations.vllm.HalWorkerExtension"`, the

@@ -46,7 +46,7 @@ from typing import Any, Sequence
 import torch
 
 from hal.integrations.vllm import canary_default
-from hal.integrations._shared import in_daemon_thread, result_within
+from hal.threads import in_daemon_thread, result_within
 from hal.sync import ModuleSource
 from hal.canary import Canary, CanaryError, CanaryReport, Probe, dtype_of, module_logprobs, vocab_size_of
 from hal.integrations.vllm.canary_answers import (

@@ -1,6 +1,6 @@
 """How `WeightSync` sends: the engines it drives (`EngineCalls`) and its drivers.
 
-A `WeightSync` holds one driver, by which trainer ranks send (hal.sync.endpoints):
+A `WeightSync` holds one driver, by which trainer ranks send (hal.sync.endpoints.SENDING):
 
 - `OneSender` ("one"): this process joins one group with every engine worker and sends;
 - `GatherThenSend` ("gather"): the same group, and the trainer's other ranks gather in
@@ -8,10 +8,12 @@ A `WeightSync` holds one driver, by which trainer ranks send (hal.sync.endpoints
 - `EveryRankSends` ("all", hal.integrations.vllm.sharded_sync): every trainer rank joins a
   group of its own with every engine worker and sends its own rows.
 
-Each driver has its `init` (groups, the engines' init) and its `attempt` (one try of one
-sync: the engines' start / update / finish around the sender). `WeightSync.sync` owns the
-one resend loop around `attempt`; `fold_engine_errors` is the one place an engine's failed
-call is joined to the sync's error. Imports vLLM only through hal.integrations.vllm.info.
+Each is a `Driver`, which says only what differs: how its rank joins its group with the
+engines (`join`, a `hal.sync.TrainerSide`), and one try of one sync (`attempt`: the
+engines' start / update / finish around this rank's `SyncSender.sync`) where that is not
+the common one. `WeightSync.sync` owns the one resend loop around `attempt`;
+`fold_engine_errors` is the one place an engine's failed call is joined to the sync's
+error. Imports vLLM only through hal.integrations.vllm.info.
 """
 
 from __future__ import annotations
@@ -20,22 +22,20 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import hal
 from hal import env
+from hal.backends.interface import Backend
 from hal.integrations.vllm import internals as vllm_internals
-from hal.integrations._shared import in_daemon_thread, result_within
 from hal.integrations.vllm.engines import Engine
 from hal.integrations.vllm.info import HalInitInfo, dtype_name
 from hal.procs import free_port
-from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics, TrainerSync
-from hal.sync.wire import init_proof
-from hal.sync.config import WaitBounds
-from hal.sync.endpoints import GATHER, ONE, make_sender, open_transport
+from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics, SyncSender, TrainerSide
+from hal.sync.config import GATHER, ONE, WaitBounds
 from hal.sync.errors import PeerError
-from hal.sync.wire import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group
-from hal.sync.wire import GroupChannel
+from hal.sync.wire import GroupChannel, SyncGroupSpec, destroy_sync_group, init_proof
+from hal.threads import in_daemon_thread, result_within
 
 logger = logging.getLogger("hal.integrations.vllm.weight_sync")
 
@@ -249,55 +249,58 @@ def release_group(group: Any) -> None:
         pass
 
 
-class OneSender:
-    """This process sends ("one"): one group with every engine worker, this process its rank 0."""
+class Driver:
+    """What every driver of a `WeightSync` is (see the module doc). Each subclass says who
+    sends (`sending`, hal.sync.endpoints.SENDING) and how this rank joins its sync group with
+    the engines (`join`); and, where one try of a sync differs, `attempt`.
 
-    sending = ONE
-    drives_engines = True
-    """Whether this rank calls the engines (only trainer rank 0 does when every rank sends)."""
-    trainer_rank = 0
+    `init` joins, then makes this rank's sending side (a `SyncSender`) over the group
+    (`TrainerSide.open`); `close` releases both (`WeightSync` shuts the engines down)."""
+
+    sending: ClassVar[str]
     trainer_channel: GroupChannel | None = None
+    """The trainer group's channel, where the trainer ranks agree (every rank sends, after `init`)."""
 
     def __init__(self, settings: Settings, engines: EngineCalls) -> None:
         self.settings = settings
         self.engines = engines
         self.group: Any = None
-        self.sender: Any = None
-        """The hal sending side (`Sender`; `TrainerSync` when gathering) after `init`."""
+        self.sender: SyncSender | None = None
+        """This rank's sending side (hal.sync.endpoints.make_sender) after `init`."""
+
+    @property
+    def trainer_rank(self) -> int:
+        """This process's rank in the trainer group (0 where only this process drives the sync)."""
+        return self.trainer_channel.rank if self.trainer_channel is not None else 0
+
+    @property
+    def drives_engines(self) -> bool:
+        """Whether this rank calls the engines (trainer rank 0 only)."""
+        return self.trainer_rank == 0
+
+    @property
+    def core_sender(self) -> Sender | None:
+        """The hal `Sender` that holds this rank's transport (after `init`)."""
+        return self.sender
 
     def init(self) -> None:
-        settings, engines = self.settings, self.engines
-        if self.group is not None:
+        settings = self.settings
+        if self.group is not None or self.trainer_channel is not None:
             raise RuntimeError("WeightSync.init called twice")
         vllm_internals.require_supported_vllm()
-        backend = hal.current()
-        if settings.transport == "auto":
-            local = all(e.same_node for e in engines.engines)
-            settings.transport = "ipc" if local and backend.supports_ipc else "broadcast"
-        port = settings.master_port or free_port(settings.master_address)
-        # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
-        # workers use to join, would listen on every interface: hal.sync.wire.group), from now on
-        spec = SyncGroupSpec(address=settings.master_address, port=port, world_size=engines.world_size)
-        server = RendezvousServer(spec, timeout_s=settings.timeout_s)
-        calls = engines.ask_to_join(port)
-        group_call = in_daemon_thread(
-            "hal-trainer: join the weight-sync group",
-            lambda: join_sync_group(spec, 0, backend=backend.dist_backend, timeout_s=settings.timeout_s, server=server),
-        )
-        try:
-            self.group = engines.join(group_call, calls, port)
-        except BaseException:
-            # an engine refused or the join failed: close the rendezvous, so that the join
-            # thread ends now and the port is free, instead of both lasting until the timeout
-            server.close()
-            raise
-        transport = open_transport(settings.transport, self.group, control_device=backend.control_device())
-        self.sender = make_sender(
-            self.sending, transport, config=settings.config, trainer_group=settings.trainer_group, token=settings.token
+        side = self.join(hal.current())
+        self.group = side.group
+        self.sender = side.open(
+            self.sending, settings.transport, config=settings.config, trainer_group=settings.trainer_group, token=settings.token
         )
 
-    def _send(self, source: Any, version: int, resend: Callable[[SyncError], bool]) -> SyncMetrics:
-        return self.sender.send(source, version=version)
+    def join(self, backend: Backend) -> TrainerSide:
+        """This rank's side of its sync group, joined with every engine's workers."""
+        raise NotImplementedError
+
+    def send(self, source: Any, version: int, resend: Callable[[SyncError], bool]) -> SyncMetrics:
+        """This rank's part of one try (`resend`: whether a failed try is sent again)."""
+        return self.sender.sync(source, version=version)
 
     def attempt(self, source: Any, version: int, resend: Callable[[SyncError], bool]) -> tuple[SyncMetrics, dict[str, str]]:
         """One try: the engines start (a refusal raises before anything is sent), update in
@@ -306,7 +309,7 @@ class OneSender:
         engines = self.engines
         calls = engines.start(version)
         try:
-            metrics = self._send(source, version, resend)
+            metrics = self.send(source, version, resend)
         except SyncError as exc:
             raise fold_engine_errors(exc, engines.wait(calls)) from exc  # the engines fail the same sync
         failed = fold_engine_errors(None, engines.wait(calls))
@@ -314,19 +317,40 @@ class OneSender:
             raise failed
         return metrics, engines.finish(version)
 
-    @property
-    def core_sender(self) -> Sender | None:
-        """The hal `Sender` that holds this rank's transport (after `init`)."""
-        return self.sender
-
     def close(self) -> None:
         """Release this rank's transport and group (the engines are shut down by `WeightSync`)."""
-        group, core = self.group, self.core_sender
-        self.group = self.sender = None
-        if core is not None:
-            core.transport.close()
+        group, sender = self.group, self.sender
+        self.group, self.sender, self.trainer_channel = None, None, None
+        if sender is not None:
+            sender.close()
         if group is not None:
             release_group(group)
+
+
+class OneSender(Driver):
+    """This process sends ("one"): one group with every engine worker, this process its rank 0."""
+
+    sending = ONE
+
+    def join(self, backend: Backend) -> TrainerSide:
+        settings, engines = self.settings, self.engines
+        if settings.transport == "auto":
+            local = all(e.same_node for e in engines.engines)
+            settings.transport = "ipc" if local and backend.supports_ipc else "broadcast"
+        port = settings.master_port or free_port(settings.master_address)
+        # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
+        # workers use to join, would listen on every interface: hal.sync.wire.group), from now on
+        spec = SyncGroupSpec(address=settings.master_address, port=port, world_size=engines.world_size)
+        side = TrainerSide(spec, backend=backend, timeout_s=settings.timeout_s)
+        calls = engines.ask_to_join(port)
+        try:
+            engines.join(side.join(), calls, port)
+        except BaseException:
+            # an engine refused or the join failed: close the rendezvous, so that the join
+            # thread ends now and the port is free, instead of both lasting until the timeout
+            side.close()
+            raise
+        return side
 
 
 class GatherThenSend(OneSender):
@@ -335,8 +359,8 @@ class GatherThenSend(OneSender):
 
     sending = GATHER
 
-    def _send(self, source: Any, version: int, resend: Callable[[SyncError], bool]) -> SyncMetrics:
-        return self.sender.sync(source, version=version, resend=resend)
+    def send(self, source: Any, version: int, resend: Callable[[SyncError], bool]) -> SyncMetrics:
+        return self.sender.sync(source, version=version, resend=resend)  # the other ranks learn of a resend
 
     @property
     def core_sender(self) -> Sender | None:

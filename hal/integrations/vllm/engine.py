@@ -60,8 +60,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 import hal
 from hal import env
 from hal.integrations.vllm import internals as vllm_internals
-from hal.integrations.vllm import tied as vllm_tied
-from hal.integrations.vllm._reload import CarryArena, kernel_changes, kernel_tensors
+from hal.integrations.vllm.reload import LayerwiseReload
 from hal.integrations.vllm.info import ENGINE_TRANSPORTS, HalInitInfo, HalUpdateInfo, dtype_from_name, dtype_name  # noqa: F401 - re-exported
 from hal.sync import SinkPolicy, SpecMismatchError, SyncError, SyncMetrics, SyncReceiver, TensorSpec
 from hal.sync.errors import AuthError, DeltaBaseError, HeaderError, StaleVersionError
@@ -109,15 +108,9 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         self._group: Any = None  # the group of trainer rank 0 (the only one unless every trainer rank sends)
         self._groups: list[Any] = []  # one per sending trainer rank, in trainer-rank order
         self._receiver: SyncReceiver | None = None
-        self._layer_of: dict[str, frozenset[str]] = {}
-        self._seen: set[str] = set()
-        self._carry: CarryArena | None = None
-        self._kernels = kernel_tensors(model)  # what each reload copies processed tensors back into
-        self._reloading = False
-        self._restore_experts: Any = None  # undoes reprocess_experts_on_reload once a reload ends
+        self.reload = LayerwiseReload(model)
+        """How an update is applied: one layerwise reload of the model per update (hal.integrations.vllm.reload)."""
         self.last_metrics: SyncMetrics | None = None
-        self.refreshed_tied: list[str] = []
-        """Modules whose state derived from a tied weight was rebuilt after the last update."""
 
     def _init_vllm_engine(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         """vLLM's own engine init (vLLM 0.25 on; the engine of 0.23-0.24's API overrides it)."""
@@ -183,7 +176,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         self._groups, self._group = groups, groups[0]
         control = backend.control_device()
         transports = [open_transport(init_info.transport, group, control_device=control) for group in groups]
-        self._layer_of = layer_groups([s.name for s in specs])
+        self.reload.expect(layer_groups([s.name for s in specs]), sum(s.nbytes for s in specs))
         try:
             accepted = self.accepted_specs(init_info, specs)
         except BaseException:
@@ -195,7 +188,6 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         self._receiver = make_receiver(
             sending, transports, accepted, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate
         )
-        self._carry = CarryArena(cap_bytes=max(64 << 20, sum(s.nbytes for s in specs) // 4))
 
     def accepted_specs(self, init_info: HalInitInfo, checkpoint: list[TensorSpec]) -> list[TensorSpec]:
         """The tensors this engine's receiver accepts, from the checkpoint's (called once the
@@ -209,16 +201,16 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         tensors, and one that got only some would be processed with the rest uninitialised.
         Refuse one too when a parameter's kernel layout changed since the engine started
         (`kernel_tensors`): the reload would copy freshly processed tensors into it."""
-        moved = self._kernels_moved()
+        moved = self.reload.kernel_changes()
         if moved:
             raise SpecMismatchError(
                 f"{moved[0]}{f' (+{len(moved) - 1} more)' if len(moved) > 1 else ''}: the engine's weights were laid out "
                 "anew since it started, so a reload cannot copy processed tensors back into them (vllm-ascend 0.23's "
                 "NPUWorker.wake_up transposes MoE expert weights back: vllm-ascend issues 11548, 12226)"
             )
-        sent = {spec.name for spec in specs}
+        sent, layer_of = {spec.name for spec in specs}, self.reload.layer_of
         for name in sorted(sent):
-            missing = self._layer_of.get(name, frozenset()) - sent
+            missing = layer_of.get(name, frozenset()) - sent
             if missing:
                 more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
                 raise SpecMismatchError(
@@ -226,14 +218,10 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
                     "vLLM's layerwise reload needs every tensor of each layer it reloads"
                 )
 
-    def _kernels_moved(self) -> list[str]:
-        return kernel_changes(self._kernels)
-
     # ---- one update ---------------------------------------------------------------
     def start_weight_update(self) -> None:
-        # Layerwise reload starts lazily with the first bucket, after the receiver has
-        # checked the trainer's header: a refused update leaves the model untouched.
-        self._reloading = False
+        """Nothing yet: the layerwise reload starts with the first bucket (`apply`), after the
+        receiver checked the trainer's header, so a refused update leaves the model untouched."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         typed = self.parse_update_info(update_info)
@@ -242,7 +230,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         finally:
             # Every layer that was not (fully) loaded gets its old kernel tensors back,
             # so the engine keeps serving whole weights whatever happened.
-            self._finish_reload()
+            self.reload.finish()
         hal.current().synchronize()
 
     def receive_weights(self, update_info: HalUpdateInfo) -> None:
@@ -270,43 +258,20 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         return None  # vLLM repacks its parameters: tensors go through load_weights
 
     def apply(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        if not self._reloading:
-            vllm_internals.initialize_layerwise_reload(self.model)
-            # fused MoE experts re-packed as at start-up (vLLM 0.28 on skips it on updates)
-            self._restore_experts = vllm_internals.reprocess_experts_on_reload(self.model)
-            self._reloading = True
-            self._seen = set()
-            self._carry.reset()
-        self._seen.update(name for name, _ in pairs)
-        # The views are valid during this call only. A layer whose tensors are not all
-        # here yet keeps the ones it got until its last one arrives: those are copied.
-        keep = self._carry.keep
-        batch = [(n, t if self._layer_of.get(n, frozenset((n,))) <= self._seen else keep(t)) for n, t in pairs]
-        self._load(batch)
-        # and what vLLM itself holds past this call (a layer it processes at the end)
-        vllm_internals.retain_deferred_loads(self._carry.retain)
-
-    def _load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_weights(batch)
+        if not self.reload.open:
+            self.reload.start(self.model, self.model_config)
+        self.reload.load(pairs)
 
     def abort(self) -> None:
-        self._finish_reload()
-
-    def _finish_reload(self) -> None:
-        if self._reloading:
-            self._reloading = False
-            try:
-                vllm_internals.finalize_layerwise_reload(self.model, self.model_config)
-            finally:
-                restore, self._restore_experts = self._restore_experts, None
-                if restore is not None:
-                    restore()
-            # A weight tied to another module (lm_head to embed_tokens) is loaded through
-            # its owner; state derived from it at load time is rebuilt here.
-            self.refreshed_tied = vllm_tied.refresh_tied_weights(self.model)
+        self.reload.finish()
 
     def finish_weight_update(self) -> None:
-        self._finish_reload()
+        self.reload.finish()
+
+    @property
+    def refreshed_tied(self) -> list[str]:
+        """Modules whose state derived from a tied weight was rebuilt after the last update."""
+        return self.reload.refreshed_tied
 
     @property
     def version(self) -> int | None:

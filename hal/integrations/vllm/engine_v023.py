@@ -16,9 +16,9 @@ versions, delta, token, tied-weight refresh, every-rank senders); only its seams
 worker differ (`WorkerOwnedUpdates`):
 
 - **start**: the worker has started the reload before hal sees the sync, so the engine
-  hands buckets to the loader at once (it does not start one of its own), and checks the
-  kernel layout against the tensors the reload keeps aside
-  (`vllm_internals.reload_kernel_parameters`).
+  starts its `LayerwiseReload` (hal.integrations.vllm.reload) in that mode: it hands buckets
+  to the loader at once (it does not start vLLM's reload again), and checks the kernel
+  layout against the tensors the reload keeps aside (`vllm_internals.reload_kernel_parameters`).
 - **load**: through the `load_weights` the worker hands over.
 - **finish**: the engine ends the reload when `receive_weights` returns or raises, and then
   refreshes tied weights, as the engine of 0.25 on does at the end of `update_weights`.
@@ -44,20 +44,17 @@ What 0.23's API cannot carry, and what hal does instead:
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from hal.integrations.vllm import internals as vllm_internals
-from hal.integrations.vllm._reload import kernel_changes
 from hal.integrations.vllm.info import HalUpdateInfo
 from hal.integrations.vllm.engine import HalWeightTransferEngine
 from hal.integrations.vllm.lora_engine import HalLoraWeightTransferEngine
-
-Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
+from hal.integrations.vllm.reload import LayerwiseReload, Loader
 
 
 class WorkerOwnedUpdates:
@@ -70,15 +67,12 @@ class WorkerOwnedUpdates:
     """
 
     model: torch.nn.Module
-    _kernels: Any
-    _reloading: bool
-    _seen: set[str]
-    _carry: Any
+    model_config: Any
+    reload: LayerwiseReload
 
     def __init__(self, config: WeightTransferConfig, parallel_config: Any, model: torch.nn.Module, *, vllm_config: Any = None) -> None:
         if vllm_config is None:
             vllm_config = vllm_internals.creating_worker_vllm_config(parallel_config)
-        self._worker_load: Loader | None = None
         super().__init__(config, vllm_config, _device_of(model), model)  # type: ignore[call-arg]
 
     def _init_vllm_engine(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
@@ -88,7 +82,6 @@ class WorkerOwnedUpdates:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.device = device
-        self._default_model = model
 
     def receive_weights(self, update_info: HalUpdateInfo, load_weights: Loader | None = None) -> None:  # type: ignore[override]
         """From the worker (`load_weights` given): the worker started the reload; this ends it.
@@ -98,25 +91,12 @@ class WorkerOwnedUpdates:
         if load_weights is None:
             super().receive_weights(update_info)  # type: ignore[misc]
             return
-        self._reloading, self._seen, self._worker_load = True, set(), load_weights
-        self._carry.reset()
+        self.reload.start(self.model, self.model_config, worker_load=load_weights)
         try:
             super().receive_weights(update_info)  # type: ignore[misc]
         finally:
-            self._worker_load = None
             # a sync refused (or failed) before a tensor was loaded puts every layer back, on purpose
-            with vllm_internals.restoring_every_layer() if not self._seen else contextlib.nullcontext():
-                self._finish_reload()  # type: ignore[attr-defined]
-
-    def _load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        if self._worker_load is not None:
-            self._worker_load(batch)
-        else:
-            super()._load(batch)  # type: ignore[misc]
-
-    def _kernels_moved(self) -> list[str]:
-        # while the worker's reload runs, the layers hold meta tensors: compare what it keeps aside
-        return kernel_changes(self._kernels, params_of=vllm_internals.reload_kernel_parameters)
+            self.reload.finish()
 
 
 class HalWeightTransferEngineV023(WorkerOwnedUpdates, HalWeightTransferEngine):

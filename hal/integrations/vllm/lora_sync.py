@@ -35,8 +35,8 @@ from hal.integrations.vllm.weight_sync import SyncResult, WeightSync
 from hal.sync import SyncConfig, TensorSource
 from hal.canary import as_canary
 from hal.sync.lora import BaseWeightTracker, LoraSyncDecision, MergedSource, adapter_tensors, base_tensors
-from hal.sync import errors
-from hal.sync.errors import RankReport
+from hal.sync.config import ALL, GATHER
+from hal.sync.errors import agree_failure
 from hal.sync.wire import GroupChannel
 
 logger = logging.getLogger(__name__)
@@ -174,10 +174,10 @@ class LoraWeightSync:
                 "into whole base tensors, which no single trainer rank holds; send base and adapter "
                 "(adapter_merged=False), or merge on one rank (senders='one')"
             )
-        if trainer_group is not None and senders != "all":
+        if senders == GATHER or (trainer_group is not None and senders != ALL):
             raise ValueError(
                 "LoraWeightSync(trainer_group=...) needs senders='all' (every trainer rank sends its rows); "
-                "gathering onto one sending rank is not offered for LoRA syncs"
+                "gathering onto one sending rank (senders='gather') is not offered for LoRA syncs"
             )
         self.senders = senders
         self.trainer_group = trainer_group
@@ -260,12 +260,13 @@ class LoraWeightSync:
         except Exception as exc:  # noqa: BLE001 - told to every rank
             error = exc
         channel = self._channel
-        report = RankReport() if error is None else errors.report_exception(error, sender=True, keep_class=True)
         with channel.bounded(self.weight_sync.config.timeout_s):
-            failed = errors.first_failure(channel.agree(report, f"what the LoRA sync of version {version} sends"))
-            if failed is not None:
-                rank, told = failed
-                raise errors.rebuild(told, f"LoraWeightSync.sync of version {version}: trainer rank {rank}: ") from error
+            failure = agree_failure(
+                channel, error, f"what the LoRA sync of version {version} sends",
+                lambda rank: f"LoraWeightSync.sync of version {version}: trainer rank {rank}: ",
+            )
+            if failure is not None:
+                raise failure from error
             wants_base = torch.zeros(channel.world_size, dtype=torch.int64, device=channel.control_device)
             wants_base[channel.rank] = int(decision.send_base)
             channel.allreduce(wants_base, f"whether the LoRA sync of version {version} sends the base")

@@ -18,12 +18,13 @@ hal.integrations.vllm when `HalInitInfo.rendezvous` lists the ranks):
            outcome, so that every rank returns (with the engines' versions as rank 0 read
            them) or raises the same error, and resends the same way.
 
-Each of those steps ends with an agreement over `g` (`GroupChannel.agree` of every rank's
-`RankReport`, the failure's class kept: `hal.sync.errors.rebuild`), bounded, so that a
+Each of those steps ends with an agreement over `g` (`hal.sync.errors.agree_failure`: every
+rank's failure told with its class kept), bounded, so that a
 failure on one rank (an engine refusing, a port taken, a rendezvous nobody came to) fails
 every rank at once with the same error, instead of leaving the others waiting for their
-timeout. `WeightSync` (hal.integrations.vllm.weight_sync) holds this driver
-(hal.integrations.vllm.drivers has the others).
+timeout. Its group is joined through `hal.sync.TrainerSide`, as the other drivers' are.
+`WeightSync` (hal.integrations.vllm.weight_sync) holds this driver (hal.integrations.vllm.drivers
+has the others and their base, `Driver`).
 """
 
 from __future__ import annotations
@@ -31,59 +32,35 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-import hal
-from hal.integrations.vllm import internals as vllm_internals
-from hal.integrations._shared import in_daemon_thread, result_within
-from hal.integrations.vllm.drivers import EngineCalls, Settings, fold_engine_errors, release_group
+from hal.backends.interface import Backend
+from hal.integrations.vllm.drivers import Driver, fold_engine_errors
 from hal.integrations.vllm.info import check_rendezvous
 from hal.procs import free_port
-from hal.sync import Sender, ShardedSender, SyncError, SyncMetrics
-from hal.sync import errors as sync_errors
-from hal.sync.endpoints import ALL, make_sender, open_transport
-from hal.sync.errors import PeerError, RankReport
-from hal.sync.wire import RendezvousServer, SyncGroupSpec, join_sync_group
-from hal.sync.wire import GroupChannel, trainer_channel
+from hal.sync import Sender, SyncError, SyncMetrics, TrainerSide
+from hal.sync.config import ALL
+from hal.sync.errors import PeerError, agree_failure
+from hal.sync.wire import SyncGroupSpec, trainer_channel
 
 # What each rank tells the others at init: its rendezvous and the engines it was given.
 MAX_ENDPOINT_BYTES = 1 << 16
 
 
-class EveryRankSends:
+class EveryRankSends(Driver):
     """Every trainer rank sends its own rows ("all"; see the module doc). The same driver
     on every rank of the trainer group; trainer rank 0 alone calls the engines."""
 
     sending = ALL
-
-    def __init__(self, settings: Settings, engines: EngineCalls) -> None:
-        self.settings = settings
-        self.engines = engines
-        self.group: Any = None
-        self.sender: ShardedSender | None = None
-        self.trainer_channel: GroupChannel | None = None
-        """The trainer group's channel (after `init`): init's and each sync's agreements."""
-
-    @property
-    def trainer_rank(self) -> int:
-        return self.trainer_channel.rank if self.trainer_channel is not None else 0
-
-    @property
-    def drives_engines(self) -> bool:
-        return self.trainer_rank == 0
 
     @property
     def core_sender(self) -> Sender | None:
         return None if self.sender is None else self.sender.sender
 
     # ---- init -----------------------------------------------------------------------------
-    def init(self) -> None:
+    def join(self, backend: Backend) -> TrainerSide:
         """Every trainer rank: serve a rendezvous of its own, tell the others where (trainer
         rank 0 then asks the engines to join all of them), join it. After each step the
         ranks agree, so that all of them go on, or raise the same, together."""
         settings, engines = self.settings, self.engines
-        if self.group is not None or self.trainer_channel is not None:
-            raise RuntimeError("WeightSync.init called twice")
-        vllm_internals.require_supported_vllm()
-        backend = hal.current()
         settings.transport = "broadcast"
         channel = self.trainer_channel = trainer_channel(settings.trainer_group, backend)
         lead = channel.rank == 0
@@ -98,65 +75,57 @@ class EveryRankSends:
             raise
         engines.place(sizes)  # on every rank: which group ranks are whose (`inconsistent`), and the world size
         spec = SyncGroupSpec(address=settings.master_address, port=port, world_size=engines.world_size)
-        server: RendezvousServer | None = None
+        side: TrainerSide | None = None
         try:
-            server = RendezvousServer(spec, timeout_s=settings.timeout_s)
+            side = TrainerSide(spec, backend=backend, timeout_s=settings.timeout_s)
             error = None
         except Exception as exc:  # noqa: BLE001 - told to every rank
             error = exc
         try:
             self._agree_init(error, "opening its rendezvous", settings.bounds.step_s)
         except BaseException:
-            if server is not None:
-                server.close()
+            if side is not None:
+                side.close()
             raise
-        group_call = in_daemon_thread(
-            f"hal-trainer rank {channel.rank}: join the weight-sync group",
-            lambda: join_sync_group(spec, 0, backend=backend.dist_backend, timeout_s=settings.timeout_s, server=server),
-        )
+        joining = side.join(f"hal-trainer rank {channel.rank}: join the weight-sync group")
         try:
             error = None
             if lead:  # the engines are driven from here only
                 try:
-                    self.group = engines.join(group_call, engines.ask_to_join(port, rendezvous), port)
+                    engines.join(joining, engines.ask_to_join(port, rendezvous), port)
                 except Exception as exc:  # noqa: BLE001 - told to every rank
                     error = exc
             # the others wait here while the engines join (or refuse): their own joins end with it
             self._agree_init(error, "initialising the engines", settings.bounds.behind_s)
             if not lead:
                 try:
-                    self.group = result_within(group_call, f"trainer rank {channel.rank}: join the weight-sync group", settings.timeout_s)
+                    side.group_within(f"trainer rank {channel.rank}: join the weight-sync group", settings.timeout_s)
                 except Exception as exc:  # noqa: BLE001 - told to every rank
                     error = exc
             self._agree_init(error, "joining its weight-sync group", settings.bounds.behind_s)
         except BaseException:
-            server.close()  # a join still waiting ends now, and the port is free
-            if self.group is None and group_call.done() and group_call.exception() is None:
-                self.group = group_call.result()
+            side.close()  # a join still waiting ends now, and the port is free
+            self.group = side.group  # joined after all: released with the rest
             engines.shut_down()  # engines that joined let go of every trainer rank's group
             self.close()  # this rank of its own
             raise
-        transport = open_transport("broadcast", self.group, control_device=backend.control_device())
-        self.sender = make_sender(
-            ALL, transport, config=settings.config, trainer_group=settings.trainer_group, backend=backend, token=settings.token
-        )
+        return side
 
     def _agree_init(self, error: BaseException | None, what: str, bound_s: float) -> None:
         """Every trainer rank's word on one step of init; raises the first rank's error on
-        every rank (as its own class, `keep_class`) when any rank failed."""
+        every rank (as its own class) when any rank failed."""
         channel = self.trainer_channel
-        report = RankReport() if error is None else sync_errors.report_exception(error, sender=True, keep_class=True)
         try:
             with channel.bounded(bound_s):
-                reports = channel.agree(report, f"weight-sync init: {what}")
+                failure = agree_failure(
+                    channel, error, f"weight-sync init: {what}", lambda rank: f"WeightSync.init: trainer rank {rank}, {what}: ", my_rank=0
+                )
         except BaseException:
             self.trainer_channel = None
             raise
-        failed = sync_errors.first_failure(reports)
-        if failed is not None:
-            rank, told = failed
+        if failure is not None:
             self.trainer_channel = None  # init may be called again
-            raise sync_errors.rebuild(told, f"WeightSync.init: trainer rank {rank}, {what}: ", my_rank=0) from error
+            raise failure from error
 
     # ---- one sync --------------------------------------------------------------------------
     def attempt(self, source: Any, version: int, resend: Callable[[SyncError], bool]) -> tuple[SyncMetrics, dict[str, str]]:
@@ -168,7 +137,15 @@ class EveryRankSends:
         metrics, error, versions = None, agreed.refused, {}
         if agreed.refused is None:
             metrics, error, versions = self._send(agreed, version)
-        failure = self._agree_outcome(error, version)
+        # every rank's outcome: rank 0's error first (it holds the engines' messages), with the
+        # reports of every rank's `SyncError` together, so every rank decides a resend alike;
+        # the others wait here while rank 0 waits for the engines' calls and finishes them
+        channel = self.trainer_channel
+        with channel.bounded(self.settings.outcome_bound_s):
+            failure = agree_failure(
+                channel, error, f"outcome of the sync of version {version}",
+                lambda rank: "" if rank == 0 else f"trainer rank {rank}: ", my_rank=0, together=True,
+            )
         if failure is not None:
             raise failure from error
         return metrics, self._versions(versions, version)
@@ -193,30 +170,6 @@ class EveryRankSends:
                 error = exc
         return metrics, error, versions
 
-    def _agree_outcome(self, error: BaseException | None, version: int) -> BaseException | None:
-        """Every trainer rank's outcome of one attempt: the error every rank raises (rank 0's
-        first: it holds the engines' messages; the reports of every rank's `SyncError`
-        together, so every rank decides a resend alike), None when all completed."""
-        channel = self.trainer_channel
-        report = RankReport() if error is None else sync_errors.report_exception(error, sender=True, keep_class=True)
-        # the others wait here while rank 0 waits for the engines' calls and finishes them
-        with channel.bounded(self.settings.outcome_bound_s):
-            reports = channel.agree(report, f"outcome of the sync of version {version}")
-        failed = [(rank, told) for rank, told in enumerate(reports) if told.error is not None]
-        if not failed:
-            return None
-        rank, first = failed[0]
-        told = [r.told_reports for _, r in failed]
-        side = any(rep.sender and rep.error for t in told for rep in t.values())
-        inconsistent = {w for t in told for w, rep in t.items() if rep.inconsistent}
-        lost = {w for t in told for w, rep in t.items() if rep.error} - {0}
-        reports = {0: RankReport(error=first.error if side else None, sender=True)}
-        for worker in sorted(inconsistent | lost):
-            if worker != 0:
-                reports[worker] = RankReport(error="failed" if worker in lost else None, inconsistent=worker in inconsistent)
-        prefix = "" if rank == 0 else f"trainer rank {rank}: "
-        return sync_errors.rebuild(first, prefix, reports=reports, my_rank=0)
-
     def _versions(self, versions: dict[str, str], version: int) -> dict[str, str]:
         """The engines' versions as rank 0 read them, on every rank."""
         channel = self.trainer_channel
@@ -227,15 +180,6 @@ class EveryRankSends:
             return {str(k): str(v) for k, v in dict(json.loads(told or b"{}")).items()}
         except (ValueError, TypeError, AttributeError) as exc:
             raise PeerError(f"sync of version {version}: trainer rank 0's engine versions are unreadable: {exc}") from None
-
-    def close(self) -> None:
-        """Release this rank's transport and group (rank 0's `WeightSync` shuts the engines down)."""
-        group, core = self.group, self.core_sender
-        self.group, self.sender, self.trainer_channel = None, None, None
-        if core is not None:
-            core.transport.close()
-        if group is not None:
-            release_group(group)
 
 
 def _rendezvous_of(payloads: list[bytes]) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:

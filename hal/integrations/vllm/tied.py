@@ -1,8 +1,8 @@
 """Tied embeddings after a weight update: every module that shares its weight with an
 earlier one (`lm_head` with `embed_tokens`) computes with the current shared weight again
-(`refresh_tied_weights`). What it reads of vLLM (`QUANT_METHOD_ATTR`, `EMBEDDING_METHOD`,
-`DERIVED_ATTR`) is named in hal.integrations.vllm.internals; why it is needed:
-docs/platform-notes.md.
+(`refresh_tied_weights`). It reads and writes vLLM's layers through the accessors of
+hal.integrations.vllm.internals only (`quant_method_of`, `embedding_method`,
+`derived_linear`, ...), which name what they touch; why it is needed: docs/platform-notes.md.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hal.integrations.vllm.internals import DERIVED_ATTR, EMBEDDING_METHOD, QUANT_METHOD_ATTR
+from hal.integrations.vllm import internals as vllm_internals
 
 _warned_tied: set[str] = set()
 
@@ -45,35 +45,32 @@ def refresh_tied_weights(model: torch.nn.Module) -> list[str]:
     there is nothing to do (a pass over the modules' own parameters); no device checks:
     where nothing is derived from the weight (CUDA) there is no `cpu_linear` and nothing happens.
     """
-    import importlib
-
-    module_name, class_name = EMBEDDING_METHOD
-    embedding_method = getattr(importlib.import_module(module_name), class_name)
+    embedding_method = vllm_internals.embedding_method()
     modules = dict(model.named_modules())
     refreshed: list[str] = []
     for alias, owner in tied_aliases(model).items():
         module, owner_module = modules[alias], modules[owner]
-        quant_method = getattr(module, QUANT_METHOD_ATTR, None)
+        quant_method = vllm_internals.quant_method_of(module)
         if quant_method is None:
             continue  # a plain torch module: nothing is derived from its weight
         if not isinstance(quant_method, embedding_method):
             _warn_tied_once(alias, owner, quant_method)
             continue
-        if type(quant_method).process_weights_after_loading is not embedding_method.process_weights_after_loading:
+        if vllm_internals.has_own_processing(quant_method):
             # a platform's own embedding method (vllm-ascend's 310P one derives `weight_nz`
             # and computes logits from it): what it derives is its business, so the alias
             # runs it again, as vLLM does at load
             _reprocess(module, alias, owner, owner_module, quant_method)
             refreshed.append(alias)
             continue
-        derived = getattr(module, DERIVED_ATTR, None)
+        derived = vllm_internals.derived_linear(module)
         if derived is None or derived is torch.nn.functional.linear:
             continue  # no packed copy: the layer computes from its weight on every call
-        current = getattr(owner_module, DERIVED_ATTR, None)
+        current = vllm_internals.derived_linear(owner_module)
         if derived is current:
             continue  # already the owner's, which the reload keeps current
-        if current is not None and isinstance(getattr(owner_module, QUANT_METHOD_ATTR, None), embedding_method):
-            setattr(module, DERIVED_ATTR, current)
+        if current is not None and isinstance(vllm_internals.quant_method_of(owner_module), embedding_method):
+            vllm_internals.share_derived_linear(module, owner_module)
         else:
             _reprocess(module, alias, owner, owner_module, quant_method)
         refreshed.append(alias)
@@ -84,7 +81,7 @@ def _reprocess(module: torch.nn.Module, alias: str, owner: str, owner_module: to
     shared = {id(p) for p in owner_module.parameters(recurse=False)}
     before = {n: p for n, p in module.named_parameters(recurse=False) if id(p) in shared}
     with torch.no_grad():
-        quant_method.process_weights_after_loading(module)
+        vllm_internals.rerun_processing(quant_method, module)
     after = dict(module.named_parameters(recurse=False))
     broken = sorted(n for n, p in before.items() if after.get(n) is not p)
     if broken:

@@ -14,10 +14,11 @@ or, where vLLM has none, hal's adapters (hal.integrations.vllm.engines). The eng
 runs in a background thread while this thread runs the hal `Sender`; both are bounded by a
 timeout and any failure on either side fails the sync with an error that names the engine.
 
-A sharded trainer (FSDP2) either gathers and sends from one rank (`trainer_group=g`: this
-process sends, the other ranks follow with `TrainerSync`), or sends from every rank
-(`trainer_group=g, senders="all"`, on every rank): each rank sends only its own rows over
-a group of its own with every engine worker, and the workers put whole tensors together
+Who sends is `senders` (hal.sync.SENDING): "one", this process; a sharded trainer (FSDP2)
+either gathers and sends from one rank ("gather", the default with `trainer_group=g`: this
+process sends, the other ranks follow with `TrainerSync`), or sends from every rank ("all",
+`trainer_group=g`, on every rank): each rank sends only its own rows over a group of its
+own with every engine worker, and the workers put whole tensors together
 (`hal.sync.send.sharded`; docs/vllm.md, "Every trainer rank sends").
 
 The weight version is the trainer's step: the engine reports it afterwards
@@ -37,12 +38,13 @@ from typing import Any, Sequence
 from hal import env
 from hal.integrations._shared import SyncResult, keep_stdout
 from hal.integrations.vllm.canary import check_after_sync
-from hal.integrations.vllm.drivers import INCONSISTENT_PREFIX, EngineCalls, GatherThenSend, OneSender, Settings
+from hal.integrations.vllm.drivers import INCONSISTENT_PREFIX, Driver, EngineCalls, GatherThenSend, OneSender, Settings
 from hal.integrations.vllm.engines import Engine, as_engine
 from hal.integrations.vllm.info import ENGINE_TRANSPORTS
 from hal.integrations.vllm.sharded_sync import EveryRankSends
-from hal.sync import Sender, SyncConfig, SyncError
+from hal.sync import SENDING, Sender, SyncConfig, SyncError
 from hal.canary import DEFAULT, Canary, as_canary
+from hal.sync.config import ALL, GATHER, ONE
 from hal.sync.errors import check_version
 from hal.sync.wire import GroupChannel
 from hal.sync.source import as_source
@@ -51,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["INCONSISTENT_PREFIX", "SENDERS", "SyncResult", "WeightSync"]
 
-SENDERS = ("one", "all")  # this process (the others follow: TrainerSync), or every trainer rank its own rows
+SENDERS = SENDING  # who sends: this process ("one"), one rank of a sharded trainer ("gather"), every rank ("all")
+DRIVERS: dict[str, type[Driver]] = {ONE: OneSender, GATHER: GatherThenSend, ALL: EveryRankSends}
 
 
 class WeightSync:
@@ -69,9 +72,10 @@ class WeightSync:
     failed) and left some engine holding part of it, the sync is sent again up to
     `resend_after_failure` times (0: raise the first failure as it is).
 
-    A sharded trainer: `trainer_group=g` alone makes this process its sending rank (the
-    others call `TrainerSync(transport=None, ...)`); `trainer_group=g, senders="all"`, made
-    and called the same way on every rank of `g`, makes every rank send its own rows
+    Who sends is `senders` (hal.sync.SENDING; None: "gather" with a `trainer_group`, else
+    "one"). A sharded trainer: `trainer_group=g` (`senders="gather"`) makes this process its
+    sending rank (the others call `TrainerSync(transport=None, ...)`); `trainer_group=g,
+    senders="all"`, made and called the same way on every rank of `g`, makes every rank send its own rows
     (`hal.sync.ShardedSender`) over a group of its own with every engine worker: each rank
     serves that group's rendezvous on its own `master_address` (and `master_port`, else a
     free one), trainer rank 0 alone drives the engines, and `init`, `sync` and `close`
@@ -100,19 +104,26 @@ class WeightSync:
         token: str | None = None,
         resend_after_failure: int = 1,
         trainer_group: Any = None,
-        senders: str = "one",
+        senders: str | None = None,
         canary: Any = DEFAULT,
     ) -> None:
         if transport != "auto" and transport not in ENGINE_TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(ENGINE_TRANSPORTS)}, got {transport!r}")
+        if senders is None:
+            senders = ONE if trainer_group is None else GATHER
         if senders not in SENDERS:
             raise ValueError(f"senders must be one of {list(SENDERS)}, got {senders!r}")
-        if senders == "all":
-            if trainer_group is None:
-                raise ValueError("senders='all' needs trainer_group=...: the ranks that hold the model, each of which sends its own rows")
+        if senders == ONE and trainer_group is not None:
+            raise ValueError(
+                "senders='one' sends from this process alone: with trainer_group=... pass senders='gather' (this rank "
+                "sends what every rank gathers) or 'all' (every rank sends its own rows)"
+            )
+        if senders != ONE and trainer_group is None:
+            raise ValueError(f"senders={senders!r} needs trainer_group=...: the ranks that hold the model")
+        if senders == ALL:
             if transport not in ("auto", "broadcast"):
                 raise ValueError(f"senders='all' sends over the 'broadcast' transport (a group per trainer rank), got transport={transport!r}")
-        if not engines and senders != "all":  # with senders="all" the ranks but 0 may learn them from rank 0
+        if not engines and senders != ALL:  # with senders="all" the ranks but 0 may learn them from rank 0
             raise ValueError("WeightSync needs at least one engine")
         engines = [as_engine(e) for e in engines]
         names = [e.name for e in engines]
@@ -130,23 +141,19 @@ class WeightSync:
         self.token = token if token is not None else env.sync_token()
         self.resend_after_failure = resend_after_failure
         self.trainer_group = trainer_group
-        """The sharded trainer's own group, when the trainer is several ranks: this process is
-        its sending rank, and every other rank calls `TrainerSync(transport=None, ...).sync`
-        with the same source and version in lockstep (docs/topologies.md); with
-        senders="all", every rank of it sends."""
+        """The sharded trainer's own group, when the trainer is several ranks: with
+        senders="gather" this process is its sending rank, and every other rank calls
+        `TrainerSync(transport=None, ...).sync` with the same source and version in lockstep
+        (docs/topologies.md); with senders="all", every rank of it sends."""
         self.senders = senders
-        """"one": this process sends; "all": every rank of `trainer_group` sends its own rows."""
+        """Who sends (hal.sync.SENDING): "one", this process; "gather", this rank of
+        `trainer_group` after every rank gathered; "all", every rank of it its own rows."""
         self._settings = Settings(
             config=self.config, master_address=master_address, master_port=master_port, timeout_s=timeout_s,
             transport=transport, token=self.token, trainer_group=trainer_group,
         )
         self._engines = EngineCalls(engines, self._settings)
-        if senders == "all":
-            self._driver: OneSender | EveryRankSends = EveryRankSends(self._settings, self._engines)
-        elif trainer_group is not None:
-            self._driver = GatherThenSend(self._settings, self._engines)
-        else:
-            self._driver = OneSender(self._settings, self._engines)
+        self._driver: Driver = DRIVERS[senders](self._settings, self._engines)
         self._attempt = 0
         self.version: int | None = None
         self.inconsistent: set[str] = set()
@@ -202,7 +209,7 @@ class WeightSync:
         "enforce" mode an engine that computes other log-probs than the trainer raises
         `CanaryError` after the sync completed (the engines hold the new version).
         """
-        if self._driver.core_sender is None:
+        if self._driver.sender is None:
             raise RuntimeError("WeightSync.sync before init()")
         check_version(version)
         source = as_source(source)
@@ -239,7 +246,7 @@ class WeightSync:
         check_after_sync(
             self.canary if canary is None else canary, self.engines, source=source, version=version, result=result,
             wire_dtype=self.config.wire_dtype, timeout_s=self.timeout_s, channel=self._driver.trainer_channel,
-            gathering=isinstance(self._driver, GatherThenSend), lora_request=lora_request,
+            gathering=self.senders == GATHER, lora_request=lora_request,
         )
 
     def _resends(self, exc: SyncError) -> bool:
@@ -261,7 +268,7 @@ class WeightSync:
         self._driver.close()
 
     def __enter__(self) -> "WeightSync":
-        if self._driver.core_sender is None:
+        if self._driver.sender is None:
             self.init()
         return self
 

@@ -9,8 +9,9 @@ tensor per expert in the checkpoint, become one 3-D parameter of the module
     mlp.experts.{e}.up_proj.weight   (I, H)   ┴──────►  mlp.experts.gate_up_proj (E, 2I, H)
     mlp.experts.{e}.down_proj.weight (H, I)   ────────►  mlp.experts.down_proj   (E, H, I)
 
-and Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2` are renamed on the way. The mapping
-is transformers' own (`conversion_mapping.py`, reversed on save by
+and Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2` are renamed on the way. The
+`CheckpointLayout` of a model is a state-dict adapter (hal.sync.adapters.base): `Renamed`
+and `Split` rules, the latter views. The mapping is transformers' own (`conversion_mapping.py`, reversed on save by
 `core_model_loading.revert_weight_conversion`); `CheckpointLayout` reads it, never a
 table of hal's. Names come from transformers' own renaming functions; each reversed
 operation (`Chunk`, `SplitModulelist`, `Transpose`) is applied as the view it is, without
@@ -35,25 +36,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hal.sync.adapters.base import Derived, Renamed, Rule, StateDictAdapter
+
 _INSTEAD = (
     "send the checkpoint's tensors yourself: TensorSource(revert_weight_conversion(model, model.state_dict())) "
     "(transformers.core_model_loading; a copy of the model), or ModuleSource(model, checkpoint=False) for the module's own names"
 )
 
 
-class Renamed:
-    """A tensor the checkpoint holds whole under another name."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def apply(self, tensor: torch.Tensor, own: Callable | None, split: Callable) -> list[tuple[str, torch.Tensor]]:
-        return [(self.name, own(tensor) if own else tensor)]
-
-
-class Split:
+class Split(Derived):
     """A parameter the checkpoint holds as several tensors: views of it, in a fixed order
     (by where they lie in the parameter: back to back tensors stay back to back)."""
 
@@ -66,7 +57,7 @@ class Split:
         self.model_ref = weakref.ref(model)
         self.names: list[str] = []
 
-    def views(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    def made(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors of this group as views of `tensor`, by name."""
         converter, model = self.converter, self.model_ref()
         collected: dict[str, Any] = {converter.source_patterns[0]: [tensor]}
@@ -78,13 +69,13 @@ class Split:
         prefix, _, suffix = next((full.partition(k) for k in collected if k in full), ("", "", ""))
         return {prefix + k + suffix: v for k, v in collected.items()}
 
-    def apply(self, tensor: torch.Tensor, own: Callable | None, split: Callable) -> list[tuple[str, torch.Tensor]]:
-        """The views of `split(name, tensor)` (`own` is for a tensor sent whole: not used here)."""
-        views = self.views(split(self.param, tensor))
+    def apply(self, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors of the parameter `tensor` (its full tensor), in order."""
+        views = self.made(tensor)
         return [(name, views[name]) for name in self.names]
 
-
-Rule = Renamed | Split
+    def __repr__(self) -> str:
+        return f"Split({self.param!r} -> {self.key!r})"
 
 
 def _first(collected: dict[str, Any]) -> torch.Tensor:
@@ -123,21 +114,26 @@ def _view_ops() -> dict[type, Callable[..., dict]]:
     return {Chunk: _chunk, SplitModulelist: _split_modulelist, Transpose: _transpose}
 
 
-class CheckpointLayout:
-    """transformers' reversed conversion of one model (see the module doc). Holds no
-    reference to the model (it is kept per model, weakly: `checkpoint_layout`)."""
+class CheckpointLayout(StateDictAdapter):
+    """transformers' reversed conversion of one model (see the module doc), as a state-dict
+    adapter. One per model (`checkpoint_layout`), compared by identity; holds the model
+    weakly (it is kept per model, weakly)."""
 
-    def __init__(self, conversions: list[Any]) -> None:
+    def __init__(self, conversions: list[Any], model: torch.nn.Module) -> None:
         self.conversions = conversions  # transformers' WeightTransforms, as loading applies them
+        self.model_ref = weakref.ref(model)
         self._names: list[str] | None = None
         self._rules: dict[str, Rule] = {}
         self._split_shapes: list[tuple[int, torch.Size]] = []  # (position, shape) of each split tensor
 
-    def rules(self, model: torch.nn.Module, names: list[str], tensors: list[torch.Tensor]) -> dict[str, Rule]:
+    def rules(self, names: list[str], tensors: list[torch.Tensor]) -> dict[str, Rule]:
         """The rule of every name of `names` (the module's state-dict names, of `tensors`) that
         the checkpoint holds otherwise; a name without one is the checkpoint's as it is. Made
         once per list of names and shapes of the split tensors (how many experts there are):
         transformers renames a whole state dict at once, in its own order."""
+        model = self.model_ref()
+        if model is None:
+            raise ValueError("the model of this checkpoint layout was deleted")
         if names != self._names or any(tensors[at].shape != shape for at, shape in self._split_shapes):
             self._rules = self._make(model, names, dict(zip(names, tensors)))
             self._names = list(names)
@@ -188,7 +184,7 @@ class CheckpointLayout:
         split = Split(name, key, converter, model)
         held = tensors[name]
         stand_in = torch.empty_strided(tuple(held.shape), _strides(held), dtype=held.dtype, device="meta")
-        views = split.views(stand_in)
+        views = split.made(stand_in)
         # transformers' own conversion of the same tensor, for the names and shapes it saves
         theirs = copy.deepcopy(converter)
         theirs.add_tensor(key, name, converter.source_patterns[0], stand_in)
@@ -236,7 +232,7 @@ def _make_layout(model: torch.nn.Module) -> CheckpointLayout | None:
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:
         conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
-    return CheckpointLayout(list(conversions)) if conversions else None
+    return CheckpointLayout(list(conversions), model) if conversions else None
 
 
 _LAYOUTS: "weakref.WeakKeyDictionary[torch.nn.Module, CheckpointLayout | None]" = weakref.WeakKeyDictionary()

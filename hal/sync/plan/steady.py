@@ -7,10 +7,12 @@ so it is kept and recognised again at a cost per tensor of a few C-level compare
 a Python step:
 
 - `KnownSource` (the sender's): the last listing of its source (hal.sync.source.Listing)
-  and the specs made from it, for one kind of source (its class) at a time: a source of
-  another kind may declare or yield other specs and bytes from the same tensors (a
-  `ModuleSource` subclass that converts them, `MergedSource`, a Megatron source), so a
-  sync from it starts afresh. The same names with the same shapes and dtypes are the
+  and the specs made from it, for one kind of source at a time (its class, and the
+  state-dict adapters its listing was made with, `Listing.adapter`: hal.sync.adapters):
+  a source of another kind may
+  declare or yield other specs and bytes from the same tensors (a `ModuleSource` subclass
+  that converts them, `MergedSource`, a Megatron source, a `ModuleSource` with another
+  rename or adapter), so a sync from it starts afresh. The same names with the same shapes and dtypes are the
   same specs, so the same plan; the same tensor objects besides, at the same addresses
   and as contiguous as they were, are the same lists and prepared copies to pack from (`epoch`):
   a parameter whose memory was replaced in place (`p.data = ...`), or which moved, gets
@@ -63,9 +65,13 @@ class Snapshot:
 
 
 def same_listing(listing: Listing, last: Listing) -> bool:
-    """Whether `listing` names the same tensor objects as `last`, in the same order."""
+    """Whether `listing` names the same tensor objects as `last`, in the same order, made by
+    the same adapters."""
     return listing is last or (
-        listing.names == last.names and len(listing.tensors) == len(last.tensors) and all(map(is_, listing.tensors, last.tensors))
+        listing.names == last.names
+        and len(listing.tensors) == len(last.tensors)
+        and all(map(is_, listing.tensors, last.tensors))
+        and listing.adapter == last.adapter
     )
 
 
@@ -74,7 +80,7 @@ class KnownSource:
 
     def __init__(self) -> None:
         self.kind: type | None = None
-        """The class of the source the listing is from (`begin`)."""
+        """The class of the source the listing is from (`begin`; its adapters are the listing's)."""
         self.listing: Listing | None = None
         self.metadata: list[TensorSpec] = []
         self.epoch = 0
@@ -88,7 +94,8 @@ class KnownSource:
 
     def begin(self, source: object) -> None:
         """A sync from `source` starts: what was kept from a source of another class is
-        forgotten (a listing, its specs, the lists packed from it)."""
+        forgotten (a listing, its specs, the lists packed from it); from a source with other
+        adapters, it is not recalled (`recall`)."""
         if type(source) is not self.kind:
             self.forget()
             self.kind = type(source)
@@ -100,7 +107,9 @@ class KnownSource:
         last = self.listing
         if last is None:
             return None
-        if (listing is not last and listing.names != last.names) or not self._kept.same_shapes_and_dtypes(listing.tensors):
+        if listing is not last and (listing.names != last.names or listing.adapter != last.adapter):
+            return None
+        if not self._kept.same_shapes_and_dtypes(listing.tensors):
             return None
         self._pending = listing
         return self.metadata

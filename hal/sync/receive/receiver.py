@@ -90,7 +90,7 @@ class Receiver:
         self.torn: tuple[str, ...] = ()
         self.abort_error: str | None = None
         self.plans = PlanCache()
-        self._accepted: tuple[TensorSpec, ...] | None = None  # the last spec tuple `_check_specs` passed
+        self._accepted: tuple[TensorSpec, ...] | None = None  # the last spec tuple `destinations_for` passed
         self.known = KnownDestinations()
         """The sink's destinations checked last sync, kept while the sink says they are unchanged."""
         self.kept = Kept(self.backend)
@@ -103,44 +103,15 @@ class Receiver:
         """Memory held across syncs for tensors that arrive in chunks (0 when none do)."""
         return self.kept.reassembly_bytes
 
-    # ---- header -----------------------------------------------------------------------
-    def _check_header(
-        self, payload: bytes, sink: Sink, policy: SinkPolicy, challenge: str
-    ) -> tuple[SyncHeader | None, BucketPlan | None, Destinations | None, RankReport]:
-        """(the header, decoded or None; the plan and the sink's destinations, or None if
-        refused; this rank's verdict)."""
-        header: SyncHeader | None = None
-        try:
-            header = SyncHeader.decode(payload)
-            check_auth(header, self.token, challenge)
-            if self.version is not None and header.version < self.version:
-                raise errors.StaleVersionError(f"receiver holds weight version {self.version}; refusing older version {header.version}")
-            try:
-                plan = self.plans.get(header.specs, header.bucket_bytes, header.verify, header.segment_bytes)
-            except ValueError as exc:
-                raise errors.HeaderError(f"header describes no valid bucket layout: {exc}") from None
-            # in place: only tensors that travel alone, or back to back in a tight segment, can
-            # land there; a delta may patch any
-            destinations = self._check_specs(header.specs, sink, policy, None if header.delta else plan.in_place_tensors)
-            if self.validate is not None:
-                self.validate(list(header.specs))
-            if plan.digest != header.digest:
-                raise errors.SpecMismatchError(
-                    f"bucket layout differs from the sender's ({plan.digest} vs {header.digest}): mismatched verl-hal versions?"
-                )
-            if header.delta_base is not None:
-                self.delta.check_base(header.delta_base, plan, scatter_key(plan, sink, self.backend.device()), self.consistent)
-        except errors.SyncError as exc:
-            return header, None, None, errors.report_exception(exc, sender=False)
-        return header, plan, destinations, RankReport()
-
-    def _check_specs(
+    # ---- what a sync needs of this receiver -----------------------------------------------
+    def destinations_for(
         self, specs: tuple[TensorSpec, ...], sink: Sink, policy: SinkPolicy, exact_for: frozenset[str] | None
     ) -> Destinations:
         """Refuse specs this receiver does not accept, or that the sink's destinations do not
-        fit; returns the sink's destinations for this sync, asked once each, and which of
-        those named in `exact_for` (None: all) may be written in place. What was checked last
-        sync is kept while the sink says its destinations are unchanged (hal.sync.plan.steady)."""
+        fit (`SpecMismatchError`); returns the sink's destinations for a sync of `specs`, asked
+        once each, and which of those named in `exact_for` (None: all) may be written in place.
+        What was checked last sync is kept while the sink says its destinations are unchanged
+        (hal.sync.plan.steady)."""
         device = self.backend.device()
         in_place = policy.in_place and (exact_for is None or bool(exact_for))
         # what a kept check depends on: the same objects (the header's tuple, the plan's set;
@@ -199,6 +170,31 @@ class Receiver:
             incoming.deliver()
             return incoming.conclude()
 
+    def completed(self, header: SyncHeader, plan: BucketPlan, kept_in: Any) -> None:
+        """A sync every rank completed (`header`, laid out by `plan`) landed: this side holds
+        its version, whole (consistent, nothing torn), and keeps what a delta lands on next
+        (`kept_in`: where this sync's delta landed, hal.sync.delta.scatter_key)."""
+        self.version = header.version
+        self.consistent = True
+        self.torn = ()
+        self.delta.completed(header, plan, kept_in)
+
+    def failed(self, *, touched: bool, torn: Iterable[str] | None, abort: Callable[[], None]) -> None:
+        """A sync every rank agreed failed (or whose group broke) ended: what a delta would
+        land on is dropped, the weights mix two versions if the sync `touched` them, `torn`
+        (when given: a broken group) names tensors whose bytes may be neither old nor new, and
+        the sink is told (`abort`, whose own failure is kept in `abort_error`)."""
+        self.delta.lost()
+        if touched:
+            self.consistent = False
+        if torn is not None:
+            self.torn = tuple(sorted(torn))
+        try:
+            abort()
+            self.abort_error = None
+        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to raise
+            self.abort_error = f"{type(exc).__name__}: {exc}"
+
     @property
     def baseline_bytes(self) -> int:
         """Memory held for delta syncs: an image of the last complete sync when the sink has
@@ -250,9 +246,38 @@ class IncomingSync:
             channel.exchange_header(None)
             return errors.report_exception(exc, sender=False)
         payload = channel.exchange_header(None)
-        self.header, self.plan, self.destinations, report = receiver._check_header(payload, self.sink, self.policy, challenge)
+        self.header, self.plan, self.destinations, report = self._check_header(payload, challenge)
         self.where = f"sync of version {self.header.version}" if self.header is not None else "sync"
         return report
+
+    def _check_header(self, payload: bytes, challenge: str) -> tuple[SyncHeader | None, BucketPlan | None, Destinations | None, RankReport]:
+        """(the header, decoded or None; the plan and the sink's destinations, or None if
+        refused; this rank's verdict)."""
+        receiver, sink, policy = self.receiver, self.sink, self.policy
+        header: SyncHeader | None = None
+        try:
+            header = SyncHeader.decode(payload)
+            check_auth(header, receiver.token, challenge)
+            if receiver.version is not None and header.version < receiver.version:
+                raise errors.StaleVersionError(f"receiver holds weight version {receiver.version}; refusing older version {header.version}")
+            try:
+                plan = receiver.plans.get(header.specs, header.bucket_bytes, header.verify, header.segment_bytes)
+            except ValueError as exc:
+                raise errors.HeaderError(f"header describes no valid bucket layout: {exc}") from None
+            # in place: only tensors that travel alone, or back to back in a tight segment, can
+            # land there; a delta may patch any
+            destinations = receiver.destinations_for(header.specs, sink, policy, None if header.delta else plan.in_place_tensors)
+            if receiver.validate is not None:
+                receiver.validate(list(header.specs))
+            if plan.digest != header.digest:
+                raise errors.SpecMismatchError(
+                    f"bucket layout differs from the sender's ({plan.digest} vs {header.digest}): mismatched verl-hal versions?"
+                )
+            if header.delta_base is not None:
+                receiver.delta.check_base(header.delta_base, plan, scatter_key(plan, sink, receiver.backend.device()), receiver.consistent)
+        except errors.SyncError as exc:
+            return header, None, None, errors.report_exception(exc, sender=False)
+        return header, plan, destinations, RankReport()
 
     def agree_header(self, report: RankReport, shared: RankReport | None = None) -> None:
         """Every rank's verdict on the header (this rank's: `report`); raises the `SyncError`
@@ -330,27 +355,15 @@ class IncomingSync:
     def settle(self, error: BaseException | None, *, touched: bool) -> None:
         """The outcome every rank agreed on (`error`, None when every rank completed) lands on
         the receiver: a complete sync sets its version, makes it consistent and untorn, and
-        keeps what a delta lands on next; a failed one drops that, marks the receiver
-        inconsistent if this sync `touched` its weights, names what a broken group tore
-        (`Receiver.torn`), and tells the sink (`abort`, whose own failure is recorded in
-        `Receiver.abort_error`)."""
-        receiver = self.receiver
+        keeps what a delta lands on next (`Receiver.completed`); a failed one drops that,
+        marks the receiver inconsistent if this sync `touched` its weights, names what a
+        broken group tore (`Receiver.torn`), and tells the sink (`Receiver.failed`: `abort`,
+        whose own failure is recorded in `Receiver.abort_error`)."""
         if error is None:
-            receiver.version = self.header.version
-            receiver.consistent = True
-            receiver.torn = ()
-            receiver.delta.completed(self.header, self.plan, self._kept_in)
+            self.receiver.completed(self.header, self.plan, self._kept_in)
             return
-        receiver.delta.lost()
-        if touched:
-            receiver.consistent = False
-        if isinstance(error, errors.PeerError) and self.delivery is not None:
-            receiver.torn = tuple(sorted(self.delivery.landing))
-        try:
-            self.sink.abort()
-            receiver.abort_error = None
-        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one to raise
-            receiver.abort_error = f"{type(exc).__name__}: {exc}"
+        torn = self.delivery.landing if isinstance(error, errors.PeerError) and self.delivery is not None else None
+        self.receiver.failed(touched=touched, torn=torn, abort=self.sink.abort)
 
     def metrics(self) -> SyncMetrics:
         receiver, plan, header = self.receiver, self.plan, self.header

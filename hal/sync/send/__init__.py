@@ -5,7 +5,8 @@
 - `gather`: `TrainerSync`, a sharded trainer's ranks gather in lockstep and one sends;
 - `sharded`: `ShardedSender`, every trainer rank sends its own rows (M-to-N).
 
-Which of them a trainer rank is: hal.sync.endpoints (`make_sender`).
+Which of them a trainer rank is: hal.sync.endpoints (`make_sender`); each is a `SyncSender`
+(`sync(source, version=)`, `version`, `close`).
 """
 
 from hal.sync.send.gather import TrainerSync

@@ -43,7 +43,7 @@ import torch
 import hal
 from hal.backends.interface import Backend
 from hal.sync import errors
-from hal.sync.config import SyncConfig
+from hal.sync.config import GATHER, SyncConfig
 from hal.sync.errors import RankReport
 from hal.sync.metrics import SyncMetrics
 from hal.sync.spec import TensorSpec
@@ -234,6 +234,7 @@ class TrainerSync:
             raise failure
         errors.raise_if_any(reports, self.rank, where)
         self.version = version
+        metrics.sending = GATHER
         return metrics
 
     def _follow(self, lockstep: _Lockstep, version: int, where: str) -> SyncMetrics:
@@ -244,5 +245,12 @@ class TrainerSync:
         errors.raise_if_any(self.channel.agree(report, "trainer status"), self.rank, where)
         self.version = version
         tensors = len(list(lockstep.metadata()))
-        return SyncMetrics(version=version, tensors=tensors, gather_s=lockstep.gather_s, total_s=time.perf_counter() - start)
+        return SyncMetrics(
+            version=version, tensors=tensors, gather_s=lockstep.gather_s, total_s=time.perf_counter() - start, sending=GATHER
+        )
+
+    def close(self) -> None:
+        """Free the sending rank's transport's buffers (the groups are their owners'); nothing elsewhere."""
+        if self.sender is not None:
+            self.sender.close()
 

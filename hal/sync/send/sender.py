@@ -23,7 +23,7 @@ import hal
 from hal import kernels
 from hal.backends.interface import Backend
 from hal.sync import errors
-from hal.sync.config import SyncConfig, default_bucket_bytes, wire_dtype_for
+from hal.sync.config import ONE, SyncConfig, default_bucket_bytes, wire_dtype_for
 from hal.sync.delta import NO_DELTA, DeltaSender, agree_or_go_whole
 from hal.sync.wire.header import SyncHeader
 from hal.sync.metrics import PhaseTimer, SyncMetrics
@@ -106,7 +106,9 @@ class Sender:
         side's source or a pack failed. The error's `reports` say which receivers were left
         holding part of the sync (`inconsistent_ranks`).
         """
-        return self.offer(source, version=version).send()
+        metrics = self.offer(source, version=version).send()
+        metrics.sending = ONE
+        return metrics
 
     def offer(self, source: Any, *, version: int) -> "OutgoingSync":
         """The first phase of `send`: announce `source` as `version` and learn every
@@ -119,6 +121,24 @@ class Sender:
         outgoing = OutgoingSync(self, as_source(source), version)
         outgoing.offer()
         return outgoing
+
+    def plan_for(self, source: Any) -> tuple[BucketPlan, bool]:
+        """The bucket plan a sync of `source` sends by, and whether that sync may read its
+        tensors from the source's listing (decided by `known.settle()` before the first
+        pack). What it is made from is kept across syncs: the source's specs while it lists
+        the same tensors (hal.sync.plan.steady), their wire specs, the bucket size, the plan."""
+        metadata, listed = self._metadata(source)
+        wire_specs = self._wire_specs(metadata)
+        self._size_buckets(wire_specs)
+        segment_bytes = self.transport.segment_bytes(self.config.segment_bytes)
+        return self.plans.get(wire_specs, self.bucket_bytes, self.config.verify, segment_bytes), listed
+
+    def completed(self, version: int, segments: Any, total_s: float) -> None:
+        """A sync every rank agreed completed: this sender holds `version`, and with delta
+        sync the next delta is computed against it (`segments`: that sync's delta state)."""
+        self.version = version
+        if self.delta is not None:
+            self.delta.completed(segments, version, total_s)
 
     def _size_buckets(self, specs: list[TensorSpec]) -> None:
         """Derive the bucket size once, and again only if a larger tensor appears, so that
@@ -150,48 +170,14 @@ class Sender:
             known.remember(listing, metadata)
         return metadata, True
 
-    def _send_buckets(self, plan: BucketPlan, cursor: SourceCursor, timer: PhaseTimer, segments: Any = NO_DELTA) -> BaseException | None:
-        """Send every segment, or stop at the first one whose source or pack failed, after
-        announcing that failure in its place. Returns that failure; a transport failure
-        (PeerError) propagates instead: the group can no longer agree on anything."""
-        transport, async_streams = self.transport, self.backend.supports_async_streams
-        packer, stream = self.packer, self.packer.stream
-        alive: dict[int, list[torch.Tensor]] = {}  # tensors sent from their own memory, until their bucket is sent
-        failure: BaseException | None = None
-        for bucket in plan.buckets:
-            k = bucket.index
-            if k >= 2:
-                with timer("transfer"):
-                    transport.wait_sent(k - 2)
-                alive.pop(k - 2, None)
-            if async_streams:  # earlier sends (issued on the current stream) read this buffer; sources were made there
-                stream.wait_stream(self.backend.current_stream())
-            keep = alive.setdefault(k, [])
-            for j, segment in enumerate(bucket.segments):
-                try:
-                    gathered = timer.get("gather") or 0.0
-                    began = time.perf_counter()
-                    into = segments.pack_target(bucket, j)
-                    data, direct = packer.pack(cursor, bucket, segment, keep, timer, segments, into)
-                    data, encoding, ready = segments.encode(bucket, j, data, stream.record_event())
-                    direct = direct and encoding == kernels.DENSE
-                    # on synchronous backends the copies happen here, not on the stream
-                    timer.add("pack", time.perf_counter() - began - ((timer.get("gather") or 0.0) - gathered))
-                    with timer("transfer"):
-                        transport.send_segment(k, j, segment.start, data, ready=ready, direct=direct, encoding=encoding)
-                except errors.PeerError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - announced to every rank, then reported
-                    failure = exc
-                    with timer("transfer"):
-                        transport.send_failure(k, j)
-                    break
-            if failure is not None:
-                break
-        with timer("transfer"):
-            transport.finish()
-        alive.clear()
-        return failure
+    # ---- the sending contract (hal.sync.endpoints.SyncSender) ---------------------------------
+    def sync(self, source: Any, *, version: int) -> SyncMetrics:
+        """`send`, under the verb every sending side shares (`TrainerSync`, `ShardedSender`)."""
+        return self.send(source, version=version)
+
+    def close(self) -> None:
+        """Free the transport's buffers (the group is its owner's)."""
+        self.transport.close()
 
 
 class OutgoingSync:
@@ -222,11 +208,8 @@ class OutgoingSync:
 
     def _offer(self) -> None:
         sender, transport = self.sender, self.sender.transport
-        metadata, self.listed = sender._metadata(self.source)
-        wire_specs = sender._wire_specs(metadata)
-        sender._size_buckets(wire_specs)
-        segment_bytes = transport.segment_bytes(sender.config.segment_bytes)
-        plan = self.plan = sender.plans.get(wire_specs, sender.bucket_bytes, sender.config.verify, segment_bytes)
+        self.plan, self.listed = sender.plan_for(self.source)
+        plan = self.plan
         delta = sender.delta
         offer = [*(delta.base(plan) if delta is not None else (None, None, False))]  # (base, choice, sample)
         channel = transport.channel
@@ -273,8 +256,52 @@ class OutgoingSync:
             sender.known.settle()  # (done already unless the header was never agreed on)
             listed = self.listed and sender.known.readable
             cursor = ListedCursor(self.plan, sender.known) if listed else SourceCursor(self.plan, iter(self.source))
-            failure = sender._send_buckets(self.plan, cursor, self.timer, self.segments)
+            failure = self._send_buckets(cursor)
             return self._end(failure)
+
+    def _send_buckets(self, cursor: SourceCursor) -> BaseException | None:
+        """Send every segment, or stop at the first one whose source or pack failed, after
+        announcing that failure in its place. Returns that failure; a transport failure
+        (PeerError) propagates instead: the group can no longer agree on anything."""
+        sender, plan, timer, segments = self.sender, self.plan, self.timer, self.segments
+        transport, async_streams = sender.transport, sender.backend.supports_async_streams
+        packer, stream = sender.packer, sender.packer.stream
+        alive: dict[int, list[torch.Tensor]] = {}  # tensors sent from their own memory, until their bucket is sent
+        failure: BaseException | None = None
+        for bucket in plan.buckets:
+            k = bucket.index
+            if k >= 2:
+                with timer("transfer"):
+                    transport.wait_sent(k - 2)
+                alive.pop(k - 2, None)
+            if async_streams:  # earlier sends (issued on the current stream) read this buffer; sources were made there
+                stream.wait_stream(sender.backend.current_stream())
+            keep = alive.setdefault(k, [])
+            for j, segment in enumerate(bucket.segments):
+                try:
+                    gathered = timer.get("gather") or 0.0
+                    began = time.perf_counter()
+                    into = segments.pack_target(bucket, j)
+                    data, direct = packer.pack(cursor, bucket, segment, keep, timer, segments, into)
+                    data, encoding, ready = segments.encode(bucket, j, data, stream.record_event())
+                    direct = direct and encoding == kernels.DENSE
+                    # on synchronous backends the copies happen here, not on the stream
+                    timer.add("pack", time.perf_counter() - began - ((timer.get("gather") or 0.0) - gathered))
+                    with timer("transfer"):
+                        transport.send_segment(k, j, segment.start, data, ready=ready, direct=direct, encoding=encoding)
+                except errors.PeerError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - announced to every rank, then reported
+                    failure = exc
+                    with timer("transfer"):
+                        transport.send_failure(k, j)
+                    break
+            if failure is not None:
+                break
+        with timer("transfer"):
+            transport.finish()
+        alive.clear()
+        return failure
 
     def cancel(self, error: errors.SyncError) -> SyncMetrics:
         """Send nothing: the receivers, waiting for a first segment, hear that none comes,
@@ -301,10 +328,8 @@ class OutgoingSync:
             report = errors.report_exception(failure, sender=True)
         with transport.bounded(self.end_bound_s or sender.config.timeout_s):
             errors.raise_if_any(transport.channel.agree(report, "sync status"), transport.rank, self.where)
-        sender.version = self.version
         total_s = time.perf_counter() - self.start
-        if sender.delta is not None:
-            sender.delta.completed(segments, self.version, total_s)
+        sender.completed(self.version, segments, total_s)
         return SyncMetrics(
             version=self.version,
             bytes=plan.total_bytes,

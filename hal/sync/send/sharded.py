@@ -41,7 +41,7 @@ import torch
 import hal
 from hal.backends.interface import Backend
 from hal.sync import errors
-from hal.sync.config import SyncConfig, wire_dtype_for
+from hal.sync.config import ALL, SyncConfig, wire_dtype_for
 from hal.sync.errors import RankReport
 from hal.sync.plan.shards import BLOCK, SHARD0, ShardPlan
 from hal.sync.plan.declare import Block, ShardPlanExchange, declare
@@ -247,7 +247,7 @@ class ShardedSender:
             raise own
         errors.raise_if_any(reports, transport.rank, f"sync of version {version}")
         self.version = version
-        metrics.senders = self.channel.world_size
+        metrics.sending, metrics.senders = ALL, self.channel.world_size
         metrics.model_bytes = self._model_bytes(plan)
         return metrics
 
@@ -258,3 +258,7 @@ class ShardedSender:
             nbytes = sum(s.numel * (wire_dtype_for(s.dtype, wire) if wire is not None else s.dtype).itemsize for s in plan.specs)
             self._model_bytes_of = (plan, nbytes)
         return self._model_bytes_of[1]
+
+    def close(self) -> None:
+        """Free this rank's transport's buffers (the groups are their owners')."""
+        self.sender.close()

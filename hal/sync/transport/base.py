@@ -168,7 +168,7 @@ class Transport:
         self._status_ahead, self._cursor = None, 0
         nbytes = plan.max_bucket_nbytes
         if nbytes > self._capacity:
-            self._allocate(backend, nbytes)
+            self._slots = self._allocate(backend, nbytes)
             self._capacity = nbytes
 
     def buffer(self, k: int) -> torch.Tensor:
@@ -176,9 +176,11 @@ class Transport:
         receiver finds what did not land in a place of its own."""
         return self._slots[k % 2]
 
-    def _allocate(self, backend: Backend, nbytes: int) -> None:
+    def _allocate(self, backend: Backend, nbytes: int) -> list[torch.Tensor]:
+        """The two bucket buffers of `nbytes` each that replace the current ones (`_slots`,
+        which a transport that shares them releases here, once every rank has the new ones)."""
         self._slots = []  # free the old pair before allocating the larger one
-        self._slots = [backend.empty(nbytes) for _ in range(2)]
+        return [backend.empty(nbytes) for _ in range(2)]
 
     def _status(self, code: int, k: int, j: int, nbytes: int) -> torch.Tensor:
         return SegmentStatus(code, k, j, nbytes).tensor(self.control_device)

@@ -106,12 +106,12 @@ class HierarchicalTransport(Transport):
         super().prepare(backend, plan)
         self._held = None
 
-    def _allocate(self, backend: Backend, nbytes: int) -> None:
+    def _allocate(self, backend: Backend, nbytes: int) -> list[torch.Tensor]:
         if self.serves:
             if not backend.supports_ipc:
                 raise PeerError(f"{self.name}: backend {backend.name!r} cannot share buffers within a node (supports_ipc is False)")
-            old, self._slots = self._slots, [backend.empty_shared(nbytes) for _ in range(2)]
-            payload = json.dumps([backend.export_ipc(s) for s in self._slots]).encode()
+            old, slots = self._slots, [backend.empty_shared(nbytes) for _ in range(2)]
+            payload = json.dumps([backend.export_ipc(s) for s in slots]).encode()
             size = torch.tensor([len(payload)], dtype=torch.int64, device=self.control_device)
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.control_device)
             works = [w for peer in self.serves for w in (self._send_p2p(size, peer, TAG_HANDLES, "buffer handles"), self._send_p2p(data, peer, TAG_HANDLES, "buffer handles"))]
@@ -121,7 +121,8 @@ class HierarchicalTransport(Transport):
                 self._expect_release(peer, _MAPPED, "buffer mapping")
             for s in old:
                 backend.release_shared(s)
-        elif self.leader != self.rank:
+            return slots
+        if self.leader != self.rank:
             size = torch.zeros(1, dtype=torch.int64, device=self.control_device)
             self.channel.wait(self._recv_p2p(size, self.leader, TAG_HANDLES, "buffer handles"), "buffer handles")
             n = int(size.item())
@@ -133,12 +134,12 @@ class HierarchicalTransport(Transport):
                 handles = json.loads(data.cpu().numpy().tobytes())
                 if not isinstance(handles, list) or len(handles) != 2:
                     raise ValueError("expected a list of two handles")
-                self._slots = [backend.import_ipc(h) for h in handles]
+                slots = [backend.import_ipc(h) for h in handles]
             except (ValueError, TypeError, RecursionError, OSError) as exc:
                 raise PeerError(f"{self.name}: rank {self.rank} could not map rank {self.leader}'s buffers: {exc}") from None
             self._send_release(_MAPPED)
-        else:
-            super()._allocate(backend, nbytes)
+            return slots
+        return super()._allocate(backend, nbytes)
 
     def _send_release(self, k: int) -> None:
         word = torch.tensor([k], dtype=torch.int64, device=self.control_device)

@@ -44,27 +44,29 @@ class IpcTransport(Transport):
     def segment_bytes(self, requested: int | None) -> int | None:
         return None
 
-    def _allocate(self, backend: Backend, nbytes: int) -> None:
+    def _allocate(self, backend: Backend, nbytes: int) -> list[torch.Tensor]:
         if not backend.supports_ipc:
             raise PeerError(f"ipc transport: backend {backend.name!r} has no IPC (supports_ipc is False); use BroadcastTransport")
         old = self._slots if self.is_sender else []
+        slots: list[torch.Tensor] = []
         payload = None
         if self.is_sender:
-            self._slots = [backend.empty_shared(nbytes) for _ in range(2)]
-            payload = json.dumps([backend.export_ipc(s) for s in self._slots]).encode()
+            slots = [backend.empty_shared(nbytes) for _ in range(2)]
+            payload = json.dumps([backend.export_ipc(s) for s in slots]).encode()
         raw = self.channel.broadcast_bytes(payload, MAX_HANDLES_BYTES, "ipc handles")
         if not self.is_sender:
             try:
                 handles = json.loads(raw)
                 if not isinstance(handles, list) or len(handles) != 2:
                     raise ValueError("expected a list of two handles")
-                self._slots = [backend.import_ipc(h) for h in handles]
+                slots = [backend.import_ipc(h) for h in handles]
             except (ValueError, TypeError, RecursionError, OSError) as exc:
                 raise PeerError(f"ipc transport: rank {self.rank} could not map the sender's buffers: {exc}") from None
         # every rank has mapped the new buffers before the old files go away
         self.channel.allreduce(torch.zeros(1, device=self.control_device), "ipc handle exchange")
         for s in old:
             backend.release_shared(s)
+        return slots
 
     def _signal(self, status: torch.Tensor, what: str) -> None:
         self.channel.wait(self.channel.broadcast(status, what), what)

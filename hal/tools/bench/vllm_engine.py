@@ -40,7 +40,7 @@ docs' commands are run that way in the suite), whose times measure start-up, not
 `--vllm-canary SxL[,SxL...]` also times the canary (hal.canary, docs/canary.md) after
 each sync of the rounds, outside the sync's time, once per probe shape: the trainer's
 log-probs of a probe of S sequences of L tokens (a transformers model holding the synced
-weights, assigned without a copy, its forward on one torch thread: `CANARY_THREADS`) against
+weights, assigned without a copy, its forward on one torch thread: vllm_engine_methods.CANARY_THREADS) against
 the engine's `prompt_logprobs`, both computed at once as `WeightSync` runs them. Reported under `canary`, one entry per shape: its median
 time, the trainer's and the engine's parts, its share of a sync's time when it runs at
 every sync, at every 10th and at every 100th (the default canary's), and the first check's
@@ -53,16 +53,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import tempfile
-import time
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hal.tools.bench.arg_types import comma_list
 from hal.integrations.vllm import internals as vllm_internals
-from hal.tools.bench.vllm_engine_report import GIB, MIB, canary_summary, median, print_summary
+from hal.tools.bench.vllm_engine_report import GIB, MIB, print_summary
 
 
 def add_arguments(parser: Any) -> None:
@@ -106,11 +103,6 @@ def add_arguments(parser: Any) -> None:
 
 VLLM_METHODS = ("hal", "disk_reload", "rpc_bytes", "apply", "floor")
 DEFAULT_VLLM_PRESET = "llama-bench-fp32"
-# torch threads of the trainer's forward while the canary runs: on 2 shared cores two threads
-# stall at every op's barrier when one is descheduled (the 0.5B model's 72 MLP matmuls of 8
-# tokens: 0.55-0.66 s with one thread, 3.4-6.9 s with two, load average 27), as in the
-# transfer benchmark (`--threads`, default 1).
-CANARY_THREADS = 1
 VLLM_PRESETS = {  # name -> what it is (`vllm_spec` builds it)
     "llama-bench-fp32": "a Llama-architecture model of 0.63 GiB fp32, 75 tensors",
     "qwen2.5-0.5b": "Qwen2.5-0.5B's shape (tied, 24 layers, vocabulary 151,936), 1.84 GiB fp32, 290 tensors",
@@ -147,6 +139,8 @@ def vllm_spec(preset: str, tied: bool) -> Any:
     if preset != DEFAULT_VLLM_PRESET:
         raise ValueError(f"--vllm-preset: expected one of {list(VLLM_PRESETS)}, got {preset!r}")
     return replace(BENCH_SPEC, tie_word_embeddings=True) if tied else BENCH_SPEC
+
+
 TRANSPORTS = ("ipc", "broadcast")
 
 
@@ -157,32 +151,17 @@ def _mb_list(text: str) -> tuple[float, ...]:
     return values
 
 
-def _timed(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
-    out = []
-    for i in range(warmup + repeats):
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            out.append(elapsed)
-    return out
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    # `args` come from `hal bench`'s parser (add_arguments above), defaults included
-    repeats, warmup, timeout_s = args.repeats, args.warmup, float(args.timeout)
-    bucket_mbs, methods, transports = tuple(args.vllm_bucket_mb), tuple(args.vllm_methods), tuple(args.vllm_transports)
-    bucket_bytes = int(bucket_mbs[0] * MIB)
+    """Build the preset's model, start vLLM on it, run the methods (hal.tools.bench.
+    vllm_engine_methods), print the summary; the report."""
     if args.vllm_in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-    import torch
-    from safetensors.torch import load_file, save, save_file
+    from safetensors.torch import load_file
 
+    from hal.tools.bench.vllm_engine_methods import VllmBench
     from hal.tools.tiny_model import build_tiny_llama
-    from hal.integrations.vllm.client import OfflineEngine, WeightSync
-    from hal.sync import SyncConfig, TensorSource
 
     preset = getattr(args, "vllm_preset", DEFAULT_VLLM_PRESET)
     spec = vllm_spec(preset, bool(getattr(args, "vllm_tied", False)))
@@ -195,11 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"[bench vllm] model {spec.nbytes_fp32() / GIB:.2f} GiB fp32{' (tied embeddings)' if tied else ''} in {model_dir}", flush=True)
     build_tiny_llama(model_dir, spec)
     (checkpoint,) = sorted(model_dir.glob("*.safetensors"))
-    weights_a = load_file(str(checkpoint))
-    gen = torch.Generator().manual_seed(1)
-    weights_b = {k: v + torch.randn(v.shape, generator=gen) * 1e-3 for k, v in weights_a.items()}
-    total_bytes = sum(t.numel() * t.element_size() for t in weights_a.values())
-    weight_sets = [weights_b, weights_a]
+    weights = load_file(str(checkpoint))
 
     from vllm import LLM
     from vllm.config import WeightTransferConfig
@@ -215,223 +190,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         weight_transfer_config=WeightTransferConfig(backend="hal"),
         worker_extension_cls="hal.tools.vllm_bench_worker.BenchWorkerExtension",
     )
-    engine = OfflineEngine(llm)
-    save_dir = Path(tempfile.mkdtemp(prefix="hal-bench-disk-"))
-    for name in ("config.json", "generation_config.json"):
-        if (model_dir / name).exists():
-            shutil.copy(model_dir / name, save_dir / name)
-    counter = {"version": 0, "set": 0}
-
-    def next_weights() -> dict[str, torch.Tensor]:
-        counter["set"] += 1
-        return weight_sets[counter["set"] % 2]
-
-    canary_shapes = getattr(args, "vllm_canary", None) or ()
-    canary_runs: dict[tuple[int, int], list[Any]] = {shape: [] for shape in canary_shapes}
-    if canary_shapes:
-        from hal.integrations.vllm.canary import check_engines
-        from hal.canary import Canary, CanaryConfig
-        from hal.tools.tiny_model import load_trainer_model
-
-        print(f"[bench vllm] loading the trainer's model for the canary ({', '.join(f'{s}x{n}' for s, n in canary_shapes)}) ...", flush=True)
-        trainer = load_trainer_model(model_dir)
-        canaries = {shape: Canary(CanaryConfig(mode="log", sequences=shape[0], length=shape[1])) for shape in canary_shapes}
-
-    def canary_once(version: int) -> None:
-        """The canary on the weights the engine now serves, once per probe shape (untimed in the sync)."""
-        weights = weight_sets[counter["set"] % 2]
-        trainer.load_state_dict(weights, strict=False, assign=True)  # the synced tensors themselves, no copy
-        if tied:
-            trainer.get_output_embeddings().weight = trainer.get_input_embeddings().weight
-        threads = torch.get_num_threads()
-        torch.set_num_threads(CANARY_THREADS)
-        try:
-            for shape, canary in canaries.items():
-                canary_runs[shape].append(check_engines(canary, [engine], source=trainer, version=version, wire_dtype=None, timeout_s=timeout_s))
-        finally:
-            torch.set_num_threads(threads)
-
-    def next_version() -> int:
-        counter["version"] += 1
-        return counter["version"]
-
-    timings: dict[str, list[float]] = {m: [] for m in (*methods, "memcpy")}
-    by_config: dict[str, dict[str, Any]] = {}
-    sync = None
-
-    def open_sync(transport: str, mb: float) -> Any:
-        s = WeightSync(
-            [engine], config=SyncConfig(bucket_bytes=int(mb * MIB), timeout_s=timeout_s), timeout_s=timeout_s,
-            transport=transport, canary=None,  # the sync alone: --vllm-canary times the canary apart
-        )
-        s.init()
-        return s
-
-    def hal_once(s: Any, metrics: list[dict[str, Any]]) -> float:
-        """One sync; its time from the call until the engine reported the new version."""
-        result = s.sync(TensorSource(next_weights().items()), version=next_version())
-        if result.engine_versions[engine.name] != str(result.version):
-            raise RuntimeError(f"engine reports version {result.engine_versions} after sync {result.version}")
-        if tied and llm.collective_rpc("bench_refreshed_tied") != [["lm_head"]]:
-            raise RuntimeError("the engine did not refresh its tied lm_head after the sync")
-        worker = llm.collective_rpc("bench_last_metrics")[0]  # after the timed part
-        metrics.append({"sender": result.metrics.as_dict(), "receiver": worker})
-        if canary_shapes and metrics is primary_metrics:  # the rounds' syncs only, after the timed part
-            canary_once(result.version)
-        return result.seconds
-
-    def disk_once() -> None:
-        weights, version = next_weights(), next_version()
-        save_file(weights, str(save_dir / "model.safetensors"))
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(save_dir)})
-        llm.reset_prefix_cache()
-        llm.update_weight_version(str(version))
-
-    def rpc_once() -> None:
-        weights, version = next_weights(), next_version()
-        llm.collective_rpc("bench_reload_bytes", args=(save(weights),))
-        llm.reset_prefix_cache()
-        llm.update_weight_version(str(version))
-
-    flat = torch.empty(total_bytes, dtype=torch.uint8)
-
-    def memcpy_once() -> None:
-        offset = 0
-        for t in weights_a.values():
-            n = t.numel() * t.element_size()
-            flat[offset : offset + n].copy_(t.reshape(-1).view(torch.uint8))
-            offset += n
-
-    apply_file = Path(tempfile.mkdtemp(prefix="hal-bench-apply-")) / "apply.safetensors"  # not in save_dir: reload reads every file there
-
-    def apply_once() -> float:
-        save_file(next_weights(), str(apply_file))  # untimed: the worker loads it before its clock starts
-        (seconds,) = llm.collective_rpc("bench_time_apply", args=(str(apply_file),))
-        return seconds
-
-    def summarize(xs: list[float], metrics: list[dict[str, Any]]) -> dict[str, Any]:
-        receiver = [m["receiver"] for m in metrics[warmup:] if m["receiver"]]
-        return {
-            "seconds": median(xs),
-            "all_seconds": xs,
-            "receiver_apply_seconds": median([r["apply_s"] or 0.0 for r in receiver]) if receiver else None,
-            "receiver_total_seconds": median([r["total_s"] for r in receiver]) if receiver else None,
-            "sender_transfer_seconds": median([m["sender"]["transfer_s"] or 0.0 for m in metrics[warmup:]]),
-            "buckets": metrics[-1]["sender"]["buckets"],
-        }
-
-    configs = [(t, mb) for t in transports for mb in bucket_mbs]
+    bench = None
     try:
-        # Every method once per round, rounds repeated: load on a shared machine hits all alike.
-        sync = open_sync(*configs[0])
-        primary_metrics: list[dict[str, Any]] = []
-        print(f"[bench vllm] {warmup} + {repeats} rounds of {', '.join(methods)} "
-              f"(hal = {configs[0][0]}, {configs[0][1]:g} MiB buckets) ...", flush=True)
-        for i in range(warmup + repeats):
-            measured = {}
-            if "hal" in methods:
-                measured["hal"] = hal_once(sync, primary_metrics)
-            if "disk_reload" in methods:
-                measured["disk_reload"] = _timed(disk_once, 1, 0)[0]
-            if "rpc_bytes" in methods:
-                measured["rpc_bytes"] = _timed(rpc_once, 1, 0)[0]
-            if "apply" in methods:
-                measured["apply"] = apply_once()
-            if "floor" in methods:
-                measured["floor"] = _floor_once(sync, llm, total_bytes, timeout_s)
-                measured["memcpy"] = _timed(memcpy_once, 1, 0)[0]
-            if i >= warmup:
-                for name, seconds in measured.items():
-                    timings[name].append(seconds)
-        if "hal" in methods:
-            by_config[f"{configs[0][0]}@{configs[0][1]:g}MiB"] = summarize(timings["hal"], primary_metrics)
-        sync.close()
-        sync = None
-        if "hal" in methods:
-            for transport, mb in configs[1:]:
-                print(f"[bench vllm] hal ({transport}, {mb:g} MiB buckets) ...", flush=True)
-                sync = open_sync(transport, mb)
-                metrics: list[dict[str, Any]] = []
-                xs = [hal_once(sync, metrics) for _ in range(warmup + repeats)][warmup:]
-                by_config[f"{transport}@{mb:g}MiB"] = summarize(xs, metrics)
-                sync.close()
-                sync = None
+        bench = VllmBench(args, llm, model_dir=model_dir, weights=weights, tied=tied)
+        bench.rounds()
+        bench.other_configs()
     finally:
-        if sync is not None:
-            sync.close()
+        if bench is not None:
+            bench.close()
         with contextlib.suppress(Exception):
             vllm_internals.shutdown_llm(llm)
-        shutil.rmtree(save_dir, ignore_errors=True)
-        shutil.rmtree(apply_file.parent, ignore_errors=True)
-    del flat
-    apply_s, floor_s, memcpy_s = timings.get("apply", []), timings.get("floor", []), timings.get("memcpy", [])
-    apply_seconds = median(apply_s) if apply_s else None
-    floor_seconds = median(floor_s) if floor_s else None
-    results = []
-    for method in ("hal", "disk_reload", "rpc_bytes"):
-        if timings.get(method):
-            xs = timings[method]
-            s = median(xs)
-            results.append({"method": method, "seconds": s, "min_seconds": min(xs), "gib_per_s": total_bytes / s / GIB, "all_seconds": xs})
-    seconds = {r["method"]: r["seconds"] for r in results}
-    ratios: dict[str, float] = {}
-    if "hal" in seconds:
-        if "disk_reload" in seconds:
-            ratios["disk_reload_over_hal"] = seconds["disk_reload"] / seconds["hal"]
-        if "rpc_bytes" in seconds:
-            ratios["rpc_bytes_over_hal"] = seconds["rpc_bytes"] / seconds["hal"]
-        bound = max(x for x in (floor_seconds, apply_seconds, 0.0) if x is not None)
-        if bound > 0:
-            ratios["hal_over_max_floor_apply"] = seconds["hal"] / bound
-    report = {
-        "engine": "vllm",
-        "preset": preset,
-        "tied": tied,
-        "bytes": total_bytes,
-        "tensors": len(weights_a),
-        "timing": f"median of {repeats} after {warmup} warm-up",
-        "bucket_bytes": bucket_bytes,
-        "results": results,
-        "apply_seconds": apply_seconds,
-        "floor_seconds": floor_seconds,
-        "memcpy_seconds": median(memcpy_s) if memcpy_s else None,
-        "ratios": ratios,
-        "transport": transports[0],
-        "hal_by_config": by_config,
-        "multiprocess_engine": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
-        "load_average": os.getloadavg(),
-    }
-    if canary_shapes:
-        report["canary"] = [
-            canary_summary(runs[warmup:], shape, seconds.get("hal"), first=runs[0] if runs else None) for shape, runs in canary_runs.items()
-        ]
+    report = bench.report(preset)
     print_summary(report)
     return report
-
-
-def _floor_once(sync: Any, llm: Any, nbytes: int, timeout_s: float) -> float:
-    """One flat broadcast of `nbytes` trainer -> worker on the hal group; the worker's receive time."""
-    import threading
-
-    import torch
-    import torch.distributed as dist
-
-    import hal
-
-    group = sync.sender.transport.group
-    buf = hal.current().empty(nbytes)
-    buf.fill_(1)
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(v=llm.collective_rpc("bench_floor_recv", args=(nbytes, timeout_s))), daemon=True)
-    thread.start()
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    opts.timeout = timedelta(seconds=timeout_s)
-    group.broadcast([torch.zeros(1)], opts).wait()
-    start = time.perf_counter()
-    group.broadcast([buf], opts).wait()
-    sender_s = time.perf_counter() - start
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(f"floor measurement: the worker did not return within {timeout_s} s")
-    return max(sender_s, float(result["v"][0]))

@@ -119,3 +119,30 @@ def test_what_no_rule_knows_or_another_shape_is_refused_by_name(name, local, mes
 def test_shapes_that_tp_cannot_split_are_refused():
     with pytest.raises(ValueError, match="num_query_groups 4 is not a multiple of the tensor-parallel size 3"):
         shape(0, tp=3)
+
+
+def test_the_rules_are_a_state_dict_adapter_that_composes():
+    """`MegatronLayout` is hal.sync.adapters' contract: replicated tensors renamed whole, a tied
+    `output_layer` left out, every other tensor its rank's blocks (views of its shard); a
+    name no rule knows refused when the rules are made, before any tensor is read."""
+    from hal.integrations.megatron.convert import MegatronLayout
+    from hal.sync.adapters import Chain, Rename
+
+    w = hf_weights()
+    named = list(megatron_shard(w, 1).items()) + [("decoder.layers.0.input_layernorm.weight", torch.ones(H)), ("output_layer.weight", torch.zeros(5, H))]
+    layout = MegatronLayout(shape(1, tied=True))
+    rules = layout.rules([n for n, _ in named], [t for _, t in named])
+    assert rules["decoder.layers.0.input_layernorm.weight"].name == "model.layers.0.input_layernorm.weight"
+    assert rules["output_layer.weight"].whole and rules["output_layer.weight"].name is None
+    assert not rules["decoder.layers.0.self_attention.linear_qkv.weight"].whole
+    held = layout.to_checkpoint(named)
+    assert [(n, type(t)) for n, t in held] == [(n, type(t)) for n, t in hf_state(named, shape(1, tied=True))]
+    fc1 = dict(named)["decoder.layers.0.mlp.linear_fc1.weight"]
+    up = dict(held)["model.layers.0.mlp.up_proj.weight"]
+    assert up.tensor.untyped_storage().data_ptr() == fc1.untyped_storage().data_ptr()  # a view of the shard, not a copy
+    renamed = Chain(layout, Rename(lambda n: f"engine.{n}")).to_checkpoint(named)
+    assert [n for n, _ in renamed] == [f"engine.{n}" for n, _ in held]
+    assert [getattr(t, "offsets", None) for _, t in renamed] == [getattr(t, "offsets", None) for _, t in held]
+    assert layout == MegatronLayout(shape(1, tied=True)) != MegatronLayout(shape(0, tied=True))
+    with pytest.raises(ValueError, match=r"'something.else': no Hugging Face name rule knows it"):
+        layout.rules(["embedding.word_embeddings.weight", "something.else"], [torch.zeros(0), torch.zeros(0)])

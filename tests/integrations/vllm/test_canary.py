@@ -9,7 +9,7 @@ trainer's weights, which proves the fault real. The canary, in "enforce" mode, r
 sync returns without a word (what each test would then fail on):
 
 1. a stale tied `lm_head`: the hal engine's refresh of the tied head skipped
-   (`vllm_internals.refresh_tied_weights` a no-op), so the head keeps the packed copy of
+   (`hal.integrations.vllm.tied.refresh_tied_weights` a no-op), so the head keeps the packed copy of
    the start-up weights (docs/platform-notes.md);
 2. a post-load transform not re-run: vLLM's `process_weights_after_loading` skipped for the
    (untied) `lm_head`, whose oneDNN-packed copy then stays as it was while its weight

@@ -255,3 +255,5 @@ def test_merged_weights_are_refused_with_every_rank_sending():
         LoraWeightSync([], config, sleep_level=1, free_cache_engine=True, adapter_merged=True, trainer_group=object(), senders="all")
     with pytest.raises(ValueError, match=r"trainer_group=\.\.\.\) needs senders='all'"):
         LoraWeightSync([], config, sleep_level=1, free_cache_engine=True, trainer_group=object())
+    with pytest.raises(ValueError, match=r"gathering onto one sending rank \(senders='gather'\) is not offered"):
+        LoraWeightSync([], config, sleep_level=1, free_cache_engine=True, trainer_group=object(), senders="gather")

@@ -605,9 +605,15 @@ def test_every_rank_sends_only_with_a_trainer_group_over_broadcast():
         WeightSync([engine], senders="all")
     with pytest.raises(ValueError, match="senders='all' sends over the 'broadcast' transport"):
         WeightSync([engine], senders="all", trainer_group=object(), transport="ipc")
-    with pytest.raises(ValueError, match=r"senders must be one of \['one', 'all'\]"):
+    with pytest.raises(ValueError, match=r"senders must be one of \['one', 'gather', 'all'\]"):
         WeightSync([engine], senders="every")
-    assert WeightSync([engine]).senders == "one"  # the default: one sending rank, as before
+    assert WeightSync([engine]).senders == "one"  # the default: this process sends, as before
+    # who sends, in hal.sync.SENDING's words: a trainer group alone means "gather", as before
+    assert WeightSync([engine], trainer_group=object()).senders == "gather"
+    with pytest.raises(ValueError, match="senders='gather' needs trainer_group="):
+        WeightSync([engine], senders="gather")
+    with pytest.raises(ValueError, match="senders='one' sends from this process alone: with trainer_group=... pass senders='gather'"):
+        WeightSync([engine], senders="one", trainer_group=object())
 
 
 def test_a_lora_engine_takes_every_sender():

@@ -130,6 +130,37 @@ def test_rename_is_given_the_checkpoints_names():
     assert "model.layers.1.block_sparse_moe.experts.7.w2.weight" in seen and not any("gate_up_proj" in n for n in seen)
 
 
+def test_unwrap_then_the_experts_then_a_rename_compose(tmp_path):
+    """The chain `ModuleSource` applies (`Unwrap`, the checkpoint layout, `Rename`), each given
+    the names the one before made: a checkpoint-wrapped MoE layer sends the checkpoint's
+    per-expert tensors, views of the 3-D parameters, under the renamed checkpoint names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from hal.sync.adapters import Chain, Rename, Unwrap
+
+    model = tiny_model("qwen3_moe")
+    checkpoint = saved(model, tmp_path)
+    model.model.layers[1] = checkpoint_wrapper(model.model.layers[1])
+    assert any("_checkpoint_wrapped_module.mlp.experts.gate_up_proj" in n for n, _ in model.named_parameters())
+
+    def engine(name: str) -> str | None:
+        return None if name == "lm_head.weight" else f"engine.{name}"
+
+    source = ModuleSource(model, rename=engine)
+    assert source.adapter == Chain(Unwrap(), checkpoint_layout(model), Rename(engine))
+    expected = {f"engine.{n}": t for n, t in checkpoint.items() if n != "lm_head.weight"}
+    listing = source.listing(None)
+    assert sorted(listing.names) == sorted(expected) and listing.as_yielded
+    assert [n for n, t in source if not same_bits(t, expected[n])] == []
+    gate_up = model.model.layers[1]._checkpoint_wrapped_module.mlp.experts.gate_up_proj
+    view = listing.tensors[listing.names.index("engine.model.layers.1.mlp.experts.3.up_proj.weight")]
+    assert view.untyped_storage().data_ptr() == gate_up.untyped_storage().data_ptr()
+    assert ModuleSource(model, rename=engine).listing(listing) is listing  # the same chain: the steady state
+    assert ModuleSource(model).listing(listing) is not listing  # another chain: listed again
+    by_hand = source.adapter.to_checkpoint(model.named_parameters())
+    assert [n for n, _ in by_hand] == [s.name for s in source.metadata()]
+
+
 # ---- a conversion registered for a model: followed, or refused by name -----------------------
 
 _registered: set[str] = set()

@@ -11,8 +11,6 @@ anchors come every `anchor_every` syncs.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ import hal
 from hal import kernels
 from hal.sync import BroadcastTransport, HierarchicalTransport, IpcTransport, Receiver, Sender, SyncConfig, SyncError, TensorSource, TensorSpec, copy_into
 from hal.sync.config import DeltaConfig
+from hal.sync.delta.pacer import Pacer
 from hal.sync.plan import bucket_offsets
 from hal.sync.sink import SinkPolicy
 from tests.conftest import HARDWARE_PARAMS
@@ -554,21 +553,33 @@ def test_verify_checks_the_resulting_tensor_so_a_drifted_base_is_caught_and_heal
 
 
 # ---- choosing by time (DeltaConfig.choose="time", the default) -----------------------------
-SLOW_ENCODE_S = 0.1
-SLOW_WIRE_S_PER_BYTE = 2e-6
-FAR_SLOWER_WIRE_S_PER_BYTE = 1e-5
+# What the pacer decides from measured times is tests/sync/delta/test_pacer.py's (injected
+# timings, no sync). Here, with real syncs: the sender asks the pacer at every sync that
+# could carry deltas, does what it answers, reports each sync's time and bytes to it, and
+# every byte lands, whatever was chosen; a failed sync is followed by an anchor.
+PACER_SCRIPT = [("paused", True), ("delta", False), ("delta", False), ("paused", False), ("delta", False)]
+PACED_STEPS = 8
+FAILING_STEPS = (3, 5)  # a delta sync, then a paused one
 
 
-class SlowWire(BroadcastTransport):
-    """A link of about 0.5 MB/s (or `s_per_byte`): sending costs time in proportion to the bytes sent."""
+class ScriptedPacer(Pacer):
+    """Answers PACER_SCRIPT in turn, whatever was measured, and keeps what it was told.
+    No budget (`whole_s_per_byte`): a delta sync is never stopped part-way by its time."""
 
-    def __init__(self, *args, s_per_byte: float = SLOW_WIRE_S_PER_BYTE, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.s_per_byte = s_per_byte
+    def __init__(self):
+        super().__init__()
+        self.script = list(PACER_SCRIPT)
+        self.told = []
 
-    def send_segment(self, k, j, start, data, **kw):
-        time.sleep(data.numel() * self.s_per_byte)
-        super().send_segment(k, j, start, data, **kw)
+    def choose(self):
+        return self.script.pop(0)
+
+    def whole_s_per_byte(self):
+        return None
+
+    def record(self, choice, seconds, nbytes, *, warm, encode_rate):
+        self.told.append((choice, seconds, nbytes, warm, encode_rate))
+        super().record(choice, seconds, nbytes, warm=warm, encode_rate=encode_rate)
 
 
 def few_changes(tensors: dict[str, torch.Tensor], step: int) -> None:
@@ -589,64 +600,37 @@ def few_changes(tensors: dict[str, torch.Tensor], step: int) -> None:
             flat[hit] = (flat[hit].float() * 1.01 + 0.01).to(t.dtype)
 
 
-def pacing_worker(rank, world, link, steps, fail_at=None, backend="cpu", verify=False):
+def paced_worker(rank, world, backend, verify):
     with hal.use(backend):
-        return _pacing(rank, link, steps, fail_at, verify)
+        return _paced(rank, verify)
 
 
-def _pacing(rank, link, steps, fail_at, verify):
-    """Delta syncs chosen by time, on four links: `slow-encode` (every compare far slower
-    than the wire), `slow-compare` (a slow wire; the samples of whole syncs faster than
-    it, but a delta sync's compares slower still), `slow-apply` (a slow wire, fast
-    compares, but the receiver patches deltas slowly), `slow-wire` (the wire far slower
-    than any compare). Every step must land bit for bit whatever was chosen."""
-    from hal.sync.delta.pacer import Pacer
+def _paced(rank, verify):
+    from hal.sync.delta import encode
 
-    if link == "slow-encode":
-        transport = BroadcastTransport(None, src=0)
-    else:
-        # slow-wire: a whole sync on the wire (0.3 s) outlasts a delta sync by far more than a
-        # loaded machine delays one (at 2 us a byte, 61 ms, a delta sync lost to the delay
-        # now and then: a fresh clone's `make test` beside other runs, load 5-6, 2026-11-27)
-        transport = SlowWire(None, src=0, s_per_byte=FAR_SLOWER_WIRE_S_PER_BYTE if link == "slow-wire" else SLOW_WIRE_S_PER_BYTE)
-    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100), verify=verify)
+    transport = BroadcastTransport(None, src=0)
+    config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=SEGMENT, delta=DeltaConfig(anchor_every=100, choose="time"), verify=verify)
     tensors = initial()
     if rank == 0:
-        if link in ("slow-encode", "slow-compare"):
-            real = kernels.delta_encode
-            Pacer.SAMPLE_BYTES = 1024  # samples smaller than any compare of a delta sync
-
-            def slow_encode(new, *a, **kw):
-                if link == "slow-encode" or new.numel() > 1024:
-                    time.sleep(SLOW_ENCODE_S)
-                return real(new, *a, **kw)
-
-            kernels.delta_encode = slow_encode
+        encode.Pacer = ScriptedPacer  # this process's DeltaSender makes its pacer from it
         sender = Sender(transport, config)
         out = []
-        for step in range(steps):
+        for step in range(PACED_STEPS):
             if step:
                 few_changes(tensors, step)
+            failing = "fp8.weight" if step in FAILING_STEPS else None
             try:
-                m = sender.send(FailingSource(sent(tensors), "fp8.weight" if step == fail_at else None), version=step)
+                m = sender.send(FailingSource(sent(tensors), failing), version=step)
             except SyncError as exc:
-                out.append((type(exc).__name__,) + (None,) * 6)
+                out.append((type(exc).__name__,) + (None,) * 5)
                 continue
-            out.append((m.delta_choice, m.delta, m.compared_bytes, m.sampled_bytes, m.wire_bytes, m.dense_wire_bytes, m.segments_by_encoding))
-        return out
-    if link == "slow-apply":  # patching the receivers' tensors with a delta is slow
-        real_apply = kernels.delta_apply
-
-        def slow_apply(*a, **kw):
-            time.sleep(SLOW_ENCODE_S)
-            return real_apply(*a, **kw)
-
-        kernels.delta_apply = slow_apply
+            out.append((m.delta_choice, m.delta, m.compared_bytes, m.sampled_bytes, m.wire_bytes, m.dense_wire_bytes))
+        return out, sender.delta.pacer.told
     receiver = Receiver(transport, specs())
     held = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs()}
     reference = initial()
     exact = []
-    for step in range(steps):
+    for step in range(PACED_STEPS):
         old = dict(sent({n: t.clone() for n, t in reference.items()}))
         if step:
             few_changes(reference, step)
@@ -659,74 +643,26 @@ def _pacing(rank, link, steps, fail_at, verify):
     return exact
 
 
-@pytest.mark.parametrize(
-    "link,fail_at,backend", [("slow-encode", 2, "cpu"), ("slow-wire", 4, "cpu"), ("slow-encode", 2, "sim")],
-    ids=["during-a-pause", "during-a-delta", "during-a-pause-sim"],
-)
-def test_by_time_a_failed_sync_leaves_old_or_new_bytes_and_the_next_is_an_anchor(link, fail_at, backend):
-    """Whole syncs pack straight into the baseline: one that fails part-way leaves it
-    neither old nor new, so the next sync must be whole, whatever the pacing says."""
-    steps = 7
-    out, receiver = run_group(pacing_worker, 2, args=(link, steps, fail_at, backend), timeout=120)
-    assert out[fail_at][0] == "SourceError" and out[fail_at + 1][0] == "anchor"
-    assert out[fail_at - 1][0] == ("paused" if link == "slow-encode" else "delta")
-    assert receiver[fail_at] == "old or new"
-    assert receiver[:fail_at] + receiver[fail_at + 1 :] == [True] * (steps - 1)
-
-
-@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
-def test_by_time_a_compare_slower_than_the_wire_never_sends_deltas_and_samples_ever_less_often(verify):
-    # verified: a sampled segment is also a bucket's last (its checksums are over its new bytes)
-    steps = 16
-    out, *receivers = run_group(pacing_worker, 3, args=("slow-encode", steps, None, "cpu", verify), timeout=120)
-    assert receivers == [[True] * steps] * 2
-    assert [o[0] for o in out] == ["anchor"] + ["paused"] * (steps - 1)
-    # the samples: sync 1 (nothing to judge by yet), then the last sync of each pause, the
-    # pauses doubling: 2 (syncs 2-3), 4 (4-7), 8 (8-15)
-    assert [s for s, o in enumerate(out) if o[3]] == [1, 3, 7, 15]
-    for choice, delta, compared, sampled, wire, dense, segments in out:
-        assert not delta and compared == 0 and wire == dense and segments["indices"] == segments["bitmask"] == 0
-        assert sampled in (0, 4 * 1024)  # the start of four segments, 1 KiB each
-
-
-def test_by_time_a_delta_sync_whose_compare_is_slow_stops_after_two_segments():
-    steps = 12
-    out, receiver = run_group(pacing_worker, 2, args=("slow-compare", steps), timeout=120)
-    assert receiver == [True] * steps
-    # 1 samples (fast), 2 tries a delta and stops, pauses 2 (3, 4: samples, fast again),
-    # 5 stops, pauses 4 (6-9), 10 stops, 11 paused
-    assert [o[0] for o in out] == (
-        ["anchor", "paused", "stopped", "paused", "paused", "stopped"] + ["paused"] * 4 + ["stopped", "paused"]
-    )
-    for choice, delta, compared, sampled, wire, dense, segments in out:
-        assert delta == (choice == "stopped")
-        if choice == "stopped":  # two segments compared, the rest sent whole without a compare
-            assert compared == 2 * SEGMENT and sampled == 0 and segments["dense"] >= 2 and wire < dense
+@pytest.mark.parametrize("backend,verify", [("cpu", False), ("sim", True)], ids=["cpu", "sim-verified"])
+def test_by_time_the_sender_follows_the_pacer_and_lands_every_byte(backend, verify):
+    (out, told), receiver = run_group(paced_worker, 2, args=(backend, verify), timeout=120)
+    assert [o[0] for o in out] == ["anchor", "paused", "delta", "SourceError", "anchor", "SourceError", "anchor", "delta"]
+    assert receiver == [True, True, True, "old or new", True, "old or new", True, True]
+    for step, (choice, delta, compared, sampled, wire, dense) in enumerate(out):
+        if step in FAILING_STEPS:
+            continue
+        assert delta == (choice == "delta") and (sampled > 0) == (step == 1)  # the pacer asked for a sample at 1 only
+        if choice == "delta":  # compared (all but the segments of checksums alone), smaller on the wire
+            assert 0.95 * dense <= compared <= dense and wire < dense // 2
         else:
             assert compared == 0 and wire == dense
-
-
-def test_by_time_a_delta_sync_lost_to_the_receivers_apply_is_not_tried_again_on_samples_alone():
-    """The samples time the sender's encode only. After one delta sync that lost by its
-    receivers' slow apply, what it cost beyond its encode is added to every later sample:
-    the pauses end in pauses, not in another losing delta sync."""
-    steps = 10
-    out, receiver = run_group(pacing_worker, 2, args=("slow-apply", steps), timeout=120)
-    assert receiver == [True] * steps
-    assert [o[0] for o in out] == ["anchor", "paused", "delta"] + ["paused"] * (steps - 3)
-    assert [s for s, o in enumerate(out) if o[3]] == [1, 4, 8]  # samples: measure, then after pauses of 2 and 4
-
-
-@pytest.mark.parametrize("backend,verify", [("cpu", False), ("sim", False), ("sim", True)], ids=["cpu", "sim", "sim-verified"])
-def test_by_time_a_wire_slower_than_the_compare_keeps_sending_deltas(backend, verify):
-    steps = 8
-    out, receiver = run_group(pacing_worker, 2, args=("slow-wire", steps, None, backend, verify), timeout=120)
-    assert receiver == [True] * steps
-    assert [o[0] for o in out] == ["anchor", "paused"] + ["delta"] * (steps - 2)
-    for choice, delta, compared, sampled, wire, dense, segments in out[2:]:
-        # every segment compared but those holding only checksums (verify)
-        assert delta and 0.95 * dense <= compared <= dense and sampled == 0 and wire < dense // 2
-        assert verify or compared == dense
+    # told after every sync that ended well: what it was, its time and bytes, whether the
+    # baseline was new (the first), the encode's rate where a compare or a sample ran
+    assert [t[0] for t in told] == ["anchor", "paused", "delta", "anchor", "anchor", "delta"]
+    dense = out[0][5]
+    assert all(seconds > 0 and nbytes == dense for _, seconds, nbytes, _, _ in told)
+    assert [t[3] for t in told] == [False] + [True] * 5
+    assert [t[4] is not None for t in told] == [False, True, True, False, False, True]
 
 
 def test_delta_config_names_a_bad_choice():

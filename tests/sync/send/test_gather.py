@@ -103,6 +103,7 @@ def fsdp_worker(rank, world, scenario):
             start = time.monotonic()
             try:
                 metrics = trainer.sync(source, version=version)
+                assert metrics.sending == "gather"  # on the sending rank and the others alike
                 outcome = ("ok", metrics.tensors)
                 if scenario == "delta" and rank == 0:
                     outcome += (metrics.delta, metrics.wire_bytes / metrics.dense_wire_bytes)

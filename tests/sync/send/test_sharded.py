@@ -124,6 +124,7 @@ def _sharded_worker(rank, world, scenario):
             start = time.monotonic()
             try:
                 metrics = sender.sync(source, version=version)
+                assert metrics.sending == "all"
                 outcome = ("ok", metrics.bytes, metrics.model_bytes, metrics.senders, metrics.delta)
             except SyncError as exc:
                 outcome = (type(exc).__name__, str(exc)[:400])

@@ -1,5 +1,5 @@
 """Who may push weights: a receiver started with a token takes a sync only from a sender
-that proves the same token (hal.sync.wire.auth.check_auth, called by Receiver._check_header).
+that proves the same token (hal.sync.wire.auth.check_auth, called by IncomingSync.check).
 
 Sender and receivers run in spawned processes joined by gloo, over the broadcast and the
 shared-memory transports. A refused sync must fail with `AuthError` on every rank (the
