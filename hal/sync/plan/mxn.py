@@ -38,15 +38,15 @@ from typing import NamedTuple, Sequence
 import torch
 
 from hal.sync import errors
-from hal.sync.plan.needs import WorkerNeeds, box_text
-from hal.sync.plan.shards import ShardPlan
+from hal.sync.plan.needs import View, WorkerNeeds, box_text
+from hal.sync.plan.shards import Share, ShardPlan
 from hal.sync.spec import TensorSpec
 
 
 class Piece(NamedTuple):
     """One box of one tensor on one link: `need` (an index into the worker's needs) cut by
-    `share` (an index into the sender's shares); it lands at `need.destination(offsets, sizes)`.
-    A named tuple: a plan makes hundreds of thousands."""
+    `share` (an index into the sender's shares). `MxNPlan.source` says where it is in the
+    share, `MxNPlan.destination` where it lands. A named tuple: a plan makes hundreds of thousands."""
 
     tensor: int  # index into MxNPlan.specs
     offsets: tuple[int, ...]
@@ -106,6 +106,7 @@ class MxNPlan:
     """Every sender's links to every worker, and what crosses each."""
 
     specs: tuple[TensorSpec, ...]  # the checkpoint's tensors (wire dtypes), as the workers recorded them
+    holdings: ShardPlan
     needs: tuple[WorkerNeeds, ...]
     links: tuple[tuple[Link, ...], ...]  # [sender][worker]
     bytes_in: tuple[int, ...]  # per worker
@@ -125,6 +126,19 @@ class MxNPlan:
     @property
     def model_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
+
+    def source(self, sender: int, piece: Piece) -> tuple[Share, tuple[slice, ...]]:
+        """The share `piece` is cut from (sender `sender`'s wire tensor of it, as its
+        `ShardSource` yields it) and where in that share: `share_tensor[index]`."""
+        share = self.holdings.shares[sender][piece.share]
+        return share, tuple(slice(o - s, o - s + n) for o, s, n in zip(piece.offsets, share.offsets, piece.sizes))
+
+    def destination(self, worker: int, piece: Piece) -> tuple[int, View]:
+        """Where `piece` lands on worker `worker`: the index of its target in the worker's
+        `WorkerNeeds.targets`, and the region `target.as_strided(shape, strides, offset)`
+        that takes the piece as it travels (checkpoint order, contiguous on the wire)."""
+        need = self.needs[worker].needs[piece.need]
+        return need.target, need.destination(piece.offsets, piece.sizes)
 
 
 @contextlib.contextmanager
@@ -188,8 +202,8 @@ def _build(holdings: ShardPlan, needs: tuple[WorkerNeeds, ...]) -> MxNPlan:
     wanted = n_size.prod(dim=1)
     short = (covered != wanted).nonzero().flatten()
     if len(short):
-        errors.refuse_specs([_uncovered(int(i), needs, n_tensor, n_worker, n_lo, n_size, covered, holdings, specs) for i in short[:4]],
-                            f"{len(short)} needed box(es) not covered exactly once by the trainer's shares: ")
+        errors.refuse_specs(_uncovered(short.tolist(), n_tensor, n_worker, n_lo, n_size, covered, holdings, specs),
+                            "what the engine's workers need is not sent exactly once by the trainer's ranks: ")
 
     itemsize = torch.tensor([s.dtype.itemsize for s in specs] or [1], dtype=torch.int64)
     ndim = torch.tensor([len(s.shape) for s in specs] or [0], dtype=torch.int64)
@@ -210,7 +224,7 @@ def _build(holdings: ShardPlan, needs: tuple[WorkerNeeds, ...]) -> MxNPlan:
     flags = needed.tolist()
     dropped = tuple(s.name for s in holdings.specs if not flags[index.get(s.name, len(specs))])
     return MxNPlan(
-        specs=specs, needs=needs, links=links,
+        specs=specs, holdings=holdings, needs=needs, links=links,
         bytes_in=tuple(sum(links[r][w].nbytes for r in range(senders)) for w in range(workers)),
         bytes_out=tuple(sum(link.nbytes for link in links[r]) for r in range(senders)),
         dropped=dropped, digest=_digest(holdings, needs, s_tensor, s_rank, s_lo, s_size), table=table,
@@ -278,15 +292,32 @@ def _sorted_table(*columns: torch.Tensor) -> _Table:
     return _Table(*(column[order] for column in columns))
 
 
-def _uncovered(i: int, needs, n_tensor, n_worker, n_lo, n_size, covered, holdings: ShardPlan, specs) -> str:
-    spec = specs[int(n_tensor[i])]
-    w = int(n_worker[i])
-    d = len(spec.shape)
-    box = box_text(tuple(n_lo[i, :d].tolist()), tuple(n_size[i, :d].tolist()))
-    holders = sorted({r for r, shares in enumerate(holdings.shares) for s in shares if s.spec.name == spec.name})
-    declared = f"trainer rank(s) {holders} declare it" if holders else "no trainer rank declares it"
-    how = "more than once" if int(covered[i]) > int(n_size[i].prod()) else f"{int(n_size[i].prod()) - int(covered[i])} elements of them by none"
-    return f"parameter {spec.name!r}: engine worker {w} needs {box}, covered {how} ({declared})"
+def _uncovered(short: list[int], n_tensor, n_worker, n_lo, n_size, covered, holdings: ShardPlan, specs) -> list[str]:
+    """One line per needed box the shares do not cover exactly once (the workers that need
+    it together): the box, how much is missing or sent twice, and which trainer ranks send
+    which part of it, or declare the tensor at all."""
+    boxes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], tuple[list[int], int]] = {}
+    for i in short:
+        t = int(n_tensor[i])
+        d = len(specs[t].shape)
+        key = (t, tuple(n_lo[i, :d].tolist()), tuple(n_size[i, :d].tolist()))
+        boxes.setdefault(key, ([], int(covered[i])))[0].append(int(n_worker[i]))
+    lines = []
+    for (t, lo, size), (workers, got) in list(boxes.items())[: errors.MAX_REPORTED + 1]:
+        spec, want = specs[t], math.prod(size)
+        holders, parts = set(), []
+        for r, shares in enumerate(holdings.shares):
+            for share in shares:
+                if share.spec.name == spec.name:
+                    holders.add(r)
+                    if all(o < l + n and l < o + m for o, m, l, n in zip(share.offsets, share.wire.shape, lo, size)):
+                        parts.append(f"rank {r} {box_text(share.offsets, share.wire.shape)}")
+        how = f"{want - got} of its {want} elements are sent by no trainer rank" if got < want else "parts of it are sent twice"
+        sent = f"sent: {', '.join(parts[:4])}{' ...' if len(parts) > 4 else ''}" if parts else (
+            f"trainer rank(s) {sorted(holders)} declare it, none sends any of this box" if holders else "no trainer rank declares it")
+        who = f"engine worker {workers[0]} needs" if len(workers) == 1 else f"engine workers {workers} need"
+        lines.append(f"parameter {spec.name!r}: {who} {box_text(lo, size)}; {how} ({sent})")
+    return lines
 
 
 def _digest(holdings: ShardPlan, needs: tuple[WorkerNeeds, ...], *columns: torch.Tensor) -> int:

@@ -11,6 +11,7 @@ at its need's destination, gives every worker exactly what it needs.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -118,16 +119,18 @@ def check_moves_exactly_the_needs(plan: MxNPlan, holdings: ShardPlan) -> None:
             assert sum(p.numel * plan.specs[p.tensor].dtype.itemsize for p in pieces) == link.nbytes
             assert [(p.tensor, p.offsets) for p in pieces] == sorted((p.tensor, p.offsets) for p in pieces)  # checkpoint order
             for p in pieces:
-                share = holdings.shares[r][p.share]
+                share, index = plan.source(r, p)
                 need = plan.needs[w].needs[p.need]
-                assert share.spec.name == plan.specs[p.tensor].name and need.tensor == p.tensor
+                assert p.numel > 0
+                assert share is holdings.shares[r][p.share] and share.spec.name == plan.specs[p.tensor].name and need.tensor == p.tensor
                 for o, n, so, sn, no, nn in zip(p.offsets, p.sizes, share.offsets, share.wire.shape, need.offsets, need.sizes):
                     assert so <= o and o + n <= so + sn and no <= o and o + n <= nn + no
-                target = landed[(w, plan.needs[w].targets[need.target].describe())]
-                offset, shape, strides = need.destination(p.offsets, p.sizes)
-                region = target.as_strided(shape, strides, offset)
+                wire = full[share.spec.name][_box(share.offsets, share.wire.shape)][index]  # cut from the share as the sender holds it
+                t, (offset, shape, strides) = plan.destination(w, p)
+                assert t == need.target
+                region = landed[(w, plan.needs[w].targets[t].describe())].as_strided(shape, strides, offset)
                 assert bool(region.isnan().all()), "a destination written twice"
-                region.copy_(full[plan.specs[p.tensor].name][_box(p.offsets, p.sizes)])
+                region.copy_(wire)
     for w, record in enumerate(plan.needs):
         for need in record.needs:
             want = full[record.specs[need.tensor].name][_box(need.offsets, need.sizes)]
@@ -241,13 +244,55 @@ def test_what_no_trainer_rank_holds_or_holds_in_another_shape_is_refused_by_name
     specs = llama()
     needs = engine_needs(specs, 2)
     short = build_shard_plan([[Declared(s.name, s.shape, s.dtype, SHARD0) for s in specs if s.name != "model.norm.weight"]] * 2)
-    with pytest.raises(SpecMismatchError, match=r"parameter 'model.norm.weight': engine worker 0 needs elements 0..8, .*no trainer rank declares it"):
+    with pytest.raises(SpecMismatchError, match=re.escape(
+            "parameter 'model.norm.weight': engine workers [0, 1] need elements 0..8; 8 of its 8 elements are sent by no trainer rank "
+            "(no trainer rank declares it)")):
         build_mxn_plan(short, needs)
     other = build_shard_plan([[Declared(s.name, (9, 8) if s.name == "lm_head.weight" else s.shape, s.dtype, SHARD0) for s in specs]] * 2)
     with pytest.raises(SpecMismatchError, match=r"parameter 'lm_head.weight': the trainer ranks declare shape \(9, 8\), the engine's checkpoint has \(10, 8\)"):
         build_mxn_plan(other, needs)
     with pytest.raises(SpecMismatchError, match="engine workers 0 and 1 recorded their needs against different checkpoints"):
         build_mxn_plan(fsdp2(specs, 2), [needs[0], engine_needs(llama(vocab=12), 2)[1]])
+
+
+def _edited(holdings: ShardPlan, rank: int, name: str, edit) -> ShardPlan:
+    """`holdings` with rank `rank`'s shares of tensor `name` replaced by `edit(share)` (a list)."""
+    shares = [list(s) for s in holdings.shares]
+    shares[rank] = [x for s in shares[rank] for x in (edit(s) if s.spec.name == name else [s])]
+    return ShardPlan(holdings.specs, tuple(map(tuple, shares)), holdings.kinds, holdings.digests)
+
+
+def test_a_hole_or_a_box_sent_twice_in_the_holdings_is_refused_naming_the_workers_and_the_ranks():
+    specs = llama()
+    q = "model.layers.0.self_attn.q_proj.weight"  # (8, 8): trainer ranks hold rows 0..3, 3..6, 6..8; workers need 0..4, 4..8
+    holdings = fsdp2(specs, 3)
+    with pytest.raises(SpecMismatchError) as caught:
+        build_mxn_plan(_edited(holdings, 1, q, lambda s: []), engine_needs(specs, 2))
+    assert str(caught.value) == (
+        "what the engine's workers need is not sent exactly once by the trainer's ranks: "
+        f"parameter {q!r}: engine worker 0 needs rows 0..4, columns 0..8; 8 of its 32 elements are sent by no trainer rank "
+        "(sent: rank 0 rows 0..3, columns 0..8); "
+        f"parameter {q!r}: engine worker 1 needs rows 4..8, columns 0..8; 16 of its 32 elements are sent by no trainer rank "
+        "(sent: rank 2 rows 6..8, columns 0..8)"
+    )
+    with pytest.raises(SpecMismatchError, match=re.escape(
+            f"parameter {q!r}: engine worker 0 needs rows 0..4, columns 0..8; parts of it are sent twice "
+            "(sent: rank 0 rows 0..3, columns 0..8, rank 0 rows 0..3, columns 0..8, rank 1 rows 3..6, columns 0..8)")):
+        build_mxn_plan(_edited(holdings, 0, q, lambda s: [s, s]), engine_needs(specs, 2))
+
+
+def test_bytes_in_are_a_workers_shard_plus_what_it_shares_and_bytes_out_a_ranks_rows_times_their_readers():
+    specs = llama(vocab=128, kv_heads=1)  # one KV head for two workers: k and v go to both, as the norms
+    replicated = sum(s.nbytes for s in specs if any(k in s.name for k in ("norm", "k_proj", "v_proj")))
+    split = sum(s.nbytes for s in specs) - replicated  # every other tensor halved between the workers (rows or columns)
+    holdings = fsdp2(specs, 2)
+    plan = build_mxn_plan(holdings, engine_needs(specs, 2))
+    check_moves_exactly_the_needs(plan, holdings)
+    assert plan.bytes_in == (split // 2 + replicated,) * 2
+    # FSDP2: each rank owns half the rows of every tensor; a replicated tensor's half goes to both workers
+    assert plan.bytes_out == ((split + 2 * replicated) // 2,) * 2
+    assert plan.largest_link.nbytes == max(link.nbytes for row in plan.links for link in row)
+    assert plan.pieces == sum(link.count for row in plan.links for link in row)
 
 
 def test_the_plan_is_the_same_on_every_rank_and_its_digest_follows_its_inputs():
@@ -257,6 +302,8 @@ def test_the_plan_is_the_same_on_every_rank_and_its_digest_follows_its_inputs():
     assert a.digest == b.digest and [l.pieces for row in a.links for l in row] == [l.pieces for row in b.links for l in row]
     assert build_mxn_plan(fsdp2(specs, 3), engine_needs(specs, 2)).digest != a.digest
     assert build_mxn_plan(fsdp2(specs, 2), engine_needs(specs, 4)).digest != a.digest
+    wire = tuple(TensorSpec(s.name, s.shape, torch.bfloat16) for s in specs)
+    assert build_mxn_plan(fsdp2(specs, 2), engine_needs(wire, 2)).digest != a.digest  # the wire dtype, through the needs
 
 
 def test_bytes_are_counted_at_the_engines_wire_dtype():
