@@ -5,7 +5,9 @@
 - M-to-N (every trainer rank sends its own rows): `declare` (what a rank holds, and how
   the ranks agree the plan from it), `shards` (`ShardPlan`: who sends which rows or
   blocks, under which wire name, each tensor tiled exactly once).
-  The engine side's shard plan (each receiver takes only its own shard) belongs here too.
+  The engine's side: `needs` (`WorkerNeeds`: the boxes of each tensor an engine worker
+  loads and where they land, recorded from its loaders) and `mxn` (`MxNPlan`: the shares
+  cut by the needs, one link per trainer rank and engine worker).
 
 Nothing per sync lives here: tensors and iterators are each sync's own.
 """

@@ -77,7 +77,8 @@ class _Table:
 
 @dataclass(frozen=True, eq=False)
 class Link:
-    """Sender `sender`'s pieces for worker `worker` (rows [start, stop) of the plan's table)."""
+    """Sender `sender`'s pieces for worker `worker`: `count` of them (rows `start`.. of the
+    plan's table), `nbytes` at the wire dtypes."""
 
     sender: int
     worker: int
@@ -88,7 +89,8 @@ class Link:
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
-        """The link's pieces, in checkpoint order (made on each call: keep the result)."""
+        """The link's pieces, in the order of the worker's needs (checkpoint order), a need's
+        pieces by their first row (made on each call: keep the result)."""
         rows = slice(self.start, self.start + self.count)
         t = self.table
         with _no_collection():
@@ -128,8 +130,8 @@ class MxNPlan:
         return sum(s.nbytes for s in self.specs)
 
     def source(self, sender: int, piece: Piece) -> tuple[Share, tuple[slice, ...]]:
-        """The share `piece` is cut from (sender `sender`'s wire tensor of it, as its
-        `ShardSource` yields it) and where in that share: `share_tensor[index]`."""
+        """The share `piece` is cut from (the sender's wire tensor of it, as a trainer rank
+        reads it today: hal.sync.send.sharded) and where in it: `share_tensor[index]`."""
         share = self.holdings.shares[sender][piece.share]
         return share, tuple(slice(o - s, o - s + n) for o, s, n in zip(piece.offsets, share.offsets, piece.sizes))
 
@@ -166,8 +168,10 @@ def _build(holdings: ShardPlan, needs: tuple[WorkerNeeds, ...]) -> MxNPlan:
     if not needs:
         raise ValueError("build_mxn_plan: no engine worker's needs")
     specs = needs[0].specs
-    for w, record in enumerate(needs[1:], start=1):
-        if record.specs != specs:
+    for w, record in enumerate(needs):
+        if record.worker != w:
+            raise ValueError(f"build_mxn_plan: the needs of engine worker {record.worker} are at index {w} (index = the worker)")
+        if w and record.specs != specs:
             other = next((f"{a} vs {b}" for a, b in zip(specs, record.specs) if a != b), f"{len(specs)} vs {len(record.specs)} tensors")
             raise errors.SpecMismatchError(f"engine workers 0 and {w} recorded their needs against different checkpoints: {other}")
     index = {s.name: i for i, s in enumerate(specs)}

@@ -253,6 +253,8 @@ def test_what_no_trainer_rank_holds_or_holds_in_another_shape_is_refused_by_name
         build_mxn_plan(other, needs)
     with pytest.raises(SpecMismatchError, match="engine workers 0 and 1 recorded their needs against different checkpoints"):
         build_mxn_plan(fsdp2(specs, 2), [needs[0], engine_needs(llama(vocab=12), 2)[1]])
+    with pytest.raises(ValueError, match=r"the needs of engine worker 1 are at index 0 \(index = the worker\)"):
+        build_mxn_plan(fsdp2(specs, 2), needs[::-1])
 
 
 def _edited(holdings: ShardPlan, rank: int, name: str, edit) -> ShardPlan:
