@@ -22,6 +22,7 @@ crosses layers is refused by name. `templates=False` records every layer of ever
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import re
 import typing
 from dataclasses import dataclass
@@ -49,6 +50,22 @@ def _renamed(name: str, layer: int) -> str:
     """`name` of one layer as the same name in layer `layer`."""
     match = _LAYER.search(name)
     return f"{name[: match.start(1)]}{layer}{name[match.end(1):]}"
+
+
+def engine_checkpoint(folder: str, dtype: torch.dtype) -> list[TensorSpec] | None:
+    """The checkpoint a live engine on `folder` reads (its safetensors headers, floating-point
+    tensors in `dtype`, in the order its layerwise reload completes layers), or None when
+    the folder has no safetensors files."""
+    from hal.integrations.vllm._specs import checkpoint_specs
+
+    return checkpoint_specs(folder, dtype) if any(pathlib.Path(folder).glob("*.safetensors")) else None
+
+
+def in_engine_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """`specs` in the order a live engine reads a checkpoint (embeddings, layer by layer, the rest)."""
+    from hal.integrations.vllm._specs import order_like_model
+
+    return order_like_model(specs)
 
 
 class WorkerPlace(typing.NamedTuple):
@@ -276,4 +293,4 @@ def _expand(record: WorkerNeeds, specs: tuple[TensorSpec, ...], template_of: dic
     return WorkerNeeds(record.worker, specs, tuple(targets), tuple(needs), tuple(fills))
 
 
-__all__ = ["EngineLayout", "MetaEngine", "layer_of"]
+__all__ = ["EngineLayout", "MetaEngine", "WorkerPlace", "engine_checkpoint", "in_engine_order", "layer_of", "parameters_on_meta"]
