@@ -108,13 +108,18 @@ def fsdp2_holdings(specs: list[TensorSpec], ranks: int) -> ShardPlan:
     one rank (the tensor's index modulo the ranks), in checkpoint order."""
     shares: list[list[Share]] = [[] for _ in range(ranks)]
     trusted = TensorSpec.trusted  # the specs passed their checks; 2.9 M shares are built here
+    cuts: dict[tuple[int, ...], list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]] = {}  # shape -> (rank, first row, offsets, block)
     for index, spec in enumerate(specs):
-        rows, rest, zeros = rows_of(spec.shape), spec.shape[1:], (0,) * (len(spec.shape) - 1)
         if not spec.shape or spec.numel == 0:
-            shares[index % ranks].append(Share(spec, (0, *zeros) if spec.shape else (), trusted(shard_name(spec.name, 0), spec.shape, spec.dtype)))
+            offsets = (0,) * len(spec.shape)
+            shares[index % ranks].append(Share(spec, offsets, trusted(shard_name(spec.name, 0), spec.shape, spec.dtype)))
             continue
-        for rank in range(ranks):
-            lo, hi = chunk_rows(rows, ranks, rank)
-            if hi > lo:
-                shares[rank].append(Share(spec, (lo, *zeros), trusted(f"{spec.name}@{lo}", (hi - lo, *rest), spec.dtype)))
+        cut = cuts.get(spec.shape)
+        if cut is None:
+            rows, zeros = rows_of(spec.shape), (0,) * (len(spec.shape) - 1)
+            cut = cuts[spec.shape] = [(rank, lo, (lo, *zeros), (hi - lo, *spec.shape[1:]))
+                                      for rank in range(ranks) for lo, hi in [chunk_rows(rows, ranks, rank)] if hi > lo]
+        name, dtype = spec.name, spec.dtype
+        for rank, lo, offsets, block in cut:
+            shares[rank].append(Share(spec, offsets, trusted(f"{name}@{lo}", block, dtype)))
     return ShardPlan(tuple(specs), tuple(tuple(s) for s in shares), (SHARD0,) * len(specs), ())
