@@ -242,7 +242,7 @@ def test_documented_command_runs(command, tmp_path):
         # (~10 s here) are paid once for every documented plan, not once each
         from hal import cli
 
-        assert cli.main(argv[4:]) == 0, f"{command!r} ran as {shlex.join(argv)}"
+        assert cli.main(argv[3:]) == 0, f"{command!r} ran as {shlex.join(argv)}"
         return
     if _for_hardware(command) and argv[:3] == [sys.executable, "-m", "hal"]:
         # as printed: no such device here, so one line naming the backend, no traceback
