@@ -7,16 +7,17 @@ worker's needs with the engine's own recorder (`record_needs`, the same one a li
 runs at init: vLLM's loaders, driven by geometric stand-ins). Nothing is allocated beyond
 the model's buffers.
 
-Layer templates keep it fast (a 36,945-tensor model at 8-128 workers in seconds): worker
-0's whole model is built once and its decoder layers grouped by *signature* (module
-classes, parameter and buffer shapes and dtypes, the values of integer buffers such as
-expert maps); then each worker builds only the first layers that hold one layer of every
-signature, records them, and every other layer's needs are its template's, renamed (the
-checkpoint tensors and the worker's tensors of layer t become those of layer i). Checked:
-worker 0's shortened model has the same signatures as the first layers of its whole one,
-and every worker's shortened model groups its layers as worker 0's does; a need that
-crosses layers is refused by name. `templates=False` records every layer of every worker
-(the tests compare both).
+Layer templates keep it fast (a recording of every layer costs 3-7 s per worker of
+Qwen3-235B-A22B's 36,945 tensors here; with templates its 8 workers take ~1.3 s, 128 ~12 s,
+DeepSeek-V3's 64 ~11 s: docs/benchmarks.md, "At scale, on paper"): worker 0's whole model
+is built once and its decoder layers grouped by *signature* (module classes, parameter and
+buffer shapes and dtypes, the values of integer buffers such as expert maps); then each
+worker builds only the first layers that hold one layer of every signature, records them,
+and every other layer's needs are its template's, renamed (the checkpoint tensors and the
+worker's tensors of layer t become those of layer i). Checked: worker 0's shortened model
+has the same signatures as the first layers of its whole one, and every worker's shortened
+model groups its layers as worker 0's does; a need that crosses layers is refused by name.
+`templates=False` records every layer of every worker (the tests compare both).
 """
 
 from __future__ import annotations

@@ -1,18 +1,20 @@
 """`hal plan`: the M x N plan of a sync at any scale, on paper, from the same code.
 
-    hal plan --model qwen3-235b-a22b --trainer fsdp2:8 --engine tp=1,dp=8,ep
+    hal plan --model qwen3-235b-a22b --trainer fsdp2:8 --engine tp=1,dp=8,ep --engine tp=8
     hal plan --model deepseek-v3 --trainer fsdp2:64 --engine tp=8,ep --fabric nvlink4 --json plan.json
-    hal plan --model PATH/config.json --dtype bf16 --trainer megatron:tp=4,pp=2,ep=8,etp=1 --engine tp=8
+    hal plan --model PATH/config.json --dtype bf16 --trainer megatron:tp=4,pp=2,ep=8,etp=1 --engine tp=8,engines=2
+    hal plan --model qwen3-235b-a22b --trainer one --engine tp=8 --layers 2          # a quick look
 
 The model is a `config.json` (a preset's, `presets/`, or any folder's: its safetensors
 headers when it has them); nothing is downloaded and no weight is allocated. Each engine
 worker's needs are recorded by vLLM's own model class built on the meta device at that
 worker (hal.integrations.vllm.meta_engine), the trainer's holdings come from the shapes
 (hal.tools.plan.layouts), and `build_mxn_plan` (hal.sync.plan.mxn) is the function a live
-engine plans with. It prints the bytes each worker takes in (its shard and what it shares
-with other workers), each trainer rank sends, the largest link, what no worker needs, and
-the floor at a fabric (hal.tools.plan.fabric: the figure and its source), with the plan's
-own wall time and peak memory. `--json PATH` writes a record that stands alone
+engine plans with; every `--engine` is planned from the same trainer. It prints, per engine
+layout, the bytes each worker takes in (its shard and what other workers of its engine
+need too), each trainer rank sends, the largest link, what no worker needs, and the floor
+at a fabric (hal.tools.plan.fabric: the figure and its source, and the floors at the other
+named fabrics), with the plan's own wall time and peak memory (hal.tools.plan.run). `--json PATH` writes a record that stands alone
 (hal.tools.bench.record; docs/results/).
 """
 
