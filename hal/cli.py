@@ -1,4 +1,4 @@
-"""The `hal` command: `hal info`, `hal bench`, `hal demo`.
+"""The `hal` command: `hal info`, `hal bench`, `hal demo`, `hal plan`.
 
 Errors print one line on stderr and exit non-zero; tracebacks are for bugs, not for
 bad input or an unusable backend.
@@ -91,6 +91,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hal.tools.plan import main as plan_main
+
+    return plan_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hal", description="verl-hal: portable device layer and weight sync")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a miniature RL loop against a live vLLM engine on the CPU")
     _add_lazy_arguments(demo, "hal.tools.demo")
     demo.set_defaults(func=cmd_demo)
+
+    plan = sub.add_parser("plan", help="the M x N plan of a sync at any scale, on paper (no weights, no devices)")
+    _add_lazy_arguments(plan, "hal.tools.plan")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

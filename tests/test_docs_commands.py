@@ -3,7 +3,8 @@
 The commands are collected from the docs themselves (fenced and indented code blocks, and
 inline code spans), so a command added to a page is run here or this test fails naming
 it. A `hal` command runs in its cheapest form: the tiny preset, one repetition, no warm-up,
-a short timeout, outputs into a temporary folder (`cheap_form`). A command for an
+a short timeout, outputs into a temporary folder (`cheap_form`). A `hal plan`
+runs in this process, on the model's first 2 layers and at most 2 DP ranks. A command for an
 accelerator (`VERL_DEVICE=cuda ...`) runs twice: as printed, where it must fail in one
 line that names the backend (no traceback), and on the cpu backend in its cheap form.
 Commands that are what CI itself runs, or that a test already runs in the same cheap form,
@@ -30,7 +31,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 _ASSIGNMENT = r"[A-Z_][A-Z0-9_]*=\S*"  # an environment variable set before a command
 _ENV = r"(?:[A-Z_][A-Z0-9_]*=\S+\s+)*"
-_PROGRAM = r"(?:\S*/)?(?:hal\s+(?:bench|demo|info)|python3?\s+-m\s+hal\s+(?:bench|demo|info)|make|bash\s+ci/\S+)"
+_PROGRAM = r"(?:\S*/)?(?:hal\s+(?:bench|demo|info|plan)|python3?\s+-m\s+hal\s+(?:bench|demo|info|plan)|make|bash\s+ci/\S+)"
 _COMMAND = re.compile(rf"^{_ENV}{_PROGRAM}(?:\s|$)")
 
 
@@ -135,6 +136,13 @@ def cheap_form(command: str, tmp: pathlib.Path) -> tuple[list[str], dict[str, st
             cheap.append("--vllm-in-process")
         if "--engine" in cheap and "--vllm-preset" not in cheap:
             cheap += ["--vllm-preset", _CHEAP_VALUES["--vllm-preset"]]
+    if args and args[0] == "plan":
+        # the model's first 2 layers, an engine of at most 2 DP ranks and 2 copies: the same
+        # layouts (TP, EP, the trainer) in a few seconds
+        fewer = lambda m: f"{m.group(1)}={min(int(m.group(2)), 2)}"  # noqa: E731
+        cheap = [re.sub(r"\b(dp|engines)=(\d+)", fewer, w) if i and cheap[i - 1] == "--engine" else w for i, w in enumerate(cheap)]
+        if "--layers" not in cheap:
+            cheap += ["--layers", "2"]
     if args and args[0] == "demo":
         for option, value in (("--steps", "2"), ("--out-dir", str(tmp / "demo"))):
             if option not in cheap:
@@ -229,6 +237,13 @@ def test_every_place_named_elsewhere_exists_and_every_entry_is_still_documented(
 def test_documented_command_runs(command, tmp_path):
     argv, env = cheap_form(command, tmp_path)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if argv[3:4] == ["plan"]:
+        # in this process, through the same `hal.cli.main`: vLLM's and transformers' imports
+        # (~10 s here) are paid once for every documented plan, not once each
+        from hal import cli
+
+        assert cli.main(argv[3:]) == 0, f"{command!r} ran as {shlex.join(argv)}"
+        return
     if _for_hardware(command) and argv[:3] == [sys.executable, "-m", "hal"]:
         # as printed: no such device here, so one line naming the backend, no traceback
         printed_env = dict(env, VERL_DEVICE=re.search(r"VERL_DEVICE=(\w+)", command).group(1))
@@ -247,6 +262,9 @@ def test_cheap_form_keeps_the_command_and_shrinks_only_its_size(tmp_path):
     assert env["VERL_DEVICE"] == "cpu"
     assert argv[3:] == ["bench", "--device-transfer", "--preset", "tiny", "--receivers", "2", "--json", str(tmp_path / "out6.json"),
                         "--repeats", "1", "--warmup", "0", "--timeout", "240"]
+    argv, _ = cheap_form("hal plan --model m --trainer megatron:tp=4,dp=4 --engine tp=1,dp=64,ep --engine tp=8,engines=16 --json p.json", tmp_path)
+    assert argv[3:] == ["plan", "--model", "m", "--trainer", "megatron:tp=4,dp=4", "--engine", "tp=1,dp=2,ep", "--engine", "tp=8,engines=2",
+                        "--json", str(tmp_path / "out9.json"), "--layers", "2"]
     assert _commands_of("see `hal bench --delta` and\n```bash\nmake setup   # builds it\n```\n    hal info --json\n") == [
         "hal bench --delta", "make setup", "hal info --json"]
 

@@ -34,6 +34,12 @@ from hal.integrations.vllm.internals import (
     UNSTACKED_MAPPER_SINCE,
     WEIGHT_VERSIONS_SINCE,
 )
+from hal.integrations.vllm.internals import (  # issue 41: `hal plan`'s model on paper
+    MODEL_LOADER_UTILS_MODULE,
+    PARALLEL_GROUPS,
+    PARALLEL_SIZES,
+    PARALLEL_STATE_MODULE,
+)
 from hal.integrations.vllm.internals import (  # issue 41: recording each worker's needs
     LOADABLE_NUMEL_ATTR,
     LOADER_ATTR,
@@ -214,4 +220,20 @@ VLLM_NEEDS: tuple[Need, ...] = (
          why="loaders_on_meta (LOADER_ATTR: a property with a setter on vLLM's parameters, an attribute on plain ones)"),
     Need(target=":".join(UNQUANTIZED_MOE_METHOD) + ".create_weights", sets=LOADABLE_NUMEL_ATTR, optional=True,
          why="loaders_on_meta (LOADABLE_NUMEL_ATTR: a target's declared padding; none before it)"),
+    # issue 41: `hal plan` builds vLLM's model class at a worker of an engine that does not exist
+    Need(target="vllm.engine.arg_utils:EngineArgs",
+         call=Call(0, "model", "skip_tokenizer_init", "dtype", "enforce_eager", "hf_overrides"), why="meta_vllm_config"),
+    Need(target="vllm.engine.arg_utils:EngineArgs.create_engine_config", call=Call(0), why="meta_vllm_config"),
+    *(Need(target=f"{PARALLEL_STATE_MODULE}:{name}", why="pretend_worker (a group the model's layers ask for, put back after)")
+      for name in PARALLEL_GROUPS),
+    *(Need(target=f"{PARALLEL_STATE_MODULE}:GroupCoordinator.{member}", why="PretendGroup (answers it as vLLM's group does)")
+      for member in ("world_size", "rank_in_group", "ranks", "rank", "local_rank", "device_group", "cpu_group", "unique_name",
+                     "is_first_rank", "is_last_rank")),
+    *(Need(target=f"vllm.config.parallel:ParallelConfig.{name}", why="pretend_worker (the engine's sizes, put back after)")
+      for name in PARALLEL_SIZES),
+    Need(target="vllm.config.vllm:VllmConfig.parallel_config", why="pretend_worker"),
+    Need(target="vllm.config.vllm:VllmConfig.compilation_config", why="build_model (a fresh registry of attention layers)"),
+    Need(target="vllm.config.compilation:CompilationConfig.static_forward_context", why="build_model"),
+    Need(target="vllm.config.model:ModelConfig.hf_text_config", why="build_model (hf_overrides for one build)"),
+    Need(target=f"{MODEL_LOADER_UTILS_MODULE}:initialize_model", call=Call(0, "vllm_config"), why="build_model"),
 )

@@ -39,11 +39,12 @@ from typing import Any
 __all__ = ["BENCHMARKS", "RUN_FIELDS", "SCHEMA", "check_record", "describe_run", "load_records", "stamp", "utc_now"]
 
 SCHEMA = 1
-BENCHMARKS = ("transfer", "senders", "delta", "delta-kernels", "device-transfer", "vllm")
+BENCHMARKS = ("transfer", "senders", "delta", "delta-kernels", "device-transfer", "vllm", "plan")
 RUN_FIELDS = ("schema", "benchmark", "date", "command", "git_commit", "machine", "source")
-SOURCES = ("hal bench --json", "transcribed")
+SOURCES = ("hal bench --json", "hal plan --json", "transcribed")
 # What names a row of "results" in each benchmark.
-ROW_KEY = {"transfer": "method", "senders": "method", "device-transfer": "method", "vllm": "method", "delta": "lr", "delta-kernels": "fraction"}
+ROW_KEY = {"transfer": "method", "senders": "method", "device-transfer": "method", "vllm": "method", "delta": "lr", "delta-kernels": "fraction",
+           "plan": "layout"}
 # Environment variables that change what a run measures; they are written in front of the
 # command. Nothing else of the environment is recorded (VERL_HAL_SYNC_TOKEN is a secret).
 COMMAND_ENV = ("VERL_DEVICE", "VERL_HAL_SIM_LATENCY", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES",
@@ -206,8 +207,9 @@ def check_record(record: Any) -> list[str]:
         problems.append(f"run.benchmark {benchmark!r} is none of {', '.join(BENCHMARKS)}")
     if not _is_date(run.get("date")):
         problems.append(f"run.date {run.get('date')!r} is not an ISO 8601 date")
-    if not isinstance(run.get("command"), str) or "hal bench" not in run.get("command", ""):
-        problems.append(f"run.command {run.get('command')!r} is not a `hal bench` command line")
+    program = "hal plan" if benchmark == "plan" else "hal bench"  # `hal plan --json` writes records too (hal.tools.plan)
+    if not isinstance(run.get("command"), str) or program not in run.get("command", ""):
+        problems.append(f"run.command {run.get('command')!r} is not a `{program}` command line")
     commit = run.get("git_commit")
     if commit is not None and not (isinstance(commit, str) and _HEX.fullmatch(commit)):
         problems.append(f"run.git_commit {commit!r} is neither null nor a commit")
@@ -217,7 +219,7 @@ def check_record(record: Any) -> list[str]:
     source = run.get("source")
     if source not in SOURCES:
         problems.append(f"run.source {source!r} is none of {', '.join(SOURCES)}")
-    if source == "hal bench --json":
+    if source in ("hal bench --json", "hal plan --json"):
         if not isinstance(run.get("date"), str) or "T" not in run["date"]:
             problems.append("run.date of a run has no time of day")
         if isinstance(machine_, dict):

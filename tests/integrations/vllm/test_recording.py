@@ -55,3 +55,24 @@ def test_the_record_lands_what_vllms_loaders_land_and_leaves_the_engine_as_it_wa
     assert engine_logprobs(llm) == logprobs
     if FAMILIES[name].vocab_size % 64:
         assert needs.fills, f"{name}: the padded vocabulary's rows are zeroed"
+
+
+def _record(specs: list[TensorSpec], model: Any) -> Any:
+    from hal.integrations.vllm.recording import record_needs
+    from hal.sync.plan.needs import encode_needs
+
+    return encode_needs(record_needs(model, specs, "cpu"))
+
+
+def test_vllms_model_built_on_paper_records_what_the_live_worker_records(family):
+    """`hal plan`'s meta engine (hal.integrations.vllm.meta_engine: vLLM's model class on the
+    meta device at a pretended worker, layer templates) records this engine's worker exactly;
+    the live engine computes as before (its parallel state was lent and put back)."""
+    from hal.integrations.vllm.meta_engine import EngineLayout, MetaEngine
+
+    name, llm, specs, logprobs = family
+    [encoded] = llm.apply_model(functools.partial(_record, specs))
+    live = decode_needs(encoded)
+    on_paper = MetaEngine(llm.llm_engine.vllm_config.model_config.model, torch.float32, EngineLayout()).needs(specs, 0)
+    assert (on_paper.targets, on_paper.needs, set(on_paper.fills)) == (live.targets, live.needs, set(live.fills)), name
+    assert engine_logprobs(llm) == logprobs

@@ -39,13 +39,18 @@ SPEC = FAMILIES["qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> tuple[list[WorkerNeeds], list[dict]]:
+def model_dir(tmp_path_factory):
+    from hal.tools.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("record-tp2"), SPEC)
+
+
+@pytest.fixture(scope="module")
+def records(model_dir) -> tuple[list[WorkerNeeds], list[dict]]:
     """Both workers' records and checks, from one TP=2 + EP engine."""
     from hal.integrations.vllm._specs import checkpoint_specs
-    from hal.tools.tiny_model import build_tiny_model
     from tests.integrations.vllm.llm import in_process_llm
 
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("record-tp2"), SPEC)
     specs = checkpoint_specs(model_dir, torch.float32)
     env = pytest.MonkeyPatch()
     env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{CPUS[0]}|{CPUS[1]}")  # read when the workers start
@@ -106,3 +111,15 @@ def test_each_worker_takes_in_its_shard_and_what_it_shares(records):
     shared = sum(s.nbytes for s in needs[0].specs if re.search(r"norm|mlp\.gate\.weight|k_proj|v_proj", s.name))
     assert needs[0].nbytes + needs[1].nbytes == total + shared
     assert abs(needs[0].nbytes - needs[1].nbytes) <= total // 10
+
+
+def test_vllms_model_built_on_paper_at_each_pretended_worker_records_what_that_worker_records(records, model_dir):
+    """`hal plan`'s meta engine (hal.integrations.vllm.meta_engine), in this process, at
+    worker 0 and 1 of a pretended TP=2 + EP engine: exactly the two live workers' records."""
+    from hal.integrations.vllm.meta_engine import EngineLayout, MetaEngine
+
+    needs, _ = records
+    on_paper = MetaEngine(str(model_dir), torch.float32, EngineLayout(tp=2, ep=True)).all_needs(needs[0].specs)
+    for worker, (live, paper) in enumerate(zip(needs, on_paper, strict=True)):
+        assert (paper.targets, paper.needs, set(paper.fills)) == (live.targets, live.needs, set(live.fills)), f"worker {worker}"
+    assert on_paper[0].needs != on_paper[1].needs  # two workers, two records (their experts, their heads)

@@ -15,7 +15,9 @@ otherwise fail with one line naming the installed and supported versions.
   (each loadable tensor's original loader wrapped, everything put back on exit);
 - `workers`: engines and workers (an offline `LLM`'s processes and settings, a worker's
   model, the config of the worker building an engine), vLLM's tracebacks of refused syncs;
-- `lora`: the LoRA manager's internals.
+- `lora`: the LoRA manager's internals;
+- `meta`: vLLM's model class built at a worker of an engine that does not exist (its
+  config of an engine, a pretended parallel state), for `hal plan`.
 
 Each function says what it reaches into; when vLLM moves one of these, its module is the
 one to change, and where supported releases differ, the branch is there
@@ -96,6 +98,16 @@ from hal.integrations.vllm.internals.recording import (  # noqa: F401 - re-expor
     ReloadTarget,
     loaders_on_meta,
     reload_in_progress,
+)
+from hal.integrations.vllm.internals.meta import (  # noqa: F401 - re-exported
+    MODEL_LOADER_UTILS_MODULE,
+    PARALLEL_GROUPS,
+    PARALLEL_SIZES,
+    PARALLEL_STATE_MODULE,
+    PretendGroup,
+    build_model,
+    meta_vllm_config,
+    pretend_worker,
 )
 from hal.integrations.vllm.internals.lora import (  # noqa: F401 - re-exported
     DEFAULT_MODEL_SINCE,

@@ -17,6 +17,7 @@ import typing
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.nn import Parameter
 
 from hal.integrations.vllm.internals.reload import LAYERWISE_MODULE, initialize_layerwise_reload
 from hal.integrations.vllm.internals.versions import require_supported_vllm, vllm_release
@@ -108,7 +109,10 @@ def loaders_on_meta(model: torch.nn.Module, wrap: Callable[[str, str, Callable[.
             if info is None or not info.can_load():
                 continue
             for name, tensor in tensors_of(module).items():
-                if name in skip or id(tensor) in seen:
+                # vLLM's reload leaves the skipped tensors live; a parameter among them is
+                # still a checkpoint tensor its model's loader writes (DeepSeek-V3's router
+                # `e_score_correction_bias`): watched, so that its copy is recorded
+                if (name in skip and not isinstance(tensor, Parameter)) or id(tensor) in seen:
                     continue
                 seen.add(id(tensor))
                 wrapped.append((tensor, *_loader_of(tensor)))
