@@ -2,7 +2,9 @@
 
 Used by `hal bench` and by the test suite's multi-process runner. Each child runs
 `target(rank, out, *args)` and must put exactly one `(rank, "ok" | "error", value)` on
-`out`. A child still running at the deadline is killed, and so are the others.
+`out`, a pipe of its own (`RankReport`): a multiprocessing Queue would create named
+semaphores in /dev/shm, left there when the parent is killed before it frees the queue. A
+child still running at the deadline is killed, and so are the others.
 
 Ranks are forked from a fork server that has imported torch and hal once (multiprocessing's
 "forkserver"): a rank starts in tens of milliseconds instead of the seconds a fresh
@@ -18,8 +20,8 @@ import contextlib
 import functools
 import multiprocessing as mp
 import os
-import queue
 import socket
+from multiprocessing.connection import Connection, wait
 import time
 from typing import Any, Callable, Iterable
 
@@ -77,6 +79,16 @@ def run_gloo_rank(out: Any, rank: int, world_size: int, port: int, timeout_s: fl
             pass
 
 
+class RankReport:
+    """Where a rank puts its one report: the sending end of a pipe to its parent."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+    def put(self, report: tuple[int, str, Any]) -> None:
+        self.connection.send(report)
+
+
 class RankFailed(RuntimeError):
     """A rank raised or died; `rank` says which, the message carries its traceback."""
 
@@ -101,14 +113,12 @@ def spawn_ranks(
     Past `timeout_s` raises TimeoutError. Every child is joined or killed before return.
     """
     ctx = _context()
-    out = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_with_environ, args=(environ, target, rank, out, *args), daemon=True, name=f"{label}{rank}")
+        ctx.Process(target=_with_environ, args=(environ, target, rank, RankReport(pipes[rank][1]), *args), daemon=True, name=f"{label}{rank}")
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
 
     def failed(rank: int, text: str) -> None:
@@ -117,36 +127,40 @@ def spawn_ranks(
         results[rank] = on_failure(rank, text)
 
     try:
+        for p in procs:
+            p.start()
+        for _, sending in pipes:
+            sending.close()  # the child's end: a child that dies closes the pipe for good
+        waiting = {receiving: rank for rank, (receiving, _) in enumerate(pipes)}
         deadline = time.monotonic() + timeout_s
-        while len(results) < world_size:
+        while waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = [r for r in range(world_size) if r not in results]
+                missing = sorted(waiting.values())
                 raise TimeoutError(f"{label}s {missing} did not finish within {timeout_s:g} s")
-            try:
-                rank, status, value = out.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
-                if not dead:
+            for receiving in wait(list(waiting), timeout=remaining):
+                rank = waiting.pop(receiving)
+                try:
+                    _, status, value = receiving.recv()
+                except EOFError:  # it ended without a report
+                    procs[rank].join(timeout=5)
+                    failed(rank, f"{label} {rank} died with exit code {procs[rank].exitcode}")
                     continue
-                try:  # a rank may have reported just before exiting: look once more
-                    rank, status, value = out.get(timeout=1.0)
-                except queue.Empty:
-                    for r in dead:
-                        failed(r, f"{label} {r} died with exit code {procs[r].exitcode}")
-                    continue
-            if status == "error":
-                failed(rank, value)
-            else:
-                results[rank] = value
+                if status == "error":
+                    failed(rank, value)
+                else:
+                    results[rank] = value
     finally:
         for p in procs:
-            p.join(timeout=5)
+            if p.pid is not None:
+                p.join(timeout=5)
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        out.close()
+        for receiving, sending in pipes:
+            receiving.close()
+            sending.close()
         # what a rank's device runtime left in /dev/shm: a killed rank runs no exit code
         remove_ended_process_files(p.pid for p in procs if p.pid is not None and not p.is_alive())
     return [results[r] for r in range(world_size)]
