@@ -53,7 +53,7 @@ from hal.sync.source import ListedSource, LocalSource, ModuleSource, TensorSourc
 from hal.sync.plan.steady import KnownDeclaration
 from hal.sync.transport.base import Transport
 
-__all__ = ["ShardedSender", "local_tensors"]
+__all__ = ["ShardedSender", "local_tensors", "share_tensors"]
 
 
 def local_tensors(source: Any) -> list[tuple[str, torch.Tensor | Block]]:
@@ -148,6 +148,12 @@ class _Shares:
                 yield share.wire.name, local.narrow(0, share.lo, share.hi - share.lo)
             else:
                 yield share.wire.name, local
+
+
+def share_tensors(plan: ShardPlan, rank: int, tensors: dict[str, Any]) -> list[torch.Tensor]:
+    """Trainer rank `rank`'s shares of `plan` as wire tensors (views of `tensors`, this rank's
+    own: `local_tensors`), in the plan's order, as a sync of its shares reads them."""
+    return [tensor for _, tensor in _Shares(plan, rank, tensors)]
 
 
 class ShardedSender:
