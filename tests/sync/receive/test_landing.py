@@ -12,7 +12,7 @@ import torch
 import hal
 from hal.sync import errors
 from hal.sync.plan.link_specs import link_specs
-from hal.sync.receive.landing import EngineLayers, LandingSink
+from hal.sync.receive import EngineLayers, LandingSink
 from tests.sync.receive.fake_layers import FakeLayers, expected, plan_of, values
 
 

@@ -16,8 +16,9 @@ from tests.sync.send.test_links import LOST_PEER_TIMEOUT_S, TIMEOUT_S, WORKERS, 
 pytestmark = pytest.mark.multiprocess
 
 
-def test_two_fsdp2_ranks_send_each_worker_its_shard_and_the_replicated_norms_exactly():
-    rank0, rank1, worker0, worker1 = run_group(links_worker, 4, args=("ok",), timeout=240, collective_timeout=TIMEOUT_S)
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+def test_two_fsdp2_ranks_send_each_worker_its_shard_and_the_replicated_norms_exactly(backend):
+    rank0, rank1, worker0, worker1 = run_group(links_worker, 4, args=("ok", TIMEOUT_S, backend), timeout=240, collective_timeout=TIMEOUT_S)
     plan = plan_of(2, WORKERS)
     layers = [len({t.layer for t in needs.targets}) for needs in plan.needs]
     # each trainer rank sends its rows to the worker that needs them, and its rows of each norm to both

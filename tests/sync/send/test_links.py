@@ -32,26 +32,27 @@ LOST_PEER_TIMEOUT_S = 10.0
 WORKERS = 2
 
 
-def links_worker(rank, world, scenario, timeout_s=TIMEOUT_S):
+def links_worker(rank, world, scenario, timeout_s=TIMEOUT_S, backend="cpu"):
     """One rank of a sync of `world - 2` trainer ranks into 2 workers; per sync its outcome,
-    and on a worker its layers' state ("new"/"old" per layer) and the layers it closed."""
+    and on a worker its layers' state ("new"/"old" per layer) and the layers it closed.
+    `backend` "sim": streams that really run asynchronously (hal.backends.sim)."""
     import hal
 
-    with hal.use("cpu"):
+    with hal.use(backend):
         return _links_worker(rank, world, scenario, timeout_s)
 
 
 def _links_worker(rank, world, scenario, timeout_s):
-    from hal.sync.receive.landing import LandingSink
-    from hal.sync.receive.links import LinkReceiver
-    from hal.sync.send.links import LinkSender
-    from hal.sync.transport.peer import PeerTransport, peer_links
+    from hal.sync.receive import LandingSink, LinkReceiver
+    from hal.sync.send import LinkSender
+    from hal.sync.transport import PeerTransport, peer_links
 
     senders = world - WORKERS
     timeout = datetime.timedelta(seconds=timeout_s)
     groups = [dist.new_group([r, *range(senders, world)], timeout=timeout) for r in range(senders)]
     plan = plan_of(senders, WORKERS)
-    versions = (1, 2, 3) if scenario in ("ok", "checksum") else (1,)
+    # checksum: 1 ok, 2 a checksum mismatch on worker 1's link, 3 ok, 4 the sender's plan differs, 2 again (stale)
+    versions = {"ok": (1, 2, 3), "checksum": (1, 2, 3, 4, 2)}.get(scenario, (1,))
     results = []
     if rank < senders:
         config = SyncConfig(bucket_bytes=8192, segment_bytes=4096, timeout_s=timeout_s, verify=scenario == "checksum")
@@ -68,10 +69,11 @@ def _links_worker(rank, world, scenario, timeout_s):
                     yield item
 
             links._LinkSource.__iter__ = dying
-        for version in versions:
+        for step, version in enumerate(versions):
             start = time.monotonic()
+            planned = plan_of(senders, WORKERS, vocab=96) if scenario == "checksum" and step == 3 else plan
             try:
-                m = sender.send(plan, rank_tensors(plan, rank, version), version=version)
+                m = sender.send(planned, rank_tensors(planned, rank, version), version=version)
                 outcome = ("ok", m.bytes, m.links, m.largest_link_bytes, m.model_bytes, m.senders, m.plan_reused)
             except SyncError as exc:
                 outcome = (type(exc).__name__, str(exc)[:500])
@@ -80,11 +82,11 @@ def _links_worker(rank, world, scenario, timeout_s):
     w = rank - senders
     receiver = LinkReceiver([PeerTransport(g, src=0) for g in groups], timeout_s=timeout_s)
     engine = FakeLayers(plan.needs[w], live=("lm_head.weight",) if w == 1 else (), die_at=3 if scenario == "worker_dies" and w == 1 else None)
-    sink = LandingSink(plan.needs[w], engine, backend=hal_cpu())
+    sink = LandingSink(plan.needs[w], engine)
     held = None  # the version the engine holds whole
-    for version in versions:
+    for step, version in enumerate(versions):
         if scenario == "checksum" and w == 1:
-            corrupt(receiver.per_sender[0].transport, version == 2)
+            corrupt(receiver.per_sender[0].transport, step == 1)
         start = time.monotonic()
         try:
             m = receiver.receive(plan, sink)
@@ -97,12 +99,6 @@ def _links_worker(rank, world, scenario, timeout_s):
         results.append((outcome, state, list(engine.closed), list(engine.calls), time.monotonic() - start))
         engine.calls.clear()
     return results
-
-
-def hal_cpu():
-    import hal
-
-    return hal.get_backend("cpu")
 
 
 def corrupt(transport, on: bool) -> None:
@@ -142,6 +138,13 @@ def test_one_sender_sends_each_worker_exactly_its_shard_and_a_checksum_mismatch_
     (kind, _, consistent, version), state, closed, calls, _ = worker0[1]
     assert kind == "ChecksumMismatchError" and version == 1 and consistent is False  # its own link completed
     assert set(state.values()) == {"new"} and calls == ["begin", "finish", "abort"]
+    # refused at the header by every rank, before any byte: a plan that differs, an older version
+    for step, kind, words in ((3, "SpecMismatchError", "the two sides built different plans"), (4, "StaleVersionError", "holds weight version 3")):
+        assert sender[step][0][0] == kind and words in sender[step][0][1], sender[step]
+        for worker in (worker0, worker1):
+            (got, message, consistent, version), state, _, calls, _ = worker[step]
+            assert (got, consistent, version, calls) == (kind, True, 3, []) and words in message, message
+            assert set(state.values()) == {"old"}  # still version 3's, every layer
 
 
 def test_a_worker_lost_part_way_fails_every_other_rank_within_the_timeout_with_old_or_new_layers():
@@ -158,8 +161,8 @@ def test_a_worker_lost_part_way_fails_every_other_rank_within_the_timeout_with_o
 
 
 def test_a_link_sender_refuses_delta_and_links_of_other_channels():
-    from hal.sync.send.links import LinkSender
-    from hal.sync.transport.peer import peer_links
+    from hal.sync.send import LinkSender
+    from hal.sync.transport import peer_links
 
     links = peer_links(FakeGroup(0, 3))
     with pytest.raises(ValueError, match="delta sync over point-to-point links is not supported"):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from hal.sync.errors import RankReport
 from hal.sync.plan.buckets import build_plan
 from hal.sync.spec import TensorSpec
-from hal.sync.transport.peer import PeerChannel, PeerTransport, peer_links
+from hal.sync.transport import PeerChannel, PeerTransport, peer_links
 from tests.multiproc import run_group
 
 TIMEOUT_S = 30.0
