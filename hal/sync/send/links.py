@@ -28,6 +28,14 @@ derived from free memory for M x N links), with two buffers per link: r's buffer
 to the two buckets of today's sender. A transport failure (a worker lost: `PeerError`)
 ends the sync at once on r; the workers' waits end within their timeout.
 
+One thread sends every link and waits for one link's buffers at a time (gloo's sends are
+asynchronous, so the links' segments are in flight together): a worker that holds its
+link back (its landing's open-layer budget, hal.sync.receive.landing) slows this rank's
+other links too; every such wait ends within the timeout. On NCCL/HCCL the same thread
+issues the sends in turn, each enqueued after its pack (the library's traits); batching a
+round into one coalesced launch (`batch_isend_irecv`) is not done yet (not measured: this
+machine has no two devices).
+
 Delta sync over links is not supported yet (refused at construction).
 """
 
