@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import hal
 from hal.backends.interface import Backend
