@@ -23,8 +23,8 @@ pytest.importorskip("verl", reason="needs verl 0.9.1: make setup-verl, then run 
 
 from hal.integrations.verl.canary import answer_refusal, engine_answer, rollout_answer, trainer_check  # noqa: E402
 from hal.integrations.verl.settings import canary_settings  # noqa: E402
-from hal.canary import DEFAULT, Canary, CanaryConfig, Probe, module_logprobs  # noqa: E402  # noqa: E402
-from tests.canary.test_canary import TinyLM  # noqa: E402  # noqa: E402
+from hal.canary import DEFAULT, Canary, CanaryConfig, Probe, module_logprobs  # noqa: E402
+from tests.canary.test_canary import TinyLM  # noqa: E402
 
 TIMEOUT_S = 30.0
 

@@ -235,21 +235,20 @@ def coverage_problems(needs: WorkerNeeds) -> list[str]:
     by needs and fills, but for the target's declared padding."""
     boxes: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], str]]] = {t: [] for t in range(len(needs.targets))}
     problems: list[str] = []
+
+    def place(target_index: int, view: tuple[int, tuple[int, ...], tuple[int, ...]], what: str, region: str) -> None:
+        target = needs.targets[target_index]
+        box = view_to_box(target.shape, view)
+        if box is None or not _inside(target.shape, box[0], box[1]):
+            problems.append(f"parameter {target.describe()!r}: {region} that is not a box of {target.shape}")
+        else:
+            boxes[target_index].append((box[0], box[1], what))
+
     for need in needs.needs:
-        target = needs.targets[need.target]
-        spec = needs.specs[need.tensor]
-        box = view_to_box(target.shape, (need.dst_offset, need.sizes, need.dst_strides))
-        if box is None or not _inside(target.shape, box[0], box[1]):
-            problems.append(f"parameter {target.describe()!r}: checkpoint tensor {spec.name!r} lands in a region that is not a box of {target.shape}")
-            continue
-        boxes[need.target].append((box[0], box[1], f"checkpoint tensor {spec.name!r}"))
+        name = needs.specs[need.tensor].name
+        place(need.target, (need.dst_offset, need.sizes, need.dst_strides), f"checkpoint tensor {name!r}", f"checkpoint tensor {name!r} lands in a region")
     for fill in needs.fills:
-        target = needs.targets[fill.target]
-        box = view_to_box(target.shape, (fill.offset, fill.shape, fill.stride))
-        if box is None or not _inside(target.shape, box[0], box[1]):
-            problems.append(f"parameter {target.describe()!r}: a loader fills a region that is not a box of {target.shape}")
-            continue
-        boxes[fill.target].append((box[0], box[1], f"a fill with {fill.value:g}"))
+        place(fill.target, (fill.offset, fill.shape, fill.stride), f"a fill with {fill.value:g}", "a loader fills a region")
     touched = {needs.targets[t].layer for t, b in boxes.items() if b}
     for index, target in enumerate(needs.targets):
         if target.layer in touched:

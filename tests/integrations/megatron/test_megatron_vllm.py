@@ -16,15 +16,14 @@ and is driven by trainer rank 0 through a loopback socket (test_vllm_sharded.py'
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterator
 
 import pytest
 import torch
 
 from tests.integrations.megatron.harness import NEEDS
+from tests.integrations.vllm.llm import CPUS, NEEDS_TWO_CORES
 
-CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 TOKEN = "megatron-test-token"
 TIMEOUT_S = 60.0
 MAX_TOKENS = 8
@@ -32,7 +31,7 @@ PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11, 12, 13], [1, 40, 41]]
 
 pytestmark = [
     *NEEDS, pytest.mark.megatron, pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(900),
-    pytest.mark.skipif(len(CPUS) < 2, reason=f"needs 2 usable CPU cores (one per vLLM worker), this process may use {CPUS}"),
+    NEEDS_TWO_CORES,
 ]
 
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from hal.integrations.vllm import internals as vllm_internals
+
+# The cores this process may use: a TP=2 engine binds one vLLM worker to each.
+CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+NEEDS_TWO_CORES = pytest.mark.skipif(len(CPUS) < 2, reason=f"needs 2 usable CPU cores (one per vLLM worker), this process may use {CPUS}")
 
 
 @contextlib.contextmanager

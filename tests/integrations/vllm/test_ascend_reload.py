@@ -54,11 +54,11 @@ from vllm.model_executor.model_loader.reload import (  # noqa: E402
 
 import hal  # noqa: E402
 from hal.backends.cpu import CpuBackend  # noqa: E402
-from hal.integrations.vllm import internals as vllm_internals  # noqa: E402  # noqa: E402
+from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
 from hal.integrations.vllm import HalInitInfo, HalWeightTransferEngine  # noqa: E402
 from hal.procs import free_port  # noqa: E402
 from hal.sync import BroadcastTransport, Sender, SpecMismatchError, SyncConfig, SyncError, TensorSource  # noqa: E402
-from hal.sync.wire import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group  # noqa: E402  # noqa: E402
+from hal.sync.wire import RendezvousServer, SyncGroupSpec, destroy_sync_group, join_sync_group  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.timeout(120)]
 

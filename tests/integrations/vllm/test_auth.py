@@ -21,10 +21,10 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 import torch  # noqa: E402
 
 from hal import env  # noqa: E402
-from hal.tools.demo_rl import engine_greedy, trainer_greedy  # noqa: E402  # noqa: E402
+from hal.tools.demo_rl import engine_greedy, trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import AuthError, SyncConfig  # noqa: E402
-from tests.integrations.vllm.llm import in_process_llm, weight_version  # noqa: E402  # noqa: E402
+from tests.integrations.vllm.llm import in_process_llm, weight_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 

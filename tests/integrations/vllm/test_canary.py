@@ -41,11 +41,11 @@ import torch  # noqa: E402
 from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
 from hal.integrations.vllm import tied as vllm_tied  # noqa: E402
 from hal.sync import SyncConfig  # noqa: E402
-from hal.canary import DEFAULT, Canary, CanaryConfig, CanaryError, as_canary  # noqa: E402  # noqa: E402
-from hal.tools.demo_rl import engine_greedy, trainer_greedy  # noqa: E402  # noqa: E402
+from hal.canary import DEFAULT, Canary, CanaryConfig, CanaryError, as_canary  # noqa: E402
+from hal.tools.demo_rl import engine_greedy, trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
 from hal.integrations._shared import release_of  # noqa: E402
-from tests.integrations.vllm.llm import in_process_llm, weight_version  # noqa: E402  # noqa: E402
+from tests.integrations.vllm.llm import in_process_llm, weight_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 

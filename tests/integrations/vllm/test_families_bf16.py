@@ -24,7 +24,7 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 
 import torch  # noqa: E402
 
-from hal.canary import TOLERANCES  # noqa: E402  # noqa: E402
+from hal.canary import TOLERANCES  # noqa: E402
 from tests.integrations.vllm.families import (  # noqa: E402
     FAMILIES,
     MAX_TOKENS,

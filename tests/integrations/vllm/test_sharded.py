@@ -44,7 +44,6 @@ import hashlib
 import json
 import multiprocessing
 import multiprocessing.forkserver
-import os
 import socket
 import socketserver
 import threading
@@ -59,9 +58,9 @@ import torch  # noqa: E402
 
 from hal.integrations.vllm import HalInitInfo, HalWorkerExtension  # noqa: E402
 from hal.sync import AuthError  # noqa: E402
-from tests.integrations.vllm.llm import weight_version  # noqa: E402  # noqa: E402
+from tests.integrations.vllm.llm import weight_version  # noqa: E402
 
-CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+from tests.integrations.vllm.llm import CPUS, NEEDS_TWO_CORES  # noqa: E402
 TOKEN = "sharded-test-token"  # the engine's: the trainer ranks must prove it
 TIMEOUT_S = 60.0
 MAX_TOKENS = 8
@@ -77,7 +76,7 @@ def engine_test(fn: Any) -> Any:
     """A test of the scenario: 2 cores, and time for the engine's start-up (about a minute
     here, more on a loaded machine), which counts in whichever of them runs first."""
     fn = pytest.mark.timeout(600)(fn)
-    return pytest.mark.skipif(len(CPUS) < 2, reason=f"needs 2 usable CPU cores (one per vLLM worker), this process may use {CPUS}")(fn)
+    return NEEDS_TWO_CORES(fn)
 
 
 def sha(tensor: torch.Tensor) -> str:

@@ -20,13 +20,13 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 
 import torch  # noqa: E402
 
-from hal.tools.demo_rl import engine_greedy, trainer_greedy  # noqa: E402  # noqa: E402
-from hal.integrations.vllm import internals as vllm_internals  # noqa: E402  # noqa: E402
+from hal.tools.demo_rl import engine_greedy, trainer_greedy  # noqa: E402
+from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
 from hal.integrations._shared import release_of  # noqa: E402
 from hal.integrations.vllm.tied import refresh_tied_weights, tied_aliases  # noqa: E402
 from hal.integrations.vllm.internals import worker_model  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_model, load_trainer_model  # noqa: E402
-from tests.integrations.vllm.llm import in_process_llm  # noqa: E402  # noqa: E402
+from tests.integrations.vllm.llm import in_process_llm  # noqa: E402
 
 # 300 s: vLLM releases before 0.29 start an engine in up to 2 minutes on a loaded 2-core machine
 pytestmark = [pytest.mark.vllm, pytest.mark.cpu, pytest.mark.timeout(300)]

@@ -38,14 +38,14 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 
 import torch  # noqa: E402
 
-from hal.tools.demo_rl import engine_greedy, trainer_greedy  # noqa: E402  # noqa: E402
-from hal.integrations.vllm import internals as vllm_internals  # noqa: E402  # noqa: E402
+from hal.tools.demo_rl import engine_greedy, trainer_greedy  # noqa: E402
+from hal.integrations.vllm import internals as vllm_internals  # noqa: E402
 from hal.tools.tiny_model import TinyModelSpec, build_tiny_llama, load_trainer_model  # noqa: E402
 from hal.sync import SyncConfig  # noqa: E402
-from hal.canary import CanaryConfig  # noqa: E402  # noqa: E402
-from tests.integrations.vllm.llm import weight_version  # noqa: E402  # noqa: E402
+from hal.canary import CanaryConfig  # noqa: E402
+from tests.integrations.vllm.llm import weight_version  # noqa: E402
 
-CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+from tests.integrations.vllm.llm import CPUS, NEEDS_TWO_CORES  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -53,7 +53,7 @@ pytestmark = [
     pytest.mark.cpu,
     # engine start-up (30-40 s per engine here, more on a loaded machine) counts in the first test of a class
     pytest.mark.timeout(360),
-    pytest.mark.skipif(len(CPUS) < 2, reason=f"needs 2 usable CPU cores (one per vLLM worker), this process may use {CPUS}"),
+    NEEDS_TWO_CORES,
 ]
 
 MAX_TOKENS = 10
