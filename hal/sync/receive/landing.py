@@ -166,6 +166,13 @@ class Landing:
     def part(self, sender: int) -> _PartSink:
         return _PartSink(self, sender)
 
+    def use_links(self, links: Sequence[LinkSpecs]) -> None:
+        """The links pieces arrive on, once the headers are agreed (read from them:
+        hal.sync.plan.link_specs.links_from_headers), before any piece arrives."""
+        if len(links) != len(self.links):
+            raise ValueError(f"Landing: {len(links)} links for {len(self.links)} trainer ranks")
+        self.links = list(links)
+
     # ---- the receiving threads --------------------------------------------------------
     def take(self, sender: int, pairs: Pairs) -> None:
         """A segment's pieces from `sender`'s link, into their regions (one multi-tensor copy)."""

@@ -7,13 +7,14 @@ the pieces the plan sends it from that rank, landed by a `LandingSink`
 (hal.sync.receive.landing):
 
     receiver = LinkReceiver([PeerTransport(g, src=0) for g in sync_groups])
-    sink = LandingSink(plan.needs[w], engine_layers)
-    metrics = receiver.receive(plan, sink)        # metrics.bytes == plan.bytes_in[w]
+    sink = LandingSink(needs, engine_layers)      # this worker's recorded needs
+    metrics = receiver.receive(sink)              # metrics.bytes == plan.bytes_in[w]
 
 One sync, as `ShardedReceiver` runs it: take and check every trainer rank's header (the
-token over each group's challenge, the version, and that it announces exactly the link
-this worker's own plan says, piece for piece), answer in every group with the verdict on
-all of them; receive the M links in M threads while this thread opens and closes the
+token over each group's challenge, the version, and the pieces it announces: that all the
+links together bring this worker exactly its needs, `links_from_headers`; or, given the
+M x N plan, exactly the link the plan says, piece for piece), answer in every group with
+the verdict on all of them; receive the M links in M threads while this thread opens and closes the
 engine's layers; two agreements per group end it, so that every rank raises the same
 error class and the version advances only when every link completed on every rank.
 """
@@ -21,6 +22,7 @@ error class and the version advances only when every link completed on every ran
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import time
 from typing import Sequence
@@ -31,7 +33,7 @@ from hal.sync import errors
 from hal.sync.config import WaitBounds
 from hal.sync.errors import RankReport
 from hal.sync.metrics import SyncMetrics
-from hal.sync.plan.link_specs import LinkSpecs, link_specs
+from hal.sync.plan.link_specs import LinkSpecs, link_specs, links_from_headers
 from hal.sync.plan.mxn import MxNPlan
 from hal.sync.receive.landing import Landing, LandingSink
 from hal.sync.receive.receiver import IncomingSync, Receiver
@@ -70,6 +72,7 @@ class LinkReceiver:
         self.bounds = WaitBounds(self.timeout_s)
         self.version = version
         self._kept: tuple[MxNPlan | None, int, list[LinkSpecs]] = (None, -1, [])
+        self._read: tuple[tuple, object, list[LinkSpecs]] | None = None  # the last headers' specs, needs, links
 
     @property
     def sender_count(self) -> int:
@@ -111,25 +114,30 @@ class LinkReceiver:
             self._kept = (plan, worker, [link_specs(plan, r, worker) for r in range(len(plan.links))])
         return self._kept[2]
 
-    def receive(self, plan: MxNPlan, sink: LandingSink) -> SyncMetrics:
-        """Take one sync of `plan` into `sink` (whose needs are this worker's in the plan);
-        the same call on every worker, `LinkSender.send` on every trainer rank. Raises the
-        `SyncError` every rank raises."""
+    def receive(self, sink: LandingSink, plan: MxNPlan | None = None) -> SyncMetrics:
+        """Take one sync into `sink` (this worker's needs and its engine's layers); the same
+        call on every worker, `LinkSender.send` on every trainer rank. Without `plan` the
+        links are read from the headers and checked to bring exactly the sink's needs
+        (`links_from_headers`); with it (every rank built the same), each header must
+        announce the plan's link. Raises the `SyncError` every rank raises."""
         w = sink.worker
-        if not 0 <= w < len(plan.needs) or plan.needs[w].digest != sink.needs.digest:
-            raise ValueError(f"LinkReceiver: the sink's needs (engine worker {w}) are not that worker's needs in the plan")
-        if len(plan.links) != self.sender_count:
-            raise ValueError(f"LinkReceiver: the plan has {len(plan.links)} trainer ranks, this worker has {self.sender_count} links")
+        links: list[LinkSpecs] | None = None
+        if plan is not None:
+            if not 0 <= w < len(plan.needs) or plan.needs[w].digest != sink.needs.digest:
+                raise ValueError(f"LinkReceiver: the sink's needs (engine worker {w}) are not that worker's needs in the plan")
+            if len(plan.links) != self.sender_count:
+                raise ValueError(f"LinkReceiver: the plan has {len(plan.links)} trainer ranks, this worker has {self.sender_count} links")
+            links = self._links(plan, w)
         start, host_start = time.perf_counter(), time.thread_time()
-        links = self._links(plan, w)
         with contextlib.ExitStack() as stack:
             for receiver in self.per_sender:
                 stack.enter_context(receiver.transport.bounded(self.timeout_s))
-            landing = sink.landing(links, self.timeout_s)
+            landing = sink.landing(links or [None] * self.sender_count, self.timeout_s)
             incoming = [IncomingSync(receiver, landing.part(m)) for m, receiver in enumerate(self.per_sender)]
             live = set(range(self.sender_count))  # the groups still in the sync (header agreed, none broken)
-            failure = self._headers(incoming, links, live)
+            failure, links = self._headers(incoming, links, sink, live)
             if failure is None:
+                landing.use_links(links)
                 landing.begin()
             else:
                 landing.stop()
@@ -163,15 +171,18 @@ class LinkReceiver:
             total_s=time.perf_counter() - start,
             host_s=time.thread_time() - host_start,
             senders=self.sender_count,
-            model_bytes=plan.model_bytes,
+            model_bytes=plan.model_bytes if plan is not None else sum(s.nbytes for s in sink.needs.specs),
             links=self.sender_count,
             largest_link_bytes=max(i.plan.total_bytes for i in incoming),
             layers=len(landing.closed),
         )
 
     # ---- the phases ---------------------------------------------------------------------
-    def _headers(self, incoming: list[IncomingSync], links: list[LinkSpecs], live: set[int]) -> errors.SyncError | None:
-        """Take and check every trainer rank's header, then agree in every group on all of them."""
+    def _headers(
+        self, incoming: list[IncomingSync], links: list[LinkSpecs] | None, sink: LandingSink, live: set[int]
+    ) -> tuple[errors.SyncError | None, list[LinkSpecs] | None]:
+        """Take and check every trainer rank's header, then agree in every group on all of
+        them; the failure, if any, and this worker's links (the plan's, or the headers')."""
         reports: list[RankReport] = []
         for m, inc in enumerate(incoming):
             try:
@@ -180,10 +191,15 @@ class LinkReceiver:
                 live.discard(m)
                 reports.append(errors.report_exception(exc, sender=False))
         shared = next((r for r in reports if r.error), None)
-        if shared is None:
+        if shared is None and links is not None:
             problems = [p for inc, link in zip(incoming, links) if (p := _link_problem(inc.header.specs, link)) is not None]
             if problems:
                 shared = errors.report_exception(errors.SpecMismatchError("; ".join(problems[: errors.MAX_REPORTED])), sender=False)
+        elif shared is None:
+            try:
+                links = self._read_links(tuple(inc.header.specs for inc in incoming), sink)
+            except errors.SpecMismatchError as exc:
+                shared = errors.report_exception(exc, sender=False)
         failure: errors.SyncError | None = None
         for m in sorted(live):
             inc, report = incoming[m], reports[m] if reports[m].error else (shared or reports[m])
@@ -194,7 +210,16 @@ class LinkReceiver:
                 failure = failure or _own_kind(exc)
         if failure is None and len(live) < self.sender_count:
             failure = errors.PeerError(f"trainer rank(s) {sorted(set(range(self.sender_count)) - live)} did not send a header")
-        return failure
+        return failure, links
+
+    def _read_links(self, headers: tuple[tuple[TensorSpec, ...], ...], sink: LandingSink) -> list[LinkSpecs]:
+        """`links_from_headers`, once per layout: while nothing changed, the headers' decoded
+        spec tuples are the same objects as in the last sync (the core's header cache)."""
+        kept = self._read
+        if kept is None or kept[1] is not sink.needs or len(kept[0]) != len(headers) or not all(map(operator.is_, kept[0], headers)):
+            self._read = None
+            kept = self._read = (headers, sink.needs, links_from_headers(sink.needs, headers))
+        return kept[2]
 
     def _deliver(self, m: int, inc: IncomingSync, landing: Landing, live: set[int]) -> None:
         try:
