@@ -77,6 +77,9 @@ class SyncMetrics:
     """The bytes of this rank's largest link."""
     layers: int | None = None
     """Engine worker: the layers its sink completed (landed whole and processed) in this sync."""
+    worker_bytes: tuple[int, ...] | None = None
+    """Trainer rank: per engine worker (in group-rank order), the bytes the sync's plan brings
+    it from every trainer rank together: its shard plus its replicated tensors."""
 
     @property
     def gib_per_s(self) -> float | None:

@@ -123,13 +123,19 @@ def whole_holdings(specs: Sequence[TensorSpec]) -> ShardPlan:
 
 class LinkPlans:
     """A trainer rank's M x N plans into the workers of `needs`, the last one kept while the
-    holdings are the same (by their digests, or the same `ShardPlan` object)."""
+    holdings are the same (by their digests, or the same `ShardPlan` object), and after a
+    plan that could not be built (a refusal is announced on the last plan's links)."""
 
     def __init__(self, needs: Sequence[WorkerNeeds], wire_dtype: torch.dtype | None = None) -> None:
         self.needs = tuple(needs)
         self.wire_dtype = wire_dtype
         self.builds = 0
         self._kept: tuple[object, MxNPlan] | None = None
+
+    @property
+    def last(self) -> MxNPlan | None:
+        """The plan built last (None before the first)."""
+        return None if self._kept is None else self._kept[1]
 
     def plan(self, holdings: ShardPlan) -> MxNPlan:
         """The plan of `holdings` into the workers; `SpecMismatchError` naming each tensor
@@ -138,7 +144,6 @@ class LinkPlans:
         key: object = holdings.digests if holdings.digests else id(holdings)
         if self._kept is not None and (self._kept[0] == key or self._kept[1].holdings is holdings):
             return self._kept[1]
-        self._kept = None
         want = {s.name: s.dtype for s in self.needs[0].specs}
         problems = [
             f"parameter {s.name!r}: the trainer sends it as {wire_dtype_for(s.dtype, self.wire_dtype)} "
