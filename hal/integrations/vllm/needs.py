@@ -34,9 +34,10 @@ from hal.integrations.vllm.internals import (
     UNSTACKED_MAPPER_SINCE,
     WEIGHT_VERSIONS_SINCE,
 )
-from hal.integrations.vllm.internals import (  # issue 41: recording each worker's needs
+from hal.integrations.vllm.internals import (  # issue 41: recording each worker's needs, landing pieces in its layers
     LOADABLE_NUMEL_ATTR,
     LOADER_ATTR,
+    OWN_PROCESSING_ATTR,
     RELOAD_META_MODULE,
     RELOAD_UTILS_MODULE,
     SKIP_LOAD_TENSORS_SINCE,
@@ -214,4 +215,10 @@ VLLM_NEEDS: tuple[Need, ...] = (
          why="loaders_on_meta (LOADER_ATTR: a property with a setter on vLLM's parameters, an attribute on plain ones)"),
     Need(target=":".join(UNQUANTIZED_MOE_METHOD) + ".create_weights", sets=LOADABLE_NUMEL_ATTR, optional=True,
          why="loaders_on_meta (LOADABLE_NUMEL_ATTR: a target's declared padding; none before it)"),
+    # issue 41: landing a shard receive's pieces in a layer of the reload (hal.integrations.vllm.landing)
+    Need(target=f"{RELOAD_META_MODULE}:materialize_layer", call=Call(2), why="materialize_layer (vLLM's staging of one layer)"),
+    Need(target=f"{LAYERWISE_MODULE}:_layerwise_process", call=Call(2),
+         why="process_layer (one layer's processing and copy into its kernel tensors, nothing buffered)"),
+    Need(target=f"vllm.model_executor.layers.attention.attention:Attention.{OWN_PROCESSING_ATTR}", call=Call(1),
+         why="processed_at_end (OWN_PROCESSING_ATTR: the layers vLLM's reload processes only at its end have their own)"),
 )
