@@ -368,7 +368,8 @@ class OneSender(Driver):
         if settings.transport == "auto":
             local = all(e.same_node for e in engines.engines) and settings.receive != shard_sync.SHARD
             settings.transport = "ipc" if local and backend.supports_ipc else "broadcast"
-        settings.asked = shard_sync.asked_receive(settings.receive, sending=self.sending, transport=settings.transport, sizes=engines.sizes)
+        settings.asked = shard_sync.asked_receive(settings.receive, sending=self.sending, transport=settings.transport,
+                                                  sizes=engines.sizes, delta=settings.config.delta is not None)
         port = settings.master_port or free_port(settings.master_address)
         # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
         # workers use to join, would listen on every interface: hal.sync.wire.group), from now on

@@ -7,8 +7,8 @@ engines for, the engine workers' needs gathered at init, and the sending side ov
   user's `receive`, who sends and over which transport: "auto" asks for whole tensors
   where a shard receive cannot help (an engine of one worker needs every tensor whole; over
   IPC on one node nothing travels either way) or is not built ("gather": the gathering rank
-  would hold the whole model first), and says why once; "shard" there is refused by
-  `WeightSync` at construction.
+  would hold the whole model first; delta over links), and says why once; "shard" there is
+  refused by `WeightSync` at construction.
 - `gather_needs`: while the engines initialise, each trainer rank gathers every worker's
   word in its own sync group (hal.sync.plan.exchange), in a thread of its own: the workers
   tell it from inside their init, which returns only once every group has heard them.
@@ -33,8 +33,10 @@ from hal.threads import in_daemon_thread, result_within
 logger = logging.getLogger("hal.integrations.vllm.weight_sync")
 
 
-def shard_problem(*, sending: str, transport: str) -> str | None:
+def shard_problem(*, sending: str, transport: str, delta: bool = False) -> str | None:
     """Why this trainer cannot send a shard receive, whatever the engines (None: it can)."""
+    if delta:
+        return "delta sync over point-to-point links is not built yet (SyncConfig.delta)"
     if sending == GATHER:
         return "senders='gather' sends whole tensors (a shard receive: senders 'one' or 'all')"
     if transport == "ipc":
@@ -42,12 +44,12 @@ def shard_problem(*, sending: str, transport: str) -> str | None:
     return None
 
 
-def asked_receive(receive: str, *, sending: str, transport: str, sizes: list[tuple[str, int]]) -> str:
+def asked_receive(receive: str, *, sending: str, transport: str, sizes: list[tuple[str, int]], delta: bool = False) -> str:
     """What the engines are asked for (`HalInitInfo.receive`): `receive` as given, but
     "auto" asks for "whole" where a shard receive cannot help or is not built (logged once)."""
     if receive != AUTO:
         return receive
-    why = shard_problem(sending=sending, transport=transport)
+    why = shard_problem(sending=sending, transport=transport, delta=delta)
     single = [name for name, workers in sizes if workers < 2]
     if why is None and single:
         why = f"engine(s) {single} have one worker, which needs every tensor whole"

@@ -75,7 +75,8 @@ class EveryRankSends(Driver):
             self.trainer_channel = None
             raise
         engines.place(sizes)  # on every rank: which group ranks are whose (`inconsistent`), and the world size
-        settings.asked = shard_sync.asked_receive(settings.receive, sending=self.sending, transport=settings.transport, sizes=engines.sizes)
+        settings.asked = shard_sync.asked_receive(settings.receive, sending=self.sending, transport=settings.transport,
+                                                  sizes=engines.sizes, delta=settings.config.delta is not None)
         spec = SyncGroupSpec(address=settings.master_address, port=port, world_size=engines.world_size)
         side: TrainerSide | None = None
         try:

@@ -136,7 +136,7 @@ class WeightSync:
             if transport not in ("auto", "broadcast"):
                 raise ValueError(f"senders='all' sends over the 'broadcast' transport (a group per trainer rank), got transport={transport!r}")
         check_receive(receive, "receive")
-        problem = shard_problem(sending=senders, transport="broadcast" if transport == "auto" else transport)
+        problem = shard_problem(sending=senders, transport="broadcast" if transport == "auto" else transport, delta=config is not None and config.delta is not None)
         if receive == SHARD and problem is not None:
             raise ValueError(f"receive='shard': {problem}")
         if not engines and senders != ALL:  # with senders="all" the ranks but 0 may learn them from rank 0
