@@ -316,15 +316,6 @@ class Driver:
             self.sending, settings.transport, config=settings.config, trainer_group=settings.trainer_group, token=settings.token
         )
 
-    def gather_needs(self, joining: Any, backend: Backend) -> None:
-        """Gather the engine workers' needs in this rank's group once it is joined, in a thread
-        (`shard_sync.gather_needs`), when the engines are asked for more than whole tensors."""
-        settings = self.settings
-        if settings.asked != "whole":
-            self.gathering = shard_sync.gather_needs(
-                joining, backend=backend, timeout_s=settings.timeout_s, name=f"hal-trainer rank {self.trainer_rank}: engine workers' needs"
-            )
-
     def join(self, backend: Backend) -> TrainerSide:
         """This rank's side of its sync group, joined with every engine's workers."""
         raise NotImplementedError
@@ -377,7 +368,7 @@ class OneSender(Driver):
         side = TrainerSide(spec, backend=backend, timeout_s=settings.timeout_s)
         calls = engines.ask_to_join(port)
         joining = side.join()
-        self.gather_needs(joining, backend)
+        self.gathering = shard_sync.gather_needs(joining, self.settings, backend=backend, rank=self.trainer_rank)
         try:
             engines.join(joining, calls, port)
         except BaseException:

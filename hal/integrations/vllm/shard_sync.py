@@ -59,9 +59,13 @@ def asked_receive(receive: str, *, sending: str, transport: str, sizes: list[tup
     return AUTO
 
 
-def gather_needs(joining: "concurrent.futures.Future[Any]", *, backend: Backend, timeout_s: float, name: str) -> "concurrent.futures.Future[list[bytes]]":
-    """In a thread of its own (`name`): once this rank's sync group is joined, every
-    worker's word in it (`exchange_needs`; this rank, the group's rank 0, tells none)."""
+def gather_needs(joining: "concurrent.futures.Future[Any]", settings: Any, *, backend: Backend, rank: int) -> "concurrent.futures.Future[list[bytes]] | None":
+    """In a thread of its own: once trainer rank `rank`'s sync group is joined, every
+    worker's word in it (`exchange_needs`; this rank, the group's rank 0, tells none).
+    None when the engines are asked for whole tensors (`settings.asked`: they tell nothing)."""
+    if settings.asked == WHOLE_TENSORS:
+        return None
+    timeout_s = settings.timeout_s
 
     def gather() -> list[bytes]:
         group = joining.result(timeout=timeout_s)
@@ -69,7 +73,7 @@ def gather_needs(joining: "concurrent.futures.Future[Any]", *, backend: Backend,
         with channel.bounded(timeout_s):
             return exchange_needs(channel, b"")
 
-    return in_daemon_thread(name, gather)
+    return in_daemon_thread(f"hal-trainer rank {rank}: engine workers' needs", gather)
 
 
 def choice_of(gathering: "concurrent.futures.Future[list[bytes]] | None", receive: str, *, timeout_s: float) -> ReceiveChoice:

@@ -91,7 +91,8 @@ class EveryRankSends(Driver):
                 side.close()
             raise
         joining = side.join(f"hal-trainer rank {channel.rank}: join the weight-sync group")
-        self.gather_needs(joining, backend)  # the workers tell every group from inside their init
+        # the workers tell every group from inside their init: heard here while the engines initialise
+        self.gathering = shard_sync.gather_needs(joining, settings, backend=backend, rank=channel.rank)
         try:
             error = None
             if lead:  # the engines are driven from here only
