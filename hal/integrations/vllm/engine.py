@@ -39,7 +39,10 @@ transposes and NZ casts) runs once per sync, on checkpoint-layout tensors (docs/
 Where the native API is missing (older vLLM, forks), `HalWorkerExtension` offers the
 same engine as a `worker_extension_cls` reached through `collective_rpc`.
 
-The engine is a hal `Sink`: the receiver hands it complete tensors per bucket and calls
+With `HalInitInfo.receive` "shard" (or "auto"), each worker takes only its own pieces and
+lands them straight in its layers instead (hal.integrations.vllm.shard_receive, docs/topologies.md).
+
+Otherwise the engine is a hal `Sink`: the receiver hands it complete tensors per bucket and calls
 `abort()` when a sync fails part-way, which ends the layerwise reload so every layer
 holds its old or its new weights. It reports `version` and `consistent` (see
 `HalWorkerExtension.hal_state`). Engines started with `VERL_HAL_SYNC_TOKEN` accept a
