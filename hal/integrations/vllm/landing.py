@@ -193,7 +193,12 @@ class LayerLanding:
     def finish(self) -> None:
         """End the update after every layer completed: the engine's reload ends (layers no
         piece reaches keep their kernel tensors, the tied head is refreshed). A layer that
-        did not complete is a caller's error: the update is aborted and the layers named."""
+        did not complete is a caller's error: the update is aborted and the layers named.
+        A layer no piece reaches (its loaders only fill it) completes here."""
+        for layer in self.layers:
+            if not self.elements[layer] and layer not in self.completed and self._reload.open:
+                self.open(layer)
+                self.complete(layer)
         missing = [layer for layer in self.layers if layer not in self.completed]
         if missing:
             self.abort()

@@ -70,17 +70,19 @@ class Worker:
         self.reload.load([(spec.name, checkpoint[spec.name]) for spec in self.specs])
         self.reload.finish()
 
-    def land_layer(self, layer: str, checkpoint: dict[str, torch.Tensor], *, part: float = 1.0) -> list[weakref.ref]:
-        """Open `layer` and land the first `part` of its pieces; returns weak references to
-        the tensors it staged and to those pieces landed in."""
-        module = self.modules[layer]
+    def land_layer(self, layer: str, checkpoint: dict[str, torch.Tensor], *, part: float = 1.0, landing: Any = None) -> list[weakref.ref]:
+        """Open `layer` and land the first `part` of its pieces (through `landing`, default
+        the worker's); returns weak references to the tensors it staged and to those pieces
+        landed in."""
+        landing = landing or self.landing
+        module, needs = self.modules[layer], landing.needs
         meta = {name for name, tensor in own_tensors(module).items() if tensor.is_meta}
-        self.landing.open(layer)
+        landing.open(layer)
         staged = [weakref.ref(tensor) for name, tensor in own_tensors(module).items() if name in meta]
-        pieces = [(need, box) for need in self.needs.needs if self.needs.targets[need.target].layer == layer for box in halves(need)]
+        pieces = [(need, box) for need in needs.needs if needs.targets[need.target].layer == layer for box in halves(need)]
         for need, (offsets, sizes) in pieces[: round(part * len(pieces))]:
             source = checkpoint[self.specs[need.tensor].name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
-            destination = self.landing.destination(need.target, need.destination(offsets, sizes))
+            destination = landing.destination(need.target, need.destination(offsets, sizes))
             destination.copy_(source)
             staged.append(weakref.ref(destination._base))  # the tensor the landing keeps for the target
         return staged
@@ -233,3 +235,24 @@ def test_what_a_landing_refuses_names_the_layer_or_parameter(worker):
     for name, error in ((attention, UnexpressibleLoad), ("model.no_such_layer", SpecMismatchError)):
         with pytest.raises(error, match=f"layer '{name}'"):
             LayerLanding(worker.model, WorkerNeeds(0, (), (Target(name, "k_scale", (1,)),), ()), worker.reload)
+
+
+def test_a_layer_its_loaders_only_fill_completes_at_finish(worker):
+    from hal.integrations.vllm.landing import LayerLanding
+    from hal.sync.plan.needs import Fill
+
+    needs = worker.needs
+    [norm] = [i for i, t in enumerate(needs.targets) if t.layer == "model.norm"]  # the final norm, filled with ones instead
+    filled = replace(needs, needs=tuple(n for n in needs.needs if n.target != norm),
+                     fills=(*needs.fills, Fill(norm, 0, needs.targets[norm].shape, (1,), 1.0)))
+    landing = LayerLanding(worker.model, filled, worker.reload)
+    assert landing.elements["model.norm"] == 0
+    landing.start(worker.model_config)
+    for layer in landing.layers:
+        if landing.elements[layer]:
+            worker.land_layer(layer, worker.new, landing=landing)
+            landing.complete(layer)
+    landing.finish()
+    assert landing.completed == set(landing.layers)
+    assert torch.equal(worker.modules["model.norm"].weight, torch.ones(needs.targets[norm].shape))
+    worker.whole(worker.old)
