@@ -16,7 +16,10 @@ from typing import Iterator
 class SyncMetrics:
     version: int | None = None
     bytes: int = 0
-    """Bytes of tensor data that travelled (checksums and padding excluded)."""
+    """Bytes of tensor data that travelled (checksums and padding excluded). Over links, each
+    worker taking only its own pieces (hal.sync.send.links, hal.sync.receive.links): on a
+    trainer rank, what it sent (its share times the workers that need it, `bytes_out`); on an
+    engine worker, what it received (its shard plus its replicated tensors, `bytes_in`)."""
     buckets: int = 0
     tensors: int = 0
     gather_s: float | None = None
@@ -66,6 +69,17 @@ class SyncMetrics:
     """Trainer ranks that each sent their own shares of the model."""
     model_bytes: int | None = None
     """Bytes of the whole model; `bytes` is what this rank sent (or received in all)."""
+    # ---- links: each worker only its pieces (hal.sync.send.links); None otherwise -------------
+    links: int | None = None
+    """Point-to-point links this rank sent over (one per engine worker) or received over
+    (one per trainer rank)."""
+    largest_link_bytes: int | None = None
+    """The bytes of this rank's largest link."""
+    layers: int | None = None
+    """Engine worker: the layers its sink completed (landed whole and processed) in this sync."""
+    worker_bytes: tuple[int, ...] | None = None
+    """Trainer rank: per engine worker (in group-rank order), the bytes the sync's plan brings
+    it from every trainer rank together: its shard plus its replicated tensors."""
 
     @property
     def gib_per_s(self) -> float | None:

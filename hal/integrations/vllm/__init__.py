@@ -9,6 +9,11 @@ What each module holds (importing this package imports none of them, and no vLLM
   `engine_v023`: the same engine behind vLLM 0.23-0.24's worker. vLLM calls `register()` in every process through the
   `vllm.general_plugins` entry point `hal_weight_transfer` that pyproject.toml declares.
 - `lora`, `lora_engine`, `lora_sync`: the LoRA engine `backend="hal-lora"` and its trainer side.
+- A shard receive (each worker only its own pieces, `WeightSync(receive="shard")`):
+  `recording` (a worker's needs, from vLLM's own loaders), `landing` (pieces landed straight
+  in a layer of the reload, processed by vLLM), `shard_receive` (the worker's side: its
+  word at init, its receiver and sink), `shard_sync` (the trainer's side: what it asks
+  for, the needs gathered at init, the sending side over links).
 - `client`: the trainer side's names (`WeightSync`, the engines it drives, vLLM's trainer
   factory), from `weight_sync` (`WeightSync`: one resend loop around a driver), `drivers`
   (one sender, gather-then-send; the engines' calls), `sharded_sync` (every trainer rank

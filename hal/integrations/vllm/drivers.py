@@ -28,12 +28,14 @@ import hal
 from hal import env
 from hal.backends.interface import Backend
 from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm import shard_sync
 from hal.integrations.vllm.engines import Engine
 from hal.integrations.vllm.info import HalInitInfo, dtype_name
 from hal.procs import free_port
 from hal.sync import AuthError, Sender, SyncConfig, SyncError, SyncMetrics, SyncSender, TrainerSide
 from hal.sync.config import GATHER, ONE, WaitBounds
 from hal.sync.errors import PeerError
+from hal.sync.plan.exchange import ReceiveChoice
 from hal.sync.wire import GroupChannel, SyncGroupSpec, destroy_sync_group, init_proof
 from hal.threads import in_daemon_thread, result_within
 
@@ -58,6 +60,10 @@ class Settings:
     """A transport name (hal.sync.endpoints.TRANSPORTS), or "auto" until `init` picks one."""
     token: str | None
     trainer_group: Any
+    receive: str = "whole"
+    """How the user asked the engine workers to take each sync (hal.sync.plan.exchange.RECEIVE)."""
+    asked: str = "whole"
+    """What the engines are asked for at init (`shard_sync.asked_receive`), set by `join`."""
 
     @property
     def bounds(self) -> WaitBounds:
@@ -126,6 +132,7 @@ class EngineCalls:
                 timeout_s=settings.config.timeout_s,
                 transport=settings.transport,
                 rendezvous=rendezvous,
+                receive=settings.asked,
             )
             if settings.token is not None:  # bound to every field, this engine's rank offset and every rendezvous included
                 info.auth = init_proof(settings.token, **info.proven())
@@ -266,7 +273,17 @@ class Driver:
         self.engines = engines
         self.group: Any = None
         self.sender: SyncSender | None = None
-        """This rank's sending side (hal.sync.endpoints.make_sender) after `init`."""
+        """This rank's sending side (hal.sync.endpoints.make_sender, or over links:
+        hal.integrations.vllm.shard_sync) after `init`."""
+        self.gathering: Any = None
+        """The engine workers' needs, gathered in this rank's group while they initialise (`join`)."""
+        self.receive_choice: ReceiveChoice | None = None
+        """Whether the workers receive only their shards (after `init`), or whole tensors and why."""
+
+    @property
+    def shard(self) -> bool:
+        """Whether each engine worker receives only its own pieces (after `init`)."""
+        return self.receive_choice is not None and self.receive_choice.shard
 
     @property
     def trainer_rank(self) -> int:
@@ -288,8 +305,13 @@ class Driver:
         if self.group is not None or self.trainer_channel is not None:
             raise RuntimeError("WeightSync.init called twice")
         vllm_internals.require_supported_vllm()
-        side = self.join(hal.current())
+        backend = hal.current()
+        side = self.join(backend)
         self.group = side.group
+        choice = self.receive_choice = shard_sync.choice_of(self.gathering, settings.asked, timeout_s=settings.timeout_s)
+        if choice.shard:
+            self.sender = shard_sync.link_sender(self.sending, side.group, choice.needs, settings, backend)
+            return
         self.sender = side.open(
             self.sending, settings.transport, config=settings.config, trainer_group=settings.trainer_group, token=settings.token
         )
@@ -335,22 +357,46 @@ class OneSender(Driver):
     def join(self, backend: Backend) -> TrainerSide:
         settings, engines = self.settings, self.engines
         if settings.transport == "auto":
-            local = all(e.same_node for e in engines.engines)
+            local = all(e.same_node for e in engines.engines) and settings.receive != shard_sync.SHARD
             settings.transport = "ipc" if local and backend.supports_ipc else "broadcast"
+        settings.asked = shard_sync.asked_receive(settings.receive, sending=self.sending, transport=settings.transport,
+                                                  sizes=engines.sizes, delta=settings.config.delta is not None)
         port = settings.master_port or free_port(settings.master_address)
         # rank 0 serves the rendezvous on master_address only (vLLM's helper, which the
         # workers use to join, would listen on every interface: hal.sync.wire.group), from now on
         spec = SyncGroupSpec(address=settings.master_address, port=port, world_size=engines.world_size)
         side = TrainerSide(spec, backend=backend, timeout_s=settings.timeout_s)
         calls = engines.ask_to_join(port)
+        joining = side.join()
+        self.gathering = shard_sync.gather_needs(joining, self.settings, backend=backend, rank=self.trainer_rank)
         try:
-            engines.join(side.join(), calls, port)
+            engines.join(joining, calls, port)
         except BaseException:
             # an engine refused or the join failed: close the rendezvous, so that the join
             # thread ends now and the port is free, instead of both lasting until the timeout
             side.close()
             raise
         return side
+
+    @property
+    def core_sender(self) -> Sender | None:
+        return self.sender.sender if self.shard and self.sender is not None else self.sender
+
+    def attempt(self, source: Any, version: int, resend: Callable[[SyncError], bool]) -> tuple[SyncMetrics, dict[str, str]]:
+        """As `Driver.attempt`; over links the plan is made first: a source the plan cannot be
+        made of (a tensor the workers need missing, another dtype) is refused before any
+        engine hears of the sync."""
+        if not self.shard:
+            return super().attempt(source, version, resend)
+        agreed = self.sender.agree_shares(source)
+        if agreed.refused is not None:
+            raise agreed.refused
+        return super().attempt(agreed, version, resend)
+
+    def send(self, source: Any, version: int, resend: Callable[[SyncError], bool]) -> SyncMetrics:
+        if self.shard:  # `source` is the plan agreed in `attempt`
+            return self.sender.send(source, version=version)
+        return super().send(source, version, resend)
 
 
 class GatherThenSend(OneSender):

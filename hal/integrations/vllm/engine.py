@@ -39,7 +39,10 @@ transposes and NZ casts) runs once per sync, on checkpoint-layout tensors (docs/
 Where the native API is missing (older vLLM, forks), `HalWorkerExtension` offers the
 same engine as a `worker_extension_cls` reached through `collective_rpc`.
 
-The engine is a hal `Sink`: the receiver hands it complete tensors per bucket and calls
+With `HalInitInfo.receive` "shard" (or "auto"), each worker takes only its own pieces and
+lands them straight in its layers instead (hal.integrations.vllm.shard_receive, docs/topologies.md).
+
+Otherwise the engine is a hal `Sink`: the receiver hands it complete tensors per bucket and calls
 `abort()` when a sync fails part-way, which ends the layerwise reload so every layer
 holds its old or its new weights. It reports `version` and `consistent` (see
 `HalWorkerExtension.hal_state`). Engines started with `VERL_HAL_SYNC_TOKEN` accept a
@@ -60,7 +63,9 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 import hal
 from hal import env
 from hal.integrations.vllm import internals as vllm_internals
+from hal.integrations.vllm import shard_receive
 from hal.integrations.vllm.reload import LayerwiseReload
+from hal.integrations.vllm.shard_receive import ShardReceive
 from hal.integrations.vllm.info import ENGINE_TRANSPORTS, HalInitInfo, HalUpdateInfo, dtype_from_name, dtype_name  # noqa: F401 - re-exported
 from hal.sync import SinkPolicy, SpecMismatchError, SyncError, SyncMetrics, SyncReceiver, TensorSpec
 from hal.sync.errors import AuthError, DeltaBaseError, HeaderError, StaleVersionError
@@ -108,6 +113,9 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         self._group: Any = None  # the group of trainer rank 0 (the only one unless every trainer rank sends)
         self._groups: list[Any] = []  # one per sending trainer rank, in trainer-rank order
         self._receiver: SyncReceiver | None = None
+        self._sink: Any = self
+        """What the receiver lands in: this engine (whole tensors), or a shard receive's
+        `LandingSink` (hal.integrations.vllm.shard_receive)."""
         self.reload = LayerwiseReload(model)
         """How an update is applied: one layerwise reload of the model per update (hal.integrations.vllm.reload)."""
         self.last_metrics: SyncMetrics | None = None
@@ -175,19 +183,34 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
             raise
         self._groups, self._group = groups, groups[0]
         control = backend.control_device()
-        transports = [open_transport(init_info.transport, group, control_device=control) for group in groups]
         self.reload.expect(layer_groups([s.name for s in specs]), sum(s.nbytes for s in specs))
         try:
             accepted = self.accepted_specs(init_info, specs)
+            shards = None
+            if init_info.receive != "whole":  # every worker's needs told in every group, the same choice everywhere
+                shards = ShardReceive.negotiate(
+                    init_info.receive, self.shard_word(specs, rank - 1), groups, model_config=self.model_config,
+                    control_device=control, timeout_s=init_info.timeout_s, token=self._token, check=self._refuse_moved_kernels,
+                )
         except BaseException:
             self.shutdown()  # leave no half-initialised group behind
             raise
+        if shards is not None:
+            self._receiver, self._sink = shards.receiver, shards.sink
+            return
         # every trainer rank sends its rows when the trainer lists their rendezvous: whole
         # tensors reach this engine either way (hal.sync.send.sharded)
         sending = ONE if init_info.rendezvous is None else ALL
+        transports = [open_transport(init_info.transport, group, control_device=control) for group in groups]
+        self._sink = self
         self._receiver = make_receiver(
             sending, transports, accepted, timeout_s=init_info.timeout_s, token=self._token, validate=self.validate
         )
+
+    def shard_word(self, specs: list[TensorSpec], worker: int) -> Any:
+        """This worker's needs and landing for a shard receive (`worker`: its index, its
+        group rank - 1), or why it takes whole tensors (hal.integrations.vllm.shard_receive)."""
+        return shard_receive.record(self.model, specs, self.device, worker, self.reload)
 
     def accepted_specs(self, init_info: HalInitInfo, checkpoint: list[TensorSpec]) -> list[TensorSpec]:
         """The tensors this engine's receiver accepts, from the checkpoint's (called once the
@@ -201,13 +224,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         tensors, and one that got only some would be processed with the rest uninitialised.
         Refuse one too when a parameter's kernel layout changed since the engine started
         (`kernel_tensors`): the reload would copy freshly processed tensors into it."""
-        moved = self.reload.kernel_changes()
-        if moved:
-            raise SpecMismatchError(
-                f"{moved[0]}{f' (+{len(moved) - 1} more)' if len(moved) > 1 else ''}: the engine's weights were laid out "
-                "anew since it started, so a reload cannot copy processed tensors back into them (vllm-ascend 0.23's "
-                "NPUWorker.wake_up transposes MoE expert weights back: vllm-ascend issues 11548, 12226)"
-            )
+        self._refuse_moved_kernels()
         sent, layer_of = {spec.name for spec in specs}, self.reload.layer_of
         for name in sorted(sent):
             missing = layer_of.get(name, frozenset()) - sent
@@ -217,6 +234,15 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
                     f"parameter {name!r} is sent without {sorted(missing)[:3]}{more} of the same layer; "
                     "vLLM's layerwise reload needs every tensor of each layer it reloads"
                 )
+
+    def _refuse_moved_kernels(self) -> None:
+        moved = self.reload.kernel_changes()
+        if moved:
+            raise SpecMismatchError(
+                f"{moved[0]}{f' (+{len(moved) - 1} more)' if len(moved) > 1 else ''}: the engine's weights were laid out "
+                "anew since it started, so a reload cannot copy processed tensors back into them (vllm-ascend 0.23's "
+                "NPUWorker.wake_up transposes MoE expert weights back: vllm-ascend issues 11548, 12226)"
+            )
 
     # ---- one update ---------------------------------------------------------------
     def start_weight_update(self) -> None:
@@ -239,7 +265,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
         start = time.perf_counter()
         try:
             with vllm_internals.no_mtp_completeness_check():
-                metrics = self._receiver.receive(self)
+                metrics = self._receiver.receive(self._sink)
         except REFUSALS as exc:
             raise _refused(f"version {update_info.version}", exc) from None
         if metrics.version is not None and metrics.version != update_info.version:
@@ -309,7 +335,7 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
 
     def shutdown(self) -> None:
         groups, receiver = self._groups, self._receiver
-        self._group, self._groups, self._receiver = None, [], None
+        self._group, self._groups, self._receiver, self._sink = None, [], None, self
         if receiver is not None:
             receiver.close()
         _destroy_groups(groups)

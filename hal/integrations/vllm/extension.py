@@ -68,6 +68,12 @@ class HalWorkerExtension:
         for the connection in use: vLLM's native hal engine when initialised, else this extension's."""
         return self._connected_engine().state()
 
+    def hal_metrics(self) -> dict[str, Any] | None:
+        """This worker's metrics of the last sync it took (`SyncMetrics.as_dict()`; `bytes`:
+        what it received, its shard and replicated tensors under a shard receive), or None."""
+        metrics = self._connected_engine().last_metrics
+        return None if metrics is None else metrics.as_dict()
+
     def hal_shutdown(self) -> None:
         engine = getattr(self, "_hal_weight_engine", None)
         if engine is not None:

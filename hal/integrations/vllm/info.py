@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from hal.sync.plan.exchange import check_receive
 from hal.sync.wire import header_json
 
 ENGINE_TRANSPORTS = ("broadcast", "ipc")
@@ -65,6 +66,13 @@ class HalInitInfo(WeightTransferInitInfo):
     same rank, `rank_offset + r`, and `world_size` in each) and receives every sync from
     all of them at once (`hal.sync.ShardedReceiver`). None: trainer rank 0 alone sends,
     over the group at `master_address:master_port`. Only with `transport="broadcast"`."""
+    receive: str = "whole"
+    """How each worker takes a sync (hal.sync.plan.exchange.RECEIVE): "whole", every tensor
+    whole (its loaders cut out its shard); "shard", only its own pieces, landed straight in
+    its layers (hal.integrations.vllm.shard_receive), refused at init by name where a worker's
+    loaders cannot be recorded; "auto", "shard" where every worker recorded its needs, else
+    "whole". Not "whole": at init every worker records its needs and every rank of every
+    sync group gathers them. Only with `transport="broadcast"`."""
     auth: str | None = None
     """The trainer's proof that it knows the engine's token (`hal.sync.wire.auth.init_proof`
     over every other field, `proven()`, `rendezvous` included); None from a trainer without one."""
@@ -79,6 +87,9 @@ class HalInitInfo(WeightTransferInitInfo):
         if not 1 <= self.rank_offset < self.world_size:
             raise ValueError(f"HalInitInfo.rank_offset {self.rank_offset} outside 1..{self.world_size - 1} (world_size)")
         dtype_from_name(self.wire_dtype)
+        check_receive(self.receive, "HalInitInfo.receive")
+        if self.receive != "whole" and self.transport != "broadcast":
+            raise ValueError(f"HalInitInfo.receive {self.receive!r}: a shard receive goes over the 'broadcast' transport's groups, got transport {self.transport!r}")
         if self.rendezvous is not None:
             self.rendezvous = check_rendezvous(self.rendezvous, self.master_address, self.master_port, self.transport)
 

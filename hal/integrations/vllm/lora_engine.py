@@ -129,6 +129,10 @@ class HalLoraWeightTransferEngine(HalWeightTransferEngine):
         self._adapter_names = frozenset(s.name for s in lora)
         return checkpoint + lora
 
+    def shard_word(self, specs: list[TensorSpec], worker: int) -> Any:
+        """An adapter travels with the base through the engine's own loaders: whole tensors."""
+        return "hal-lora: the adapter and the base travel as whole tensors (a shard receive lands base weights only)"
+
     def validate(self, specs: list[TensorSpec]) -> None:
         """As the base engine (whole layers), and refuse a sync carrying part of the adapter."""
         super().validate(specs)

@@ -40,9 +40,10 @@ from hal.integrations.vllm.internals import (  # issue 41: `hal plan`'s model on
     PARALLEL_SIZES,
     PARALLEL_STATE_MODULE,
 )
-from hal.integrations.vllm.internals import (  # issue 41: recording each worker's needs
+from hal.integrations.vllm.internals import (  # issue 41: recording each worker's needs, landing pieces in its layers
     LOADABLE_NUMEL_ATTR,
     LOADER_ATTR,
+    OWN_PROCESSING_ATTR,
     RELOAD_META_MODULE,
     RELOAD_UTILS_MODULE,
     SKIP_LOAD_TENSORS_SINCE,
@@ -236,4 +237,10 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target="vllm.config.compilation:CompilationConfig.static_forward_context", why="build_model"),
     Need(target="vllm.config.model:ModelConfig.hf_text_config", why="build_model (hf_overrides for one build)"),
     Need(target=f"{MODEL_LOADER_UTILS_MODULE}:initialize_model", call=Call(0, "vllm_config"), why="build_model"),
+    # issue 41: landing a shard receive's pieces in a layer of the reload (hal.integrations.vllm.landing)
+    Need(target=f"{RELOAD_META_MODULE}:materialize_layer", call=Call(2), why="materialize_layer (vLLM's staging of one layer)"),
+    Need(target=f"{LAYERWISE_MODULE}:_layerwise_process", call=Call(2),
+         why="process_layer (one layer's processing and copy into its kernel tensors, nothing buffered)"),
+    Need(target=f"vllm.model_executor.layers.attention.attention:Attention.{OWN_PROCESSING_ATTR}", call=Call(1),
+         why="processed_at_end (OWN_PROCESSING_ATTR: the layers vLLM's reload processes only at its end have their own)"),
 )

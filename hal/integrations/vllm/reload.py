@@ -178,21 +178,23 @@ class LayerwiseReload:
         self._load([(n, t if layer_of.get(n, frozenset((n,))) <= seen else keep(t)) for n, t in pairs])
         vllm_internals.retain_deferred_loads(self.carry.retain)
 
-    def finish(self) -> None:
+    def finish(self, *, quiet: bool | None = None) -> None:
         """End the reload, if one is open: every layer that was not (fully) loaded gets its
         old kernel tensors back, so the engine serves whole weights whatever happened; then
         a weight tied to another module (lm_head to embed_tokens), loaded through its owner,
         has what was derived from it rebuilt (`refreshed_tied`). A reload that loaded nothing
         (a sync refused after the worker started it) puts every layer back on purpose,
-        without vLLM's per-layer warning."""
+        without vLLM's per-layer warning; `quiet` says whether to warn where the reload's
+        layers were not loaded through `load` (a landing: hal.integrations.vllm.landing)."""
         if not self.open:
             return
         self.open = False
         model, model_config = self._model, self._model_config
         self._model, self._model_config, self._load = None, None, None
-        quiet = vllm_internals.restoring_every_layer() if not self.seen else contextlib.nullcontext()
+        silent = not self.seen if quiet is None else quiet
+        warnings = vllm_internals.restoring_every_layer() if silent else contextlib.nullcontext()
         try:
-            with quiet:
+            with warnings:
                 vllm_internals.finalize_layerwise_reload(model, model_config)
         finally:
             restore, self._restore_experts = self._restore_experts, None

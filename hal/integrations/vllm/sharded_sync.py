@@ -33,6 +33,7 @@ import json
 from typing import Any, Callable
 
 from hal.backends.interface import Backend
+from hal.integrations.vllm import shard_sync
 from hal.integrations.vllm.drivers import Driver, fold_engine_errors
 from hal.integrations.vllm.info import check_rendezvous
 from hal.procs import free_port
@@ -74,6 +75,8 @@ class EveryRankSends(Driver):
             self.trainer_channel = None
             raise
         engines.place(sizes)  # on every rank: which group ranks are whose (`inconsistent`), and the world size
+        settings.asked = shard_sync.asked_receive(settings.receive, sending=self.sending, transport=settings.transport,
+                                                  sizes=engines.sizes, delta=settings.config.delta is not None)
         spec = SyncGroupSpec(address=settings.master_address, port=port, world_size=engines.world_size)
         side: TrainerSide | None = None
         try:
@@ -88,6 +91,8 @@ class EveryRankSends(Driver):
                 side.close()
             raise
         joining = side.join(f"hal-trainer rank {channel.rank}: join the weight-sync group")
+        # the workers tell every group from inside their init: heard here while the engines initialise
+        self.gathering = shard_sync.gather_needs(joining, settings, backend=backend, rank=channel.rank)
         try:
             error = None
             if lead:  # the engines are driven from here only

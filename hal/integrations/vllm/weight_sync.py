@@ -46,6 +46,8 @@ from hal.sync import SENDING, Sender, SyncConfig, SyncError
 from hal.canary import DEFAULT, Canary, as_canary
 from hal.sync.config import ALL, GATHER, ONE
 from hal.sync.errors import check_version
+from hal.sync.plan.exchange import SHARD, WHOLE_TENSORS, check_receive
+from hal.integrations.vllm.shard_sync import shard_problem
 from hal.sync.wire import GroupChannel
 from hal.sync.source import as_source
 
@@ -83,6 +85,15 @@ class WeightSync:
     called: checked against rank 0's names and sizes) or none, `[]` (they learn them from
     rank 0 at `init`). Over the "broadcast" transport only.
 
+    `receive` (hal.sync.plan.exchange.RECEIVE): how each engine worker takes a sync.
+    "whole" (the default): every tensor whole, its engine's loaders cut out its shard.
+    "shard": each worker only its own pieces, point to point from the trainer rank(s) that
+    hold them (senders "one" or "all", the "broadcast" transport), landed straight in its
+    layers (hal.integrations.vllm.shard_receive); refused at `init` by name where an engine
+    worker's loaders cannot be recorded. "auto": "shard" for engines of several workers
+    that all recorded their needs, over the "broadcast" transport, else "whole" (`receive_why`).
+    docs/topologies.md says when each is used.
+
     `canary` (a `hal.canary.policy.CanaryConfig` or `Canary`; None: off): every few completed
     syncs, the engines' log-probs on a fixed probe are compared with the trainer's
     (hal.integrations.vllm.canary, docs/canary.md); the result is `SyncResult.canary`, and in
@@ -106,6 +117,7 @@ class WeightSync:
         trainer_group: Any = None,
         senders: str | None = None,
         canary: Any = DEFAULT,
+        receive: str = WHOLE_TENSORS,
     ) -> None:
         if transport != "auto" and transport not in ENGINE_TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(ENGINE_TRANSPORTS)}, got {transport!r}")
@@ -123,6 +135,10 @@ class WeightSync:
         if senders == ALL:
             if transport not in ("auto", "broadcast"):
                 raise ValueError(f"senders='all' sends over the 'broadcast' transport (a group per trainer rank), got transport={transport!r}")
+        check_receive(receive, "receive")
+        problem = shard_problem(sending=senders, transport="broadcast" if transport == "auto" else transport, delta=config is not None and config.delta is not None)
+        if receive == SHARD and problem is not None:
+            raise ValueError(f"receive='shard': {problem}")
         if not engines and senders != ALL:  # with senders="all" the ranks but 0 may learn them from rank 0
             raise ValueError("WeightSync needs at least one engine")
         engines = [as_engine(e) for e in engines]
@@ -150,7 +166,7 @@ class WeightSync:
         `trainer_group` after every rank gathered; "all", every rank of it its own rows."""
         self._settings = Settings(
             config=self.config, master_address=master_address, master_port=master_port, timeout_s=timeout_s,
-            transport=transport, token=self.token, trainer_group=trainer_group,
+            transport=transport, token=self.token, trainer_group=trainer_group, receive=receive,
         )
         self._engines = EngineCalls(engines, self._settings)
         self._driver: Driver = DRIVERS[senders](self._settings, self._engines)
@@ -166,6 +182,18 @@ class WeightSync:
         """"auto" until `init` picks: "ipc" when every engine is on this node and the backend
         shares memory between processes (`supports_ipc`), else "broadcast"."""
         return self._settings.transport
+
+    @property
+    def receive(self) -> str:
+        """How the engine workers take each sync (after `init`): "shard", each only its own
+        pieces; "whole", every tensor whole (`receive_why` says why, where "auto" chose it)."""
+        return "shard" if self._driver.shard else "whole"
+
+    @property
+    def receive_why(self) -> str:
+        """Why the engine workers take whole tensors ("" under a shard receive, or before `init`)."""
+        choice = self._driver.receive_choice
+        return "" if choice is None or choice.shard else choice.why
 
     @property
     def world_size(self) -> int:

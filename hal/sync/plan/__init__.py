@@ -7,7 +7,9 @@
   blocks, under which wire name, each tensor tiled exactly once).
   The engine's side: `needs` (`WorkerNeeds`: the boxes of each tensor an engine worker
   loads and where they land, recorded from its loaders) and `mxn` (`MxNPlan`: the shares
-  cut by the needs, one link per trainer rank and engine worker).
+  cut by the needs, one link per trainer rank and engine worker); `link_specs`: one link's
+  pieces as the wire tensors of a sync of the core; `exchange`: the workers' needs told
+  at init, whole or shard receive (`choose_receive`), a trainer rank's plans (`LinkPlans`).
 
 Nothing per sync lives here: tensors and iterators are each sync's own.
 """

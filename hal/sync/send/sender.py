@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -198,6 +198,8 @@ class OutgoingSync:
         self.segments: Any = NO_DELTA
         self._builds = sender.plans.builds
         self._state = "new"
+        self.failure: BaseException | None = None
+        """Why sending stopped early: the source or a pack failed (announced to every rank)."""
         self.end_bound_s: float | None = None
         """The bound of the final agreement when it may wait longer than one step (a sender
         of several: the receivers first wait for the others' bytes; hal.sync.send.sharded)."""
@@ -221,11 +223,7 @@ class OutgoingSync:
                 # forged by a member: prove nothing over it, but send the header and agree
                 # as ever, so that every rank refuses this sync in step
                 challenge, report = None, errors.report_exception(exc, sender=True)
-            header = SyncHeader.from_plan(
-                plan, version=self.version, token=sender.token if challenge is not None else None, challenge=challenge,
-                delta=delta is not None, delta_base=offer[0],
-            )
-            channel.exchange_header(header.encode())
+            channel.exchange_header(self._header(challenge, offer[0]).encode())
             sender.known.settle()  # which tensors to read: while the receivers check the header
             errors.raise_if_any(channel.agree(report, "header check"), channel.rank, self.where)
 
@@ -237,7 +235,18 @@ class OutgoingSync:
         except errors.SyncError:
             self._state = "done"
             raise
-        base, choice, sample = offer
+        self._ready(*offer)
+
+    def _header(self, challenge: str | None, base: int | None) -> SyncHeader:
+        sender = self.sender
+        return SyncHeader.from_plan(
+            self.plan, version=self.version, token=sender.token if challenge is not None else None, challenge=challenge,
+            delta=sender.delta is not None, delta_base=base,
+        )
+
+    def _ready(self, base: Any, choice: Any, sample: Any) -> None:
+        """Every rank agreed on the header: the transport and the packer get ready to send."""
+        sender, transport, plan, delta = self.sender, self.sender.transport, self.plan, self.sender.delta
         transport.prepare(sender.backend, plan)
         if not sender.config.bypass_cpu:
             sender.packer.ensure_staging(plan.max_bucket_nbytes)
@@ -248,21 +257,60 @@ class OutgoingSync:
             )
         self._state = "offered"
 
+    # ---- phases for a composite that agrees for several syncs at once (hal.sync.send.links) ----
+    def announce(self, challenge: str | None) -> SyncHeader:
+        """Plan this sync and return its header, proving the token over `challenge` (None:
+        no proof); the caller exchanges it and agrees on it for every sync it runs at once,
+        then calls `agreed`. Without delta sync (a composite agrees on no delta base)."""
+        if self._state != "new" or self.sender.delta is not None:
+            raise RuntimeError(f"{self.where}: announce is for a new sync without delta sync (this one is {self._state})")
+        self._state = "announced"
+        self.plan, self.listed = self.sender.plan_for(self.source)
+        return self._header(challenge, None)
+
+    def agreed(self) -> None:
+        """Every rank agreed on the header `announce` made: get ready to send (`steps`)."""
+        if self._state != "announced":
+            raise RuntimeError(f"{self.where}: agreed() follows announce(), this sync is {self._state}")
+        self.sender.known.settle()
+        self._ready(None, None, False)
+
+    def steps(self) -> Iterator[None]:
+        """Send every segment, one per step (a composite interleaves several syncs' segments
+        in one thread); the caller bounds the waits. Once exhausted, `failure` says whether
+        the source or a pack failed (announced in its place); a transport failure
+        (PeerError) propagates. Then `report`, the caller's agreement, and `completed`."""
+        self._take()
+        yield from self._segments(self._cursor())
+
+    def report(self) -> errors.RankReport:
+        """This sender's word at the agreement that ends the sync (after `steps`)."""
+        failure = self.failure
+        if failure is None:
+            return errors.RankReport(sender=True)
+        if not isinstance(failure, errors.SyncError):
+            failure = self.failure = errors.SourceError(f"{type(failure).__name__}: {failure}")
+        return errors.report_exception(failure, sender=True)
+
     def send(self) -> SyncMetrics:
         """Every segment, then every rank's agreement; this sync's metrics. Raises as `Sender.send`."""
         self._take()
         with self.sender.transport.bounded(self.sender.config.timeout_s):
-            sender = self.sender
-            sender.known.settle()  # (done already unless the header was never agreed on)
-            listed = self.listed and sender.known.readable
-            cursor = ListedCursor(self.plan, sender.known) if listed else SourceCursor(self.plan, iter(self.source))
-            failure = self._send_buckets(cursor)
-            return self._end(failure)
+            for _ in self._segments(self._cursor()):
+                pass
+            return self._end(self.failure)
 
-    def _send_buckets(self, cursor: SourceCursor) -> BaseException | None:
-        """Send every segment, or stop at the first one whose source or pack failed, after
-        announcing that failure in its place. Returns that failure; a transport failure
-        (PeerError) propagates instead: the group can no longer agree on anything."""
+    def _cursor(self) -> SourceCursor:
+        sender = self.sender
+        sender.known.settle()  # (done already unless the header was never agreed on)
+        listed = self.listed and sender.known.readable
+        return ListedCursor(self.plan, sender.known) if listed else SourceCursor(self.plan, iter(self.source))
+
+    def _segments(self, cursor: SourceCursor) -> Iterator[None]:
+        """Send every segment, yielding after each, or stop at the first one whose source or
+        pack failed, after announcing that failure in its place (kept in `failure`). A
+        transport failure (PeerError) propagates instead: the group can no longer agree on
+        anything."""
         sender, plan, timer, segments = self.sender, self.plan, self.timer, self.segments
         transport, async_streams = sender.transport, sender.backend.supports_async_streams
         packer, stream = sender.packer, sender.packer.stream
@@ -292,16 +340,16 @@ class OutgoingSync:
                 except errors.PeerError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - announced to every rank, then reported
-                    failure = exc
+                    failure = self.failure = exc
                     with timer("transfer"):
                         transport.send_failure(k, j)
                     break
+                yield
             if failure is not None:
                 break
         with timer("transfer"):
             transport.finish()
         alive.clear()
-        return failure
 
     def cancel(self, error: errors.SyncError) -> SyncMetrics:
         """Send nothing: the receivers, waiting for a first segment, hear that none comes,
@@ -321,13 +369,17 @@ class OutgoingSync:
         self._state = "done"
 
     def _end(self, failure: BaseException | None) -> SyncMetrics:
-        sender, transport, plan, segments, timer = self.sender, self.sender.transport, self.plan, self.segments, self.timer
-        report = errors.RankReport(sender=True)
-        if failure is not None:
-            failure = errors.SourceError(f"{type(failure).__name__}: {failure}") if not isinstance(failure, errors.SyncError) else failure
-            report = errors.report_exception(failure, sender=True)
+        sender, transport = self.sender, self.sender.transport
+        self.failure = failure
+        report = self.report()
         with transport.bounded(self.end_bound_s or sender.config.timeout_s):
             errors.raise_if_any(transport.channel.agree(report, "sync status"), transport.rank, self.where)
+        return self.completed()
+
+    def completed(self) -> SyncMetrics:
+        """Every rank agreed the sync completed: the sender holds its version (and, with
+        delta sync, its baseline); this sync's metrics."""
+        sender, plan, segments, timer = self.sender, self.plan, self.segments, self.timer
         total_s = time.perf_counter() - self.start
         sender.completed(self.version, segments, total_s)
         return SyncMetrics(

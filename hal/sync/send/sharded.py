@@ -53,7 +53,7 @@ from hal.sync.source import ListedSource, LocalSource, ModuleSource, TensorSourc
 from hal.sync.plan.steady import KnownDeclaration
 from hal.sync.transport.base import Transport
 
-__all__ = ["ShardedSender", "local_tensors"]
+__all__ = ["ShareAgreement", "ShardedSender", "local_tensors", "share_tensors"]
 
 
 def local_tensors(source: Any) -> list[tuple[str, torch.Tensor | Block]]:
@@ -150,49 +150,29 @@ class _Shares:
                 yield share.wire.name, local
 
 
-class ShardedSender:
-    """One per trainer rank: `sync(source, version=)` on every rank sends that rank's
-    shares (see the module doc). `transport` is this rank's own group with every engine
-    worker (this rank its sender); `trainer_group` the ranks that hold the model (default:
-    the default group). `config` and `token` as for `Sender`."""
+def share_tensors(plan: ShardPlan, rank: int, tensors: dict[str, Any]) -> list[torch.Tensor]:
+    """Trainer rank `rank`'s shares of `plan` as wire tensors (views of `tensors`, this rank's
+    own: `local_tensors`), in the plan's order, as a sync of its shares reads them."""
+    return [tensor for _, tensor in _Shares(plan, rank, tensors)]
 
-    def __init__(
-        self,
-        transport: Transport,
-        *,
-        config: SyncConfig | None = None,
-        trainer_group: Any = None,
-        backend: Backend | None = None,
-        token: str | None = None,
-    ) -> None:
-        self.backend = backend or hal.current()
-        self.sender = Sender(transport, config, backend=self.backend, token=token)
-        self.config = self.sender.config
-        self.channel = trainer_channel(trainer_group, self.backend)
-        self.exchange = ShardPlanExchange(self.channel)
-        self.sender.sender_count = self.channel.world_size  # buckets from free memory: a share of them each
-        self.version: int | None = None
+
+class ShareAgreement:
+    """The first phase of an M-to-N sync on one trainer rank (`ShardedSender`, and
+    hal.sync.send.link_syncs' `EveryRankLinks`): what this rank holds of a source, declared
+    from metadata, and the plan every trainer rank agrees on over `channel` (the trainer
+    group's), built once per layout. `config`: its bounds."""
+
+    def __init__(self, channel: Any, config: SyncConfig) -> None:
+        self.channel, self.config = channel, config
+        self.exchange = ShardPlanExchange(channel)
         self.known = KnownDeclaration()
         """The last sync's listing and declaration (hal.sync.plan.steady)."""
-        self._model_bytes_of: tuple[ShardPlan | None, int] = (None, 0)
 
     @property
     def rank(self) -> int:
         return self.channel.rank
 
-    @property
-    def plan(self) -> ShardPlan | None:
-        """The layout of the last sync."""
-        return self.exchange.plan
-
-    def sync(self, source: Any, *, version: int) -> SyncMetrics:
-        """Send this rank's shares of `source` as `version`; the same call on every trainer
-        rank. Returns this rank's metrics (`bytes`: what it sent; `model_bytes`: the whole
-        model). Raises the `SyncError` every rank raises when the sync fails anywhere.
-        Its two phases: `agree_shares`, then `send`."""
-        return self.send(self.agree_shares(source), version=version)
-
-    def agree_shares(self, source: Any) -> AgreedShares:
+    def agree(self, source: Any) -> AgreedShares:
         """Declare what this rank holds of `source` (from metadata) and agree with every
         trainer rank on who sends which rows (the plan is built once per layout). A source
         some rank cannot declare, or declarations that do not fit, make `refused` the same
@@ -224,6 +204,54 @@ class ShardedSender:
             declared = declare(zip(listing.names, listing.tensors), self.rank, self.channel.world_size)
             self.known.remember(listing, declared)
         return self.known.tensors, declared
+
+
+class ShardedSender:
+    """One per trainer rank: `sync(source, version=)` on every rank sends that rank's
+    shares (see the module doc). `transport` is this rank's own group with every engine
+    worker (this rank its sender); `trainer_group` the ranks that hold the model (default:
+    the default group). `config` and `token` as for `Sender`."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        config: SyncConfig | None = None,
+        trainer_group: Any = None,
+        backend: Backend | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.backend = backend or hal.current()
+        self.sender = Sender(transport, config, backend=self.backend, token=token)
+        self.config = self.sender.config
+        self.channel = trainer_channel(trainer_group, self.backend)
+        self.shares = ShareAgreement(self.channel, self.config)
+        """The first phase of each sync: this rank's declaration, every rank's plan."""
+        self.exchange, self.known = self.shares.exchange, self.shares.known
+        self.sender.sender_count = self.channel.world_size  # buckets from free memory: a share of them each
+        self.version: int | None = None
+        self._model_bytes_of: tuple[ShardPlan | None, int] = (None, 0)
+
+    @property
+    def rank(self) -> int:
+        return self.channel.rank
+
+    @property
+    def plan(self) -> ShardPlan | None:
+        """The layout of the last sync."""
+        return self.exchange.plan
+
+    def sync(self, source: Any, *, version: int) -> SyncMetrics:
+        """Send this rank's shares of `source` as `version`; the same call on every trainer
+        rank. Returns this rank's metrics (`bytes`: what it sent; `model_bytes`: the whole
+        model). Raises the `SyncError` every rank raises when the sync fails anywhere.
+        Its two phases: `agree_shares`, then `send`."""
+        return self.send(self.agree_shares(source), version=version)
+
+    def agree_shares(self, source: Any) -> AgreedShares:
+        """Declare what this rank holds of `source` and agree with every trainer rank on who
+        sends which rows (`ShareAgreement.agree`). The same call on every trainer rank."""
+        return self.shares.agree(source)
 
     def send(self, agreed: AgreedShares, *, version: int) -> SyncMetrics:
         """Send this rank's shares as `agreed` (`agree_shares`) as `version`; a refused

@@ -45,7 +45,12 @@ class BroadcastTransport(Transport):
         self._pending: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # sends per bucket, with the memory they read
         self._held: tuple[int, int, torch.Tensor] | None = None  # the sender's next data send, behind the next status
         self.point_to_point = False  # decided in prepare(), the same on every rank
-        self._peer = 1 - self.src  # the other rank, when there are two
+
+    @property
+    def peer(self) -> int:
+        """The receiver of the sender's point-to-point transfers: the other rank of a group
+        of two (a link inside a larger group names its own: hal.sync.transport.peer)."""
+        return 1 - self.src
 
     def prepare(self, backend: Backend, plan: BucketPlan) -> None:
         super().prepare(backend, plan)
@@ -56,7 +61,7 @@ class BroadcastTransport(Transport):
         if not self.point_to_point:
             return self._broadcast(tensor, what)
         if self.is_sender:
-            return self._send_p2p(tensor, self._peer, self.P2P_TAG, what)
+            return self._send_p2p(tensor, self.peer, self.P2P_TAG, what)
         return self._recv_p2p(tensor, self.src, self.P2P_TAG, what)
 
     def _order_after(self, ready: Event) -> None:

@@ -12,7 +12,8 @@ otherwise fail with one line naming the installed and supported versions.
 - `reload`: vLLM's layerwise reload (start, end, what it keeps aside, deferred loads, its
   warnings), fused MoE experts after a reload, the tied embeddings' derived state;
 - `recording`: the layerwise-reload state a recording of each worker's needs runs in
-  (each loadable tensor's original loader wrapped, everything put back on exit);
+  (each loadable tensor's original loader wrapped, everything put back on exit), and a
+  layer of a reload staged and processed for landing pieces in it;
 - `workers`: engines and workers (an offline `LLM`'s processes and settings, a worker's
   model, the config of the worker building an engine), vLLM's tracebacks of refused syncs;
 - `lora`: the LoRA manager's internals;
@@ -94,9 +95,14 @@ from hal.integrations.vllm.internals.recording import (  # noqa: F401 - re-expor
     RELOAD_META_MODULE,
     RELOAD_UTILS_MODULE,
     SKIP_LOAD_TENSORS_SINCE,
+    OWN_PROCESSING_ATTR,
     TORCHAO_FLAGS,
     ReloadTarget,
+    layer_in_reload,
     loaders_on_meta,
+    materialize_layer,
+    process_layer,
+    processed_at_end,
     reload_in_progress,
 )
 from hal.integrations.vllm.internals.meta import (  # noqa: F401 - re-exported

@@ -6,8 +6,9 @@ inside that state (every loadable tensor on the meta device, in the checkpoint l
 the worker's shard; the kernel tensors kept aside), each tensor's loader wrapped so it
 knows whose loader runs; afterwards every layer gets its kernel tensors back untouched.
 The reload's module, its per-layer state (`LAYERWISE_INFO`, `LayerReloadingInfo`) and its
-helpers are private to vLLM. A module apart from `reload` (an update's reload), which
-the landing of pieces into materialized layers will grow.
+helpers are private to vLLM. A module apart from `reload` (an update's reload); its last
+block is what the landing of received pieces into a layer of a reload reaches (vLLM's
+staging and per-layer processing: hal.integrations.vllm.landing).
 """
 
 from __future__ import annotations
@@ -137,3 +138,64 @@ def loaders_on_meta(model: torch.nn.Module, wrap: Callable[[str, str, Callable[.
                 setattr(model, key, flags[key])
             elif key in vars(model):
                 delattr(model, key)
+
+
+# ---- landing pieces into the layers of a reload ------------------------------------------
+# hal.integrations.vllm.landing lands a shard receive's pieces in a layer of the reload in
+# progress, in the checkpoint layout vLLM's own loaders would write, and has vLLM process
+# the layer. It reaches `LAYERWISE_INFO[layer]` (the layer's reload state), vLLM's staging of
+# a layer (`materialize_layer`) and its per-layer processing (`_layerwise_process`).
+# A layer vLLM processes only when the reload ends, with a `process_weights_after_loading`
+# of its own (attention layers and their scales: `_finalize_attention_layer`), is not one a
+# landing completes: the module attribute that says so.
+OWN_PROCESSING_ATTR = "process_weights_after_loading"
+
+
+def _reload_info(module: torch.nn.Module) -> Any:
+    import importlib
+
+    info = importlib.import_module(LAYERWISE_MODULE).LAYERWISE_INFO.get(module)
+    return info if info is not None and info.can_load() else None
+
+
+def layer_in_reload(module: torch.nn.Module) -> bool:
+    """Whether `module` is a layer of the layerwise reload in progress, not processed yet."""
+    return _reload_info(module) is not None
+
+
+def processed_at_end(module: torch.nn.Module) -> bool:
+    """Whether vLLM's reload processes `module` only when the reload ends, with its own
+    `process_weights_after_loading(dtype)` (attention layers: vLLM defers them)."""
+    return callable(getattr(module, OWN_PROCESSING_ATTR, None))
+
+
+def materialize_layer(module: torch.nn.Module) -> None:
+    """vLLM's own staging of a layer of the reload: each of its tensors on the meta device
+    becomes an empty tensor of its shape on the layer's device (`materialize_layer`), which
+    vLLM's loaders would write and its processing reads. Tensors vLLM keeps live during a
+    reload (`bias` from 0.27) stay as they are."""
+    import importlib
+
+    info = _reload_info(module)
+    if info is None:
+        raise RuntimeError(f"{type(module).__name__}: not a layer of a layerwise reload in progress")
+    importlib.import_module(RELOAD_META_MODULE).materialize_layer(module, info)
+
+
+def process_layer(module: torch.nn.Module) -> None:
+    """vLLM's own processing of a layer whose tensors are all in place, as its reload runs
+    it when a layer's last tensor arrives (`_layerwise_process`), with nothing buffered:
+    the layer's `quant_method.process_weights_after_loading` (repacking, quantization;
+    the experts' post-load step when `reprocess_experts_on_reload` is on), the processed
+    values copied into the tensors the layer computes with, those put back; the layer's
+    reload then ends. Refused for a layer that got a load through its loaders in this
+    reload (vLLM would load it again over what landed)."""
+    import importlib
+
+    info = _reload_info(module)
+    if info is None:
+        raise RuntimeError(f"{type(module).__name__}: not a layer of a layerwise reload in progress")
+    if info.loaded_weights:
+        names = sorted({name for name, _ in info.loaded_weights})
+        raise RuntimeError(f"{type(module).__name__}: {names} were loaded through vLLM's loaders in this reload as well")
+    importlib.import_module(LAYERWISE_MODULE)._layerwise_process(module, info)

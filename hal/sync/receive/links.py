@@ -1,0 +1,290 @@
+"""An engine worker receives only its own pieces, from every trainer rank at once, and lands
+them in its layers (issue 41; the trainer side: hal.sync.send.links).
+
+Each trainer rank's sync group is as today's (`{r} ∪ workers`): per group this worker runs a
+core `Receiver` over its own link (`PeerTransport(group, src=0)`), whose sync's tensors are
+the pieces the plan sends it from that rank, landed by a `LandingSink`
+(hal.sync.receive.landing):
+
+    receiver = LinkReceiver([PeerTransport(g, src=0) for g in sync_groups])
+    sink = LandingSink(needs, engine_layers)      # this worker's recorded needs
+    metrics = receiver.receive(sink)              # metrics.bytes == plan.bytes_in[w]
+
+One sync, as `ShardedReceiver` runs it: take and check every trainer rank's header (the
+token over each group's challenge, the version, and the pieces it announces: that all the
+links together bring this worker exactly its needs, `links_from_headers`; or, given the
+M x N plan, exactly the link the plan says, piece for piece), answer in every group with
+the verdict on all of them; receive the M links in M threads while this thread opens and closes the
+engine's layers; two agreements per group end it, so that every rank raises the same
+error class and the version advances only when every link completed on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import threading
+import time
+from typing import Sequence
+
+import hal
+from hal.backends.interface import Backend
+from hal.sync import errors
+from hal.sync.config import WaitBounds
+from hal.sync.errors import RankReport
+from hal.sync.metrics import SyncMetrics
+from hal.sync.plan.link_specs import LinkSpecs, link_specs, links_from_headers
+from hal.sync.plan.mxn import MxNPlan
+from hal.sync.receive.landing import Landing, LandingSink
+from hal.sync.receive.receiver import IncomingSync, Receiver
+from hal.sync.spec import TensorSpec
+from hal.sync.transport.peer import PeerTransport
+
+__all__ = ["LinkReceiver"]
+
+
+class LinkReceiver:
+    """An engine worker receiving its own pieces from every trainer rank (see the module doc).
+
+    `transports`: one link per trainer rank, in trainer-rank order (`PeerTransport(group,
+    src=0)` of each rank's group). `timeout_s`, `token` as for `Receiver`. A `SyncReceiver`
+    (hal.sync.endpoints): `version`, `consistent`, `torn` and `abort_error` are its
+    per-sender receivers' together."""
+
+    def __init__(
+        self,
+        transports: Sequence[PeerTransport],
+        *,
+        timeout_s: float = 60.0,
+        token: str | None = None,
+        backend: Backend | None = None,
+        version: int | None = None,
+    ) -> None:
+        if not transports:
+            raise ValueError("LinkReceiver needs one link per trainer rank, got none")
+        if any(not isinstance(t, PeerTransport) for t in transports):
+            raise TypeError("LinkReceiver: every transport must be a PeerTransport (this worker's link in a trainer rank's group)")
+        self.backend = backend or hal.current()
+        self.per_sender = [Receiver(t, None, timeout_s=timeout_s, token=token, backend=self.backend) for t in transports]
+        """One core `Receiver` per trainer rank, in trainer-rank order (each checks and
+        concludes that rank's link of every sync)."""
+        self.timeout_s = float(timeout_s)
+        self.bounds = WaitBounds(self.timeout_s)
+        self.version = version
+        self._kept: tuple[MxNPlan | None, int, list[LinkSpecs]] = (None, -1, [])
+        self._read: tuple[tuple, object, list[LinkSpecs]] | None = None  # the last headers' specs, needs, links
+
+    @property
+    def sender_count(self) -> int:
+        return len(self.per_sender)
+
+    @property
+    def version(self) -> int | None:
+        """The weight version this worker holds: set after a sync every rank completed."""
+        return self.per_sender[0].version
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        for receiver in self.per_sender:
+            receiver.version = version
+
+    @property
+    def consistent(self) -> bool:
+        """False while the weights mix two versions (a failed sync closed some layers)."""
+        return all(receiver.consistent for receiver in self.per_sender)
+
+    @property
+    def torn(self) -> tuple[str, ...]:
+        """Tensors a broken group may have torn: none (pieces land in staged layers only)."""
+        return tuple(sorted({name for receiver in self.per_sender for name in receiver.torn}))
+
+    @property
+    def abort_error(self) -> str | None:
+        """Why the engine's `abort()` failed after the last failed sync, if it did."""
+        return next((r.abort_error for r in self.per_sender if r.abort_error is not None), None)
+
+    def close(self) -> None:
+        """Free every link's buffers (the groups are their owners')."""
+        for receiver in self.per_sender:
+            receiver.close()
+
+    def _links(self, plan: MxNPlan, worker: int) -> list[LinkSpecs]:
+        """This worker's link from every trainer rank (once per plan)."""
+        if self._kept[0] is not plan or self._kept[1] != worker:
+            self._kept = (plan, worker, [link_specs(plan, r, worker) for r in range(len(plan.links))])
+        return self._kept[2]
+
+    def receive(self, sink: LandingSink, plan: MxNPlan | None = None) -> SyncMetrics:
+        """Take one sync into `sink` (this worker's needs and its engine's layers); the same
+        call on every worker, `LinkSender.send` on every trainer rank. Without `plan` the
+        links are read from the headers and checked to bring exactly the sink's needs
+        (`links_from_headers`); with it (every rank built the same), each header must
+        announce the plan's link. Raises the `SyncError` every rank raises."""
+        w = sink.worker
+        links: list[LinkSpecs] | None = None
+        if plan is not None:
+            if not 0 <= w < len(plan.needs) or plan.needs[w].digest != sink.needs.digest:
+                raise ValueError(f"LinkReceiver: the sink's needs (engine worker {w}) are not that worker's needs in the plan")
+            if len(plan.links) != self.sender_count:
+                raise ValueError(f"LinkReceiver: the plan has {len(plan.links)} trainer ranks, this worker has {self.sender_count} links")
+            links = self._links(plan, w)
+        start, host_start = time.perf_counter(), time.thread_time()
+        with contextlib.ExitStack() as stack:
+            for receiver in self.per_sender:
+                stack.enter_context(receiver.transport.bounded(self.timeout_s))
+            landing = sink.landing(links or [None] * self.sender_count, self.timeout_s)
+            incoming = [IncomingSync(receiver, landing.part(m)) for m, receiver in enumerate(self.per_sender)]
+            live = set(range(self.sender_count))  # the groups still in the sync (header agreed, none broken)
+            failure, links = self._headers(incoming, links, sink, live)
+            if failure is None:
+                landing.use_links(links)
+                landing.begin()
+            else:
+                landing.stop()
+            landing.expect(live)
+            threads = [threading.Thread(target=self._deliver, args=(m, incoming[m], landing, live), daemon=True) for m in sorted(live)]
+            for thread in threads:
+                thread.start()
+            landing.drain()
+            for thread in threads:
+                thread.join()
+            report = self._outcome(failure, incoming, landing)
+            version = next((i.header.version for i in incoming if i.header is not None), None)
+            where = f"sync of version {version}" if version is not None else "sync"
+            report = self._agree(incoming, live, report, "sync status")
+            report = self._agree(incoming, live, report, "every sender's status")
+            error: errors.SyncError | None = None
+            try:
+                errors.raise_if_any([report], 0, where)
+            except errors.SyncError as exc:
+                error = exc
+            for inc in incoming:  # each part's outcome; the first part's abort reaches the engine
+                inc.settle(error, touched=landing.touched)
+            if error is not None:
+                raise error
+        return SyncMetrics(
+            version=version,
+            bytes=sum(i.plan.total_bytes for i in incoming),
+            buckets=sum(len(i.plan.buckets) for i in incoming),
+            tensors=sum(len(i.plan.specs) for i in incoming),
+            transfer_s=max((i.timer.get("transfer") or 0.0) for i in incoming),
+            total_s=time.perf_counter() - start,
+            host_s=time.thread_time() - host_start,
+            senders=self.sender_count,
+            model_bytes=plan.model_bytes if plan is not None else sum(s.nbytes for s in sink.needs.specs),
+            links=self.sender_count,
+            largest_link_bytes=max(i.plan.total_bytes for i in incoming),
+            layers=len(landing.closed),
+        )
+
+    # ---- the phases ---------------------------------------------------------------------
+    def _headers(
+        self, incoming: list[IncomingSync], links: list[LinkSpecs] | None, sink: LandingSink, live: set[int]
+    ) -> tuple[errors.SyncError | None, list[LinkSpecs] | None]:
+        """Take and check every trainer rank's header, then agree in every group on all of
+        them; the failure, if any, and this worker's links (the plan's, or the headers')."""
+        reports: list[RankReport] = []
+        for m, inc in enumerate(incoming):
+            try:
+                reports.append(inc.check())
+            except errors.PeerError as exc:
+                live.discard(m)
+                reports.append(errors.report_exception(exc, sender=False))
+        shared = next((r for r in reports if r.error), None)
+        if shared is None and links is not None:
+            problems = [p for inc, link in zip(incoming, links) if (p := _link_problem(inc.header.specs, link)) is not None]
+            if problems:
+                shared = errors.report_exception(errors.SpecMismatchError("; ".join(problems[: errors.MAX_REPORTED])), sender=False)
+        elif shared is None:
+            try:
+                links = self._read_links(tuple(inc.header.specs for inc in incoming), sink)
+            except errors.SpecMismatchError as exc:
+                shared = errors.report_exception(exc, sender=False)
+        failure: errors.SyncError | None = None
+        for m in sorted(live):
+            inc, report = incoming[m], reports[m] if reports[m].error else (shared or reports[m])
+            try:
+                inc.agree_header(report)
+            except errors.SyncError as exc:
+                live.discard(m)  # its sender stops after the header: nothing more happens in that group
+                failure = failure or _own_kind(exc)
+        if failure is None and len(live) < self.sender_count:
+            failure = errors.PeerError(f"trainer rank(s) {sorted(set(range(self.sender_count)) - live)} did not send a header")
+        return failure, links
+
+    def _read_links(self, headers: tuple[tuple[TensorSpec, ...], ...], sink: LandingSink) -> list[LinkSpecs]:
+        """`links_from_headers`, once per layout: while nothing changed, the headers' decoded
+        spec tuples are the same objects as in the last sync (the core's header cache)."""
+        kept = self._read
+        if kept is None or kept[1] is not sink.needs or len(kept[0]) != len(headers) or not all(map(operator.is_, kept[0], headers)):
+            self._read = None
+            kept = self._read = (headers, sink.needs, links_from_headers(sink.needs, headers))
+        return kept[2]
+
+    def _deliver(self, m: int, inc: IncomingSync, landing: Landing, live: set[int]) -> None:
+        try:
+            inc.deliver()  # what ends it early is kept (`IncomingSync.lost`) and reported at the agreement
+            if isinstance(inc.lost, errors.PeerError):
+                live.discard(m)  # that group broke: nobody in it can agree any more
+        finally:
+            landing.sender_done(m)
+
+    def _outcome(self, failure: errors.SyncError | None, incoming: list[IncomingSync], landing: Landing) -> RankReport:
+        """This worker's word on the whole sync: the first thing that went wrong, if any;
+        when nothing did, the engine finishes the landing first."""
+        touched = landing.touched
+        if failure is not None:
+            return errors.report_exception(failure, sender=False, inconsistent=touched)
+        for inc in incoming:
+            own = inc.report()
+            if own.error is not None:
+                return RankReport(error=own.error, kind=own.kind, inconsistent=touched)
+        if landing.error is not None:
+            return errors.report_exception(landing.error, sender=False, inconsistent=touched)
+        if any(inc.sender_failed for inc in incoming):
+            return RankReport(inconsistent=touched)  # the sender says why at the agreement
+        left = landing.leftover()
+        if left:
+            return RankReport(error=f"layers {left[: errors.MAX_REPORTED]} never got all their pieces", kind="peer", inconsistent=touched)
+        try:
+            landing.finish()
+        except Exception as exc:  # noqa: BLE001 - reported at the agreement
+            return errors.report_exception(exc, sender=False, inconsistent=landing.touched)
+        return RankReport(inconsistent=touched)
+
+    def _agree(self, incoming: list[IncomingSync], live: set[int], report: RankReport, what: str) -> RankReport:
+        """Agree in every live group; returns this worker's report with the first error any
+        group's ranks told (so the next agreement tells it to every trainer rank)."""
+        for m in sorted(live):
+            try:
+                reports = incoming[m].agree_outcome(report, what, bound_s=self.bounds.behind_s)
+            except errors.PeerError as exc:
+                live.discard(m)
+                reports = [errors.report_exception(exc, sender=False)]
+            told = next((r for r in reports if r.error), None)
+            if report.error is None and told is not None:
+                report = RankReport(error=f"trainer rank {m}'s group: {told.error}", kind=told.kind, inconsistent=report.inconsistent)
+        return report
+
+
+def _link_problem(got: tuple[TensorSpec, ...], link: LinkSpecs) -> str | None:
+    """What differs between the pieces a header announces and those of this worker's plan."""
+    want = link.specs
+    if got == want:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    said = f"{got[at].name} {got[at].shape} {got[at].dtype}" if at < len(got) else "nothing more"
+    planned = f"{want[at].name} {want[at].shape} {want[at].dtype}" if at < len(want) else "nothing more"
+    return (
+        f"trainer rank {link.sender}'s link to engine worker {link.worker} announces {len(got)} pieces, this worker's plan "
+        f"{len(want)}; piece {at}: {said} where the plan has {planned} (the two sides built different plans)"
+    )
+
+
+def _own_kind(exc: errors.SyncError) -> errors.SyncError:
+    """The error a rank reported at a header agreement, as its own class, without the
+    "sync of version v failed:" the agreement put before it."""
+    reports = [r for _, r in sorted(exc.reports.items(), key=lambda item: item[0] != exc.my_rank) if r.error]
+    if not reports:
+        return exc
+    return errors.error_class(reports[0].kind)(reports[0].error, reports=exc.reports, my_rank=exc.my_rank)
