@@ -22,10 +22,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.cpu]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(hal.__file__)))
 # What an M-to-N sync may cross beyond the one-sender sync's files.
 M_TO_N_ONLY = {
-    "hal/sync/send/sharded.py", "hal/sync/receive/sharded.py", "hal/sync/receive/assembly.py", "hal/sync/config.py",
+    "hal/sync/send/sharded.py", "hal/sync/receive/sharded.py", "hal/sync/receive/every_sender.py", "hal/sync/receive/assembly.py",
+    "hal/sync/config.py",
     "hal/sync/plan/shards.py", "hal/sync/plan/declare.py",
 }
-ONE_SENDER_FILES, M_TO_N_FILES = 25, 31  # as docs/design.md says
+ONE_SENDER_FILES, M_TO_N_FILES = 25, 32  # as docs/design.md says
 
 
 def traced(fn) -> list[str]:

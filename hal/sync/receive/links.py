@@ -27,23 +27,22 @@ import threading
 import time
 from typing import Sequence
 
-import hal
 from hal.backends.interface import Backend
 from hal.sync import errors
-from hal.sync.config import WaitBounds
 from hal.sync.errors import RankReport
 from hal.sync.metrics import SyncMetrics
 from hal.sync.plan.link_specs import LinkSpecs, link_specs, links_from_headers
 from hal.sync.plan.mxn import MxNPlan
 from hal.sync.receive.landing import Landing, LandingSink
-from hal.sync.receive.receiver import IncomingSync, Receiver
+from hal.sync.receive.every_sender import FromEverySender, unwrapped
+from hal.sync.receive.receiver import IncomingSync
 from hal.sync.spec import TensorSpec
 from hal.sync.transport.peer import PeerTransport
 
 __all__ = ["LinkReceiver"]
 
 
-class LinkReceiver:
+class LinkReceiver(FromEverySender):
     """An engine worker receiving its own pieces from every trainer rank (see the module doc).
 
     `transports`: one link per trainer rank, in trainer-rank order (`PeerTransport(group,
@@ -60,53 +59,11 @@ class LinkReceiver:
         backend: Backend | None = None,
         version: int | None = None,
     ) -> None:
-        if not transports:
-            raise ValueError("LinkReceiver needs one link per trainer rank, got none")
         if any(not isinstance(t, PeerTransport) for t in transports):
             raise TypeError("LinkReceiver: every transport must be a PeerTransport (this worker's link in a trainer rank's group)")
-        self.backend = backend or hal.current()
-        self.per_sender = [Receiver(t, None, timeout_s=timeout_s, token=token, backend=self.backend) for t in transports]
-        """One core `Receiver` per trainer rank, in trainer-rank order (each checks and
-        concludes that rank's link of every sync)."""
-        self.timeout_s = float(timeout_s)
-        self.bounds = WaitBounds(self.timeout_s)
-        self.version = version
+        super().__init__(transports, timeout_s=timeout_s, token=token, backend=backend, version=version)
         self._kept: tuple[MxNPlan | None, int, list[LinkSpecs]] = (None, -1, [])
         self._read: tuple[tuple, object, list[LinkSpecs]] | None = None  # the last headers' specs, needs, links
-
-    @property
-    def sender_count(self) -> int:
-        return len(self.per_sender)
-
-    @property
-    def version(self) -> int | None:
-        """The weight version this worker holds: set after a sync every rank completed."""
-        return self.per_sender[0].version
-
-    @version.setter
-    def version(self, version: int | None) -> None:
-        for receiver in self.per_sender:
-            receiver.version = version
-
-    @property
-    def consistent(self) -> bool:
-        """False while the weights mix two versions (a failed sync closed some layers)."""
-        return all(receiver.consistent for receiver in self.per_sender)
-
-    @property
-    def torn(self) -> tuple[str, ...]:
-        """Tensors a broken group may have torn: none (pieces land in staged layers only)."""
-        return tuple(sorted({name for receiver in self.per_sender for name in receiver.torn}))
-
-    @property
-    def abort_error(self) -> str | None:
-        """Why the engine's `abort()` failed after the last failed sync, if it did."""
-        return next((r.abort_error for r in self.per_sender if r.abort_error is not None), None)
-
-    def close(self) -> None:
-        """Free every link's buffers (the groups are their owners')."""
-        for receiver in self.per_sender:
-            receiver.close()
 
     def _links(self, plan: MxNPlan, worker: int) -> list[LinkSpecs]:
         """This worker's link from every trainer rank (once per plan)."""
@@ -207,7 +164,7 @@ class LinkReceiver:
                 inc.agree_header(report)
             except errors.SyncError as exc:
                 live.discard(m)  # its sender stops after the header: nothing more happens in that group
-                failure = failure or _own_kind(exc)
+                failure = failure or unwrapped(exc)
         if failure is None and len(live) < self.sender_count:
             failure = errors.PeerError(f"trainer rank(s) {sorted(set(range(self.sender_count)) - live)} did not send a header")
         return failure, links
@@ -220,14 +177,6 @@ class LinkReceiver:
             self._read = None
             kept = self._read = (headers, sink.needs, links_from_headers(sink.needs, headers))
         return kept[2]
-
-    def _deliver(self, m: int, inc: IncomingSync, landing: Landing, live: set[int]) -> None:
-        try:
-            inc.deliver()  # what ends it early is kept (`IncomingSync.lost`) and reported at the agreement
-            if isinstance(inc.lost, errors.PeerError):
-                live.discard(m)  # that group broke: nobody in it can agree any more
-        finally:
-            landing.sender_done(m)
 
     def _outcome(self, failure: errors.SyncError | None, incoming: list[IncomingSync], landing: Landing) -> RankReport:
         """This worker's word on the whole sync: the first thing that went wrong, if any;
@@ -252,20 +201,6 @@ class LinkReceiver:
             return errors.report_exception(exc, sender=False, inconsistent=landing.touched)
         return RankReport(inconsistent=touched)
 
-    def _agree(self, incoming: list[IncomingSync], live: set[int], report: RankReport, what: str) -> RankReport:
-        """Agree in every live group; returns this worker's report with the first error any
-        group's ranks told (so the next agreement tells it to every trainer rank)."""
-        for m in sorted(live):
-            try:
-                reports = incoming[m].agree_outcome(report, what, bound_s=self.bounds.behind_s)
-            except errors.PeerError as exc:
-                live.discard(m)
-                reports = [errors.report_exception(exc, sender=False)]
-            told = next((r for r in reports if r.error), None)
-            if report.error is None and told is not None:
-                report = RankReport(error=f"trainer rank {m}'s group: {told.error}", kind=told.kind, inconsistent=report.inconsistent)
-        return report
-
 
 def _link_problem(got: tuple[TensorSpec, ...], link: LinkSpecs) -> str | None:
     """What differs between the pieces a header announces and those of this worker's plan."""
@@ -279,12 +214,3 @@ def _link_problem(got: tuple[TensorSpec, ...], link: LinkSpecs) -> str | None:
         f"trainer rank {link.sender}'s link to engine worker {link.worker} announces {len(got)} pieces, this worker's plan "
         f"{len(want)}; piece {at}: {said} where the plan has {planned} (the two sides built different plans)"
     )
-
-
-def _own_kind(exc: errors.SyncError) -> errors.SyncError:
-    """The error a rank reported at a header agreement, as its own class, without the
-    "sync of version v failed:" the agreement put before it."""
-    reports = [r for _, r in sorted(exc.reports.items(), key=lambda item: item[0] != exc.my_rank) if r.error]
-    if not reports:
-        return exc
-    return errors.error_class(reports[0].kind)(reports[0].error, reports=exc.reports, my_rank=exc.my_rank)

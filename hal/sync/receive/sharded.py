@@ -15,21 +15,21 @@ import time
 from typing import Any, Iterable, Sequence
 
 
-import hal
 from hal.backends.interface import Backend
 from hal.sync import errors
-from hal.sync.config import WaitBounds
 from hal.sync.receive.assembly import Assembler, BufferPool, ShareInfo
 from hal.sync.errors import RankReport
 from hal.sync.receive.delivery import destination_problem
 from hal.sync.plan.shards import covering_blocks, parse_block_name
 from hal.sync.metrics import SyncMetrics
 from hal.sync.spec import TensorSpec
-from hal.sync.receive.receiver import IncomingSync, Receiver
+from hal.sync.receive.every_sender import FromEverySender, unwrapped
+from hal.sync.receive.receiver import IncomingSync
 from hal.sync.sink import Sink, as_sink
 from hal.sync.transport.base import Transport
 
-class ShardedReceiver:
+
+class ShardedReceiver(FromEverySender):
     """An engine worker receiving from every trainer rank at once (see the module doc).
 
     `transports`: one per trainer rank, in trainer-rank order (each that rank's group with
@@ -38,6 +38,8 @@ class ShardedReceiver:
     (`hal.sync.receive.assembly`). A `SyncReceiver` (hal.sync.endpoints): `version`, `consistent`,
     `torn` and `abort_error` are its per-sender receivers' together.
     """
+
+    GROUP = "sender"
 
     def __init__(
         self,
@@ -51,63 +53,18 @@ class ShardedReceiver:
         budget_bytes: int = 256 << 20,
         version: int | None = None,
     ) -> None:
-        if not transports:
-            raise ValueError("ShardedReceiver needs one transport per trainer rank, got none")
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"ShardedReceiver budget_bytes must be a non-negative int, got {budget_bytes!r}")
-        self.backend = backend or hal.current()
-        self.per_sender = [Receiver(t, None, timeout_s=timeout_s, token=token, backend=self.backend) for t in transports]
-        """One `Receiver` per sending trainer rank, in trainer-rank order (each checks and
-        concludes its sender's part of every sync)."""
-        self.timeout_s = float(timeout_s)
-        self.bounds = WaitBounds(self.timeout_s)
+        super().__init__(transports, timeout_s=timeout_s, token=token, backend=backend, version=version)
         self.validate = validate
         self.budget_bytes = int(budget_bytes)
         self.specs: dict[str, TensorSpec] | None = None if specs is None else {s.name: s for s in specs}
-        self.version = version
         # (headers' spec tuples, shares, whole specs in order, destination objects, destinations) of the last sync
         self._index_kept: tuple | None = None
         self.pool = BufferPool(self.backend, self.budget_bytes)
         """Assembly buffers kept across syncs (at most `budget_bytes`)."""
         self.streams = [self.backend.new_stream() for _ in range(len(self.per_sender) + 1)]
         """The assembly's copies: one stream per sender's thread, one for handing over."""
-
-    @property
-    def sender_count(self) -> int:
-        """How many trainer ranks send to this receiver."""
-        return len(self.per_sender)
-
-    @property
-    def version(self) -> int | None:
-        """The weight version this side holds (as `Receiver.version`): set after a sync every
-        rank completed; an older one is refused by every sender's header check."""
-        return self.per_sender[0].version
-
-    @version.setter
-    def version(self, version: int | None) -> None:
-        for receiver in self.per_sender:
-            receiver.version = version
-
-    @property
-    def consistent(self) -> bool:
-        """False while the weights mix two versions (a failed sync handed the engine part of itself)."""
-        return all(receiver.consistent for receiver in self.per_sender)
-
-    @property
-    def torn(self) -> tuple[str, ...]:
-        """Tensors a broken group may have torn (none: shares never land in the engine's
-        tensors in place; the assembly copies whole tensors)."""
-        return tuple(sorted({name for receiver in self.per_sender for name in receiver.torn}))
-
-    @property
-    def abort_error(self) -> str | None:
-        """Why the sink's `abort()` failed after the last failed sync, if it did."""
-        return next((r.abort_error for r in self.per_sender if r.abort_error is not None), None)
-
-    def close(self) -> None:
-        """Free every transport's buffers (the groups are their owner's)."""
-        for receiver in self.per_sender:
-            receiver.close()
 
     def receive(self, sink: Any) -> SyncMetrics:
         sink = as_sink(sink)
@@ -181,7 +138,7 @@ class ShardedReceiver:
                 inc.agree_header(report, shared)
             except errors.SyncError as exc:
                 live.discard(m)  # its sender stops at its offer: nothing more happens in that group
-                failure = failure or _unwrapped(exc)
+                failure = failure or unwrapped(exc)
         if failure is None and len(live) < self.sender_count:
             failure = errors.PeerError(f"sender(s) {sorted(set(range(self.sender_count)) - live)} did not send a header")
         return failure
@@ -267,14 +224,6 @@ class ShardedReceiver:
             shares[wire_name] = ShareInfo(specs[whole.name], order[whole.name], lo, lo + rows, count[whole.name], region)
         return shares, sorted(specs.values(), key=lambda s: order[s.name])
 
-    def _deliver(self, m: int, inc: IncomingSync, assembler: Assembler, live: set[int]) -> None:
-        try:
-            inc.deliver()  # what ends it early is kept (`IncomingSync.lost`) and reported at the agreement
-            if isinstance(inc.lost, errors.PeerError):
-                live.discard(m)  # that group broke: nobody in it can agree any more
-        finally:
-            assembler.sender_done(m)
-
     def _outcome(self, failure: errors.SyncError | None, incoming: list[IncomingSync], assembler: Assembler) -> RankReport:
         """This receiver's word on the whole sync: the first thing that went wrong, if any."""
         touched = assembler.touched
@@ -292,20 +241,6 @@ class ShardedReceiver:
         if names:
             return RankReport(error=f"tensors {names[: errors.MAX_REPORTED]} never got all their shares", kind="peer", inconsistent=touched)
         return RankReport(inconsistent=touched)
-
-    def _agree(self, incoming: list[IncomingSync], live: set[int], report: RankReport, what: str) -> RankReport:
-        """Agree in every live group; returns this receiver's report with the first error any
-        group's ranks told (so the next agreement tells it to every sender)."""
-        for m in sorted(live):
-            try:
-                reports = incoming[m].agree_outcome(report, what, bound_s=self.bounds.behind_s)
-            except errors.PeerError as exc:
-                live.discard(m)
-                reports = [errors.report_exception(exc, sender=False)]
-            told = next((r for r in reports if r.error), None)
-            if report.error is None and told is not None:
-                report = RankReport(error=f"sender {m}'s group: {told.error}", kind=told.kind, inconsistent=report.inconsistent)
-        return report
 
 
 def sending_order(sequences: list[list[str]]) -> list[str]:
@@ -335,12 +270,3 @@ def sending_order(sequences: list[list[str]]) -> list[str]:
         placed = set(order)
         order += [name for name in seen if name not in placed]
     return order
-
-
-def _unwrapped(exc: errors.SyncError) -> errors.SyncError:
-    """The error a rank reported, as its own kind, without the "sync of version v failed:"
-    an agreement put before it (the senders put their own before it again)."""
-    reports = [r for _, r in sorted(exc.reports.items(), key=lambda item: item[0] != exc.my_rank) if r.error]
-    if not reports:
-        return exc
-    return errors.error_class(reports[0].kind)(reports[0].error, reports=exc.reports, my_rank=exc.my_rank)
