@@ -93,6 +93,23 @@ class FromEverySender:
         finally:
             handover.sender_done(m)
 
+    def _first_problem(self, failure: errors.SyncError | None, incoming: list[IncomingSync], handover: Any) -> RankReport | None:
+        """This worker's word when something already went wrong: the headers' failure, a
+        part's own error, the hand-over's (assembler's, landing's), or a sender that failed
+        (it says why at the agreement); None when nothing did."""
+        touched = handover.touched
+        if failure is not None:
+            return errors.report_exception(failure, sender=False, inconsistent=touched)
+        for inc in incoming:
+            own = inc.report()
+            if own.error is not None:
+                return RankReport(error=own.error, kind=own.kind, inconsistent=touched)
+        if handover.error is not None:
+            return errors.report_exception(handover.error, sender=False, inconsistent=touched)
+        if any(inc.sender_failed for inc in incoming):
+            return RankReport(inconsistent=touched)
+        return None
+
     def _agree(self, incoming: list[IncomingSync], live: set[int], report: RankReport, what: str) -> RankReport:
         """Agree in every live group; returns this worker's report with the first error any
         group's ranks told (so the next agreement tells it to every trainer rank)."""

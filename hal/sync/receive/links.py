@@ -181,17 +181,10 @@ class LinkReceiver(FromEverySender):
     def _outcome(self, failure: errors.SyncError | None, incoming: list[IncomingSync], landing: Landing) -> RankReport:
         """This worker's word on the whole sync: the first thing that went wrong, if any;
         when nothing did, the engine finishes the landing first."""
+        problem = self._first_problem(failure, incoming, landing)
+        if problem is not None:
+            return problem
         touched = landing.touched
-        if failure is not None:
-            return errors.report_exception(failure, sender=False, inconsistent=touched)
-        for inc in incoming:
-            own = inc.report()
-            if own.error is not None:
-                return RankReport(error=own.error, kind=own.kind, inconsistent=touched)
-        if landing.error is not None:
-            return errors.report_exception(landing.error, sender=False, inconsistent=touched)
-        if any(inc.sender_failed for inc in incoming):
-            return RankReport(inconsistent=touched)  # the sender says why at the agreement
         left = landing.leftover()
         if left:
             return RankReport(error=f"layers {left[: errors.MAX_REPORTED]} never got all their pieces", kind="peer", inconsistent=touched)

@@ -226,17 +226,10 @@ class ShardedReceiver(FromEverySender):
 
     def _outcome(self, failure: errors.SyncError | None, incoming: list[IncomingSync], assembler: Assembler) -> RankReport:
         """This receiver's word on the whole sync: the first thing that went wrong, if any."""
+        problem = self._first_problem(failure, incoming, assembler)
+        if problem is not None:
+            return problem
         touched = assembler.touched
-        if failure is not None:
-            return errors.report_exception(failure, sender=False, inconsistent=touched)
-        for inc in incoming:
-            own = inc.report()
-            if own.error is not None:
-                return RankReport(error=own.error, kind=own.kind, inconsistent=touched)
-        if assembler.error is not None:
-            return errors.report_exception(assembler.error, sender=False, inconsistent=touched)
-        if any(inc.sender_failed for inc in incoming):
-            return RankReport(inconsistent=touched)  # the sender says why at the agreement
         names = assembler.leftover()
         if names:
             return RankReport(error=f"tensors {names[: errors.MAX_REPORTED]} never got all their shares", kind="peer", inconsistent=touched)
