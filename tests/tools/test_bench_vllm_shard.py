@@ -20,6 +20,12 @@ pytestmark = [pytest.mark.cpu]
 COMMAND = "hal bench --engine vllm --engine-tp 2 --receive shard --vllm-methods hal,apply,floor --vllm-transports broadcast --json run.json"
 
 
+def test_the_command_run_here_is_the_documented_one():
+    from pathlib import Path
+
+    assert f"    {COMMAND}\n" in (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+
+
 def test_a_worker_that_counted_other_bytes_than_the_plan_fails_the_run():
     sender = {"worker_bytes": (600, 600), "bytes": 1200, "largest_link_bytes": 600}
     check_worker_bytes(sender, [{"bytes": 600}, {"bytes": 600}], model_bytes=1000)
