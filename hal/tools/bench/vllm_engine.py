@@ -177,7 +177,7 @@ def _mb_list(text: str) -> tuple[float, ...]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the preset's model, start vLLM on it, run the methods (hal.tools.bench.
     vllm_engine_methods), print the summary; the report."""
-    transports_of(args)  # refuses --receive shard over ipc before building anything
+    args.vllm_transports = transports_of(args)  # refuses --receive shard over ipc before building anything
     if getattr(args, "receive", "whole") == "shard" and int(getattr(args, "engine_tp", 1)) < 2:
         raise SystemExit("hal bench: --receive shard needs an engine of several workers: give --engine-tp 2 or more")
     if args.vllm_in_process:

@@ -64,9 +64,7 @@ class VllmBench:
         # `args` come from `hal bench`'s parser (vllm_engine.add_arguments), defaults included
         self.repeats, self.warmup, self.timeout_s = args.repeats, args.warmup, float(args.timeout)
         self.methods = tuple(args.vllm_methods)
-        from hal.tools.bench.vllm_engine import transports_of
-
-        self.transports = transports_of(args)
+        self.transports = tuple(args.vllm_transports)  # resolved for --receive by vllm_engine.run
         self.receive, self.engine_tp = getattr(args, "receive", "whole"), int(getattr(args, "engine_tp", 1))
         self.configs = [(t, mb) for t in self.transports for mb in tuple(args.vllm_bucket_mb)]
         self.bucket_bytes = int(args.vllm_bucket_mb[0] * MIB)
