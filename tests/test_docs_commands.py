@@ -77,6 +77,9 @@ ELSEWHERE = {
     ".venv/bin/hal demo --delta": "tests/tools/test_demo.py::test_demo_delta_engine_matches_trainer_after_every_delta_and_anchor_sync",
     "make demo-ray": "tests/integrations/ray/test_ray.py::test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor",
     "hal demo --ray": "tests/integrations/ray/test_ray.py::test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor",
+    # its cheap form there, whose report's bytes per engine worker it checks against each worker's shard
+    "hal bench --engine vllm --engine-tp 2 --receive shard --vllm-methods hal,apply,floor --vllm-transports broadcast --json run.json":
+        "tests/tools/test_bench_vllm_shard.py::test_the_bench_reports_each_worker_its_shard",
     "make test-vllm-versions": "Makefile:test-vllm-versions",  # 10 minutes with its environments built (docs/ci.md)
     "make test-megatron": "Makefile:test-megatron",  # the megatron lane, about 10 minutes (docs/ci.md)
     "bash ci/megatron.sh": "Makefile:test-megatron",

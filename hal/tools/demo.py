@@ -98,6 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(needs the [ray] extra); outputs go to <out-dir>/ray",
     )
     parser.add_argument(
+        "--receive", choices=("auto", "shard", "whole"), default=None,
+        help="--ray: how each engine worker takes a sync (WeightSync(receive=...)): auto (default), its own shard "
+        "where the engine's workers recorded their needs; shard; whole, every tensor whole",
+    )
+    parser.add_argument(
         "--in-process",
         action="store_true",
         help="run vLLM's engine core and worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); faster start",
@@ -168,6 +173,7 @@ def check_ray_options(args: argparse.Namespace) -> None:
         raise ValueError(
             "--delta, --anchor-every, --wire-dtype, --transport and --canary-every apply to the single-engine demo, not to --ray"
         )
+    args.receive = args.receive or "auto"
     resolve_options(args)
 
 
@@ -195,6 +201,8 @@ def main(args: argparse.Namespace) -> int:
     """The single-engine demo (`hal demo`; `hal demo --ray` is hal.tools.demo_ray.main)."""
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if getattr(args, "receive", None) is not None:
+        raise ValueError("--receive applies to --ray: the single-engine demo's engine has one worker, which takes every tensor whole")
     resolve_options(args)
     delta = getattr(args, "delta", False)
     if args.in_process:

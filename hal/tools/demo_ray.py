@@ -9,16 +9,20 @@ together by one placement group:
           ▼
     engine actor: vllm.LLM, tensor_parallel_size=2 (two worker processes, one core each),
                   weight transfer backend "hal": each worker receives every sync from
-                  both trainer actors at once, gets whole tensors and loads its own TP
-                  shard; trainer actor 0 drives it through vLLM's own RayVLLMWeightSyncClient
+                  both trainer actors at once, only its own TP shard (`--receive auto`,
+                  the default: WeightSync(receive="auto"); `--receive whole`: every tensor
+                  whole, each worker keeping its shard); trainer actor 0 drives it through
+                  vLLM's own RayVLLMWeightSyncClient
 
 Each step: the engine samples completions, the driver scores them (the fraction of a
 target token), each trainer rank takes a REINFORCE step on its half of the batch, then
 one sync pushes the new weights into both workers, each trainer rank sending half of
-them (its rows; the demo prints what each sent). Every step the engine's greedy output
-must equal the trainer's (a full copy gathered from the shards), the engine must report
-the step as its weight version, and the ranks' bytes must add up to the model's. Writes a
-plot and exits non-zero on a mismatch.
+them (its rows; the demo prints what each sent and what each engine worker received).
+Every step the engine's greedy output must equal the trainer's (a full copy gathered from
+the shards), the engine must report the step as its weight version, each worker must have
+counted the bytes the sync's plan gives it (under a shard receive: its shard and the
+replicated tensors), and the ranks' bytes must add up to what the workers took (the
+model's, whole). Writes a plot and exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -81,6 +85,10 @@ class EngineActor(LLM):
     def worker_states(self) -> list[dict[str, Any]]:
         return self.collective_rpc("hal_state")
 
+    def worker_bytes(self) -> list[int | None]:
+        """The bytes each worker counted in the last sync (in worker order)."""
+        return [m["bytes"] if m else None for m in self.collective_rpc("hal_metrics")]
+
     def stop(self) -> None:
         from hal.integrations.vllm import internals as vllm_internals
 
@@ -118,7 +126,7 @@ class TrainerActor:
         self.sync = None  # every rank: a WeightSync of senders="all"
         self.source = None
 
-    def connect(self, engine: Any, num_workers: int) -> None:
+    def connect(self, engine: Any, num_workers: int, receive: str) -> str:
         """Join the weight sync: every rank a group of its own with the engine's workers
         (called on every rank at once; rank 0 asks the engine to join them all)."""
         import torch.distributed as dist
@@ -132,9 +140,10 @@ class TrainerActor:
         self.sync = WeightSync(
             [ClientEngine(RayVLLMWeightSyncClient(engine), name="engine", num_workers=num_workers)],
             config=SyncConfig(timeout_s=TIMEOUT_S), timeout_s=TIMEOUT_S, transport="broadcast",
-            trainer_group=dist.group.WORLD, senders="all",
+            trainer_group=dist.group.WORLD, senders="all", receive=receive,
         )
         self.sync.init()
+        return self.sync.receive if self.sync.receive != "whole" or receive == "whole" else f"whole ({self.sync.receive_why})"
 
     def train(self, prompts: list, completions: list, rewards: list) -> float:
         half = len(prompts) // self.world_size  # data parallel: each rank its share of the batch
@@ -148,6 +157,7 @@ class TrainerActor:
         return {
             "seconds": result.seconds, "engine_version": result.engine_versions["engine"],
             "bytes": result.metrics.bytes, "model_bytes": result.metrics.model_bytes,
+            "worker_bytes": list(result.metrics.worker_bytes) if result.metrics.worker_bytes is not None else None,
         }
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]] | None:
@@ -218,11 +228,13 @@ def main(args: argparse.Namespace) -> int:
         ]
         workers = ray.get(engine.worker_count.remote(), timeout=600)
         say(f"[demo --ray] engine actor (TP={workers}) and 2 FSDP2 trainer actors up after {time.perf_counter() - t0:.1f} s")
-        ray.get([t.connect.remote(engine, workers) for t in trainers], timeout=TIMEOUT_S * 2)
-        say(f"[demo --ray] sync groups: each of the 2 FSDP2 trainer ranks + {workers} engine workers; every rank sends its rows")
+        receive = ray.get([t.connect.remote(engine, workers, args.receive) for t in trainers], timeout=TIMEOUT_S * 2)[0]
+        say(f"[demo --ray] sync groups: each of the 2 FSDP2 trainer ranks + {workers} engine workers; every rank sends its rows; "
+            f"receive {receive}")
         gen = torch.Generator().manual_seed(args.seed)
         eval_prompts = random_prompts(gen, 4, spec.vocab_size)
-        say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'MiB sent per rank':>18} {'engine v':>8} {'outputs':>8}")
+        say(f"{'step':>5} {'reward':>7} {'loss':>8} {'sync s':>8} {'MiB sent per rank':>18} {'MiB into each worker':>21} "
+            f"{'engine v':>8} {'outputs':>8}")
         try:
             for step in range(1, args.steps + 1):
                 prompts = random_prompts(gen, args.prompts, spec.vocab_size)
@@ -242,22 +254,31 @@ def main(args: argparse.Namespace) -> int:
                 trainer_out = ray.get([t.greedy.remote(eval_prompts, args.max_tokens) for t in trainers], timeout=TIMEOUT_S)[0]
                 engine_out = ray.get(engine.greedy.remote(eval_prompts, args.max_tokens), timeout=TIMEOUT_S)
                 states = ray.get(engine.worker_states.remote(), timeout=TIMEOUT_S)
+                received = ray.get(engine.worker_bytes.remote(), timeout=TIMEOUT_S)
+                # the plan's bytes per worker (every trainer rank's together); whole tensors: the model each
+                planned = pushed["worker_bytes"] or [pushed["model_bytes"]] * workers
                 match = engine_out == trainer_out
                 record = {
                     "step": step, "reward": reward, "loss": sum(losses) / len(losses), "sync_seconds": pushed["seconds"],
                     "engine_version": pushed["engine_version"], "outputs_match": match,
-                    "bytes_per_rank": sent, "model_bytes": pushed["model_bytes"],
+                    "bytes_per_rank": sent, "model_bytes": pushed["model_bytes"], "receive": receive,
+                    "bytes_per_worker": received, "planned_bytes_per_worker": planned,
                 }
                 steps.append(record)
                 per_rank = " + ".join(f"{b / 2**20:.2f}" for b in sent)
-                say(f"{step:>5} {reward:>7.3f} {record['loss']:>8.3f} {pushed['seconds']:>8.4f} {per_rank:>18} "
+                per_worker = ", ".join("?" if b is None else f"{b / 2**20:.2f}" for b in received)
+                say(f"{step:>5} {reward:>7.3f} {record['loss']:>8.3f} {pushed['seconds']:>8.4f} {per_rank:>18} {per_worker:>21} "
                     f"{pushed['engine_version']:>8} {'match' if match else 'DIFFER':>8}")
                 if not match:
                     failures.append(f"step {step}: the engine's greedy output differs from the trainer's")
                 if pushed["engine_version"] != str(step) or any(s["version"] != step or not s["consistent"] for s in states):
                     failures.append(f"step {step}: engine version {pushed['engine_version']!r}, workers {states}")
-                if sum(sent) != pushed["model_bytes"] or not all(0 < b < pushed["model_bytes"] for b in sent):
-                    failures.append(f"step {step}: the trainer ranks sent {sent} bytes of a {pushed['model_bytes']}-byte model")
+                if received != planned:
+                    failures.append(f"step {step}: the engine workers received {received} bytes, the plan gives them {planned}")
+                # a shard receive: each byte crosses one link once; whole tensors: one broadcast of the model
+                moved = sum(planned) if pushed["worker_bytes"] is not None else pushed["model_bytes"]
+                if sum(sent) != moved or not all(0 < b < moved for b in sent):
+                    failures.append(f"step {step}: the trainer ranks sent {sent} bytes, the workers took {moved}")
         finally:
             ray.get([t.close.remote() for t in trainers], timeout=TIMEOUT_S)
             ray.get(engine.stop.remote(), timeout=TIMEOUT_S)

@@ -150,3 +150,19 @@ def test_demo_delta_defaults_and_refusals():
         with pytest.raises(ValueError, match="not to --ray"):
             args = build_parser().parse_args(["demo", "--ray", *extra])
             args.func(args)  # as `hal demo --ray ...` runs it
+
+
+def test_demo_receive_is_auto_with_ray_and_refused_without():
+    """`hal demo --ray` asks for receive "auto" unless told (a shard receive into its TP=2
+    engine); the single-engine demo's one worker takes whole tensors, so --receive is refused."""
+    from hal.cli import build_parser
+    from hal.tools.demo import check_ray_options, main
+
+    args = build_parser().parse_args(["demo", "--ray"])
+    check_ray_options(args)
+    assert args.receive == "auto"
+    args = build_parser().parse_args(["demo", "--ray", "--receive", "whole"])
+    check_ray_options(args)
+    assert args.receive == "whole"
+    with pytest.raises(ValueError, match="--receive applies to --ray"):
+        main(build_parser().parse_args(["demo", "--receive", "shard"]))

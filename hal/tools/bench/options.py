@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tp", type=positive_int, default=None, metavar="T",
         help="with --senders M: the trainer ranks hold a Megatron-shaped layout of T tensor-parallel ranks x M/T pipeline "
         "stages (row and column blocks under Hugging Face names, norms replicated over TP; hal.tools.bench.senders_megatron) "
-        "instead of FSDP2's Shard(0) rows; the bytes each rank sends are checked against that layout",
+        "instead of FSDP2's Shard(0) rows; the bytes each rank sends are checked against that layout "
+        "(the engine's tensor parallelism of --engine vllm is --engine-tp)",
     )
     device = parser.add_argument_group("--device-transfer (hal.tools.bench.device_transfer)")
     device.add_argument(

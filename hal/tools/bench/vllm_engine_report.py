@@ -39,10 +39,18 @@ def canary_summary(runs: list[Any], shape: tuple[int, int], sync_seconds: float 
     return out
 
 
+def bytes_line(r: dict[str, Any], receive: str) -> str:
+    """Bytes into each engine worker, out of the trainer rank, over its largest link (MiB)."""
+    workers = ", ".join("?" if b is None else f"{b / MIB:.3f}" for b in r["worker_bytes"])
+    link = "none (whole tensors)" if r.get("largest_link_bytes") is None else f"{r['largest_link_bytes'] / MIB:.3f} MiB"
+    return f"receive {receive}: into each engine worker [{workers}] MiB; out of the trainer {r['sender_bytes'] / MIB:.3f} MiB; largest link {link}"
+
+
 def print_summary(report: dict[str, Any]) -> None:
     print(
         f"[bench vllm] {report['bytes'] / GIB:.3f} GiB in {report['tensors']} tensors; {report['timing']}; "
-        f"'hal' = {report['transport']} transport, {report['bucket_bytes'] / MIB:g} MiB buckets; engine {'multi-process' if report['multiprocess_engine'] else 'in-process'}; "
+        f"'hal' = {report['transport']} transport, {report['bucket_bytes'] / MIB:g} MiB buckets; engine {'multi-process' if report['multiprocess_engine'] else 'in-process'}"
+        f", tensor parallel {report.get('engine_tp', 1)}, receive {report.get('receive', 'whole')}; "
         f"load average {report['load_average'][0]:.1f}"
     )
     for r in report["results"]:
@@ -50,6 +58,8 @@ def print_summary(report: dict[str, Any]) -> None:
     for cfg, r in report["hal_by_config"].items():
         print(f"  {cfg:<18} {r['seconds']:>7.3f} s  ({r['buckets']} buckets; worker: apply {r['receiver_apply_seconds']:.3f} s "
               f"of {r['receiver_total_seconds']:.3f} s; sender waited {r['sender_transfer_seconds']:.3f} s on the transport)")
+        if r.get("worker_bytes") is not None:
+            print("  " + " " * 18 + f"          {bytes_line(r, report.get('receive', 'whole'))}")
     if report["apply_seconds"] is not None:
         print(f"  {'apply':<12} {report['apply_seconds']:>7.3f} s  (engine reload_weights from memory)")
     if report["floor_seconds"] is not None:

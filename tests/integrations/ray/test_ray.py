@@ -62,9 +62,17 @@ def test_demo_ray_trains_fsdp2_actors_into_a_tp2_engine_actor(tmp_path):
     assert [s["engine_version"] for s in steps] == ["1", "2", "3"]
     assert (out / "ray" / "demo.png").stat().st_size > 0
     assert "2 engine workers" in proc.stdout
-    # every trainer rank sends its rows only: half of the tiny model's (every dim 0 is even)
-    assert all(s["bytes_per_rank"] == [s["model_bytes"] // 2] * 2 for s in steps), steps
-    assert "bytes sent per sync: trainer rank 0" in proc.stdout
+    assert "bytes sent per sync: trainer rank 0" in proc.stdout and "MiB into each worker" in proc.stdout
+    # receive "auto" (the default) takes a shard receive into 2 workers: each worker counted
+    # its own shard, the bytes the model's shapes give it under TP=2 (an oracle apart from
+    # the plan and the recording), and every byte crossed one link once
+    from hal.tools.tiny_model import TinyModelSpec
+    from tests.integrations.vllm.test_shard_receive import shard_bytes
+
+    shards = [shard_bytes(TinyModelSpec(), w) for w in range(2)]
+    assert "receive shard" in proc.stdout and all(s["receive"] == "shard" for s in steps), proc.stdout[-3000:]
+    assert all(s["bytes_per_worker"] == s["planned_bytes_per_worker"] == shards for s in steps), (shards, steps)
+    assert all(sum(s["bytes_per_rank"]) == sum(shards) and min(s["bytes_per_rank"]) > 0 for s in steps), steps
 
 
 # ---- planning: no Ray instance needed ---------------------------------------------------
