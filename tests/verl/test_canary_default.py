@@ -58,12 +58,16 @@ class LocalChannel:
         return rows
 
 
+_SEEDED = threading.Lock()
+
+
 class CountingLM(TinyLM):
     """The trainer's model: the canary's forwards counted."""
 
     def __init__(self) -> None:
-        torch.manual_seed(0)
-        super().__init__()
+        with _SEEDED:  # the rollout workers' threads build theirs at once: one seeded draw at a time
+            torch.manual_seed(0)
+            super().__init__()
         self.forwards = 0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
