@@ -7,6 +7,7 @@ hand over."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 import hal
@@ -92,6 +93,29 @@ class FromEverySender:
                 live.discard(m)  # that group broke: nobody in it can agree any more
         finally:
             handover.sender_done(m)
+
+    def _deliver_all(self, incoming: list[IncomingSync], handover: Any, live: set[int]) -> None:
+        """One receiving thread per live group while this thread drains `handover` (the
+        assembler, the landing: what reaches the engine happens on the caller's thread)."""
+        handover.expect(live)
+        threads = [threading.Thread(target=self._deliver, args=(m, incoming[m], handover, live), daemon=True) for m in sorted(live)]
+        for thread in threads:
+            thread.start()
+        handover.drain()
+        for thread in threads:
+            thread.join()
+
+    def _conclude(self, incoming: list[IncomingSync], live: set[int], report: RankReport) -> tuple[int | None, errors.SyncError | None]:
+        """The two agreements that end a sync in every live group; the version the headers
+        announced and the error every rank raises (None when the sync completed)."""
+        version = next((i.header.version for i in incoming if i.header is not None), None)
+        report = self._agree(incoming, live, report, "sync status")
+        report = self._agree(incoming, live, report, "every sender's status")
+        try:
+            errors.raise_if_any([report], 0, f"sync of version {version}" if version is not None else "sync")
+        except errors.SyncError as exc:
+            return version, exc
+        return version, None
 
     def _first_problem(self, failure: errors.SyncError | None, incoming: list[IncomingSync], handover: Any) -> RankReport | None:
         """This worker's word when something already went wrong: the headers' failure, a

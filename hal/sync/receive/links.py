@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import threading
 import time
 from typing import Sequence
 
@@ -98,23 +97,9 @@ class LinkReceiver(FromEverySender):
                 landing.begin()
             else:
                 landing.stop()
-            landing.expect(live)
-            threads = [threading.Thread(target=self._deliver, args=(m, incoming[m], landing, live), daemon=True) for m in sorted(live)]
-            for thread in threads:
-                thread.start()
-            landing.drain()
-            for thread in threads:
-                thread.join()
+            self._deliver_all(incoming, landing, live)
             report = self._outcome(failure, incoming, landing)
-            version = next((i.header.version for i in incoming if i.header is not None), None)
-            where = f"sync of version {version}" if version is not None else "sync"
-            report = self._agree(incoming, live, report, "sync status")
-            report = self._agree(incoming, live, report, "every sender's status")
-            error: errors.SyncError | None = None
-            try:
-                errors.raise_if_any([report], 0, where)
-            except errors.SyncError as exc:
-                error = exc
+            version, error = self._conclude(incoming, live, report)
             for inc in incoming:  # each part's outcome; the first part's abort reaches the engine
                 inc.settle(error, touched=landing.touched)
             if error is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import operator
-import threading
 import time
 from typing import Any, Iterable, Sequence
 
@@ -81,24 +80,10 @@ class ShardedReceiver(FromEverySender):
         failure = self._headers(incoming, sink, assembler, live)
         if failure is not None:
             assembler.stop()
-        assembler.expect(live)
-        threads = [threading.Thread(target=self._deliver, args=(m, incoming[m], assembler, live), daemon=True) for m in sorted(live)]
-        for thread in threads:
-            thread.start()
-        assembler.drain()
-        for thread in threads:
-            thread.join()
+        self._deliver_all(incoming, assembler, live)
         report = self._outcome(failure, incoming, assembler)
-        version = next((i.header.version for i in incoming if i.header is not None), None)
-        where = f"sync of version {version}" if version is not None else "sync"
-        report = self._agree(incoming, live, report, "sync status")
-        report = self._agree(incoming, live, report, "every sender's status")
+        version, error = self._conclude(incoming, live, report)
         assembler.release()
-        error: errors.SyncError | None = None
-        try:
-            errors.raise_if_any([report], 0, where)
-        except errors.SyncError as exc:
-            error = exc
         for inc in incoming:  # each part's outcome; the first part's abort reaches the engine's sink
             inc.settle(error, touched=assembler.touched)
         if error is not None:
