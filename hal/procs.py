@@ -46,7 +46,22 @@ def _context() -> Any:
 def _with_environ(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
     os.environ.clear()
     os.environ.update(environ)
+    _thread_lock_for_progress_bars()
     target(*args)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm (transformers' and vLLM's progress bars) takes a multiprocessing lock at its first
+    bar: in a forked-from-server rank that is a named semaphore in /dev/shm, which a rank
+    killed part-way (os._exit, SIGKILL) leaves behind until the server exits. A rank's bars
+    need no lock across processes: a thread lock instead, before any bar is made."""
+    try:
+        import threading
+
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def run_gloo_rank(out: Any, rank: int, world_size: int, port: int, timeout_s: float, body: Callable[[], Any], *, init: bool = True) -> None:
