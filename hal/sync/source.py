@@ -32,6 +32,7 @@ import torch
 
 from hal.sync.adapters.base import PLAIN, Chain, StateDictAdapter, adapt, stand_in
 from hal.sync.adapters.checkpoint_layout import checkpoint_layout
+from hal.sync.adapters.local_rows import LocalRows
 from hal.sync.adapters.names import WRAPPER_COMPONENTS, Rename, Unwrap, unwrapped_name
 from hal.sync.spec import TensorSpec
 
@@ -193,8 +194,24 @@ class ModuleSource:
         return Listing(list(map(itemgetter(0), named)), list(map(itemgetter(1), named)), as_yielded, tree, self.adapter)
 
     def local_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The tensors as this rank holds them (DTensors not gathered), out of autograd."""
-        return list(self._named(whole=torch.Tensor.detach, split=_local_split))
+        """The tensors as this rank holds them (DTensors not gathered), out of autograd. A
+        checkpoint tensor made of an FSDP2-sharded parameter (transformers' packed experts)
+        is this rank's alone where its rows hold all of it, another rank's where they hold
+        none of it (left out), refused by name where it spans two ranks' rows
+        (hal.sync.adapters.local_rows)."""
+        rows = LocalRows()
+
+        def split(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.detach() if type(tensor) in PLAIN else rows.global_stand_in(name, tensor)
+
+        out = []
+        for name, tensor in self._named(whole=torch.Tensor.detach, split=split):
+            if rows.made_of_shard(tensor):
+                tensor = rows.local_view(name, tensor)
+                if tensor is None:
+                    continue
+            out.append((name, tensor))
+        return out
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._named(whole=_materialized, split=_split_materialized)
@@ -209,16 +226,6 @@ def _split_materialized(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 _stand_in = stand_in  # `tensor` out of autograd, or for a DTensor a meta tensor of its (global) shape
-
-
-def _local_split(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if type(tensor) not in PLAIN:
-        raise ValueError(
-            f"parameter {name!r}: a {type(tensor).__name__} that the checkpoint holds as other tensors than itself (transformers' packed experts, a merge): "
-            "a sharded sync cannot send its shards yet; sync it from one trainer rank (Sender, TrainerSync, WeightSync "
-            "without senders='all'), which gathers it, or pass ModuleSource(model, checkpoint=False)"
-        )
-    return tensor.detach()
 
 
 class TensorSource:
