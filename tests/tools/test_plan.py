@@ -213,7 +213,8 @@ def test_the_plan_of_a_tiny_moe_model_counts_what_each_worker_needs_and_writes_a
     assert floor["fabric"] == "hccs-910b" and floor["third_party"] and "third-party" in floor["source"]
     assert math.isclose(floor["seconds"], max(max(row["bytes_in"]) / 196e9, row["largest_link"]["bytes"] / 28e9))
     assert row["timing"]["plan_s"] > 0 and row["timing"]["peak_rss_bytes"] > 0
-    assert "worker in" in printed and "third-party figure" in printed
+    assert "worker in" in printed and "third-party figure" in printed and "node in      8 workers a node" in printed
+    assert row["node_in"] == [sum(row["bytes_in"])] and row["node_union_in"] == [row["model_bytes"]]  # both workers on one node
 
 
 @pytest.mark.vllm
@@ -229,3 +230,11 @@ def test_independent_engines_take_what_one_engines_workers_take(vllm_here, tmp_p
     # what a worker shares is what it shares with the workers of its own engine
     assert report.replicated_bytes(three, per_engine=2) == report.replicated_bytes(one, per_engine=2) * 3
     assert report.replicated_bytes(three, per_engine=6) == [n.nbytes for n in three]
+    # per node: the workers' bytes together, and the distinct boxes they need (an engine's
+    # workers need the model between them, each replicated box once)
+    model = sum(s.nbytes for s in specs)
+    per_worker = [n.nbytes for n in three]
+    assert report.node_bytes(three, per_node=2) == ([per_worker[0] + per_worker[1]] * 3, [model] * 3)
+    assert report.node_bytes(three, per_node=4) == ([sum(per_worker[:4]), sum(per_worker[4:])], [model, model])
+    assert report.node_bytes(three, per_node=1) == (per_worker, per_worker)
+    assert per_worker[0] + per_worker[1] > model  # the replicated boxes: taken twice into a node, once by its union

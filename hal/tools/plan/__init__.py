@@ -12,7 +12,8 @@ worker (hal.integrations.vllm.meta_engine), the trainer's holdings come from the
 (hal.tools.plan.layouts), and `build_mxn_plan` (hal.sync.plan.mxn) is the function a live
 engine plans with; every `--engine` is planned from the same trainer. It prints, per engine
 layout, the bytes each worker takes in (its shard and what other workers of its engine
-need too), each trainer rank sends, the largest link, what no worker needs, and the floor
+need too), each node of `--per-node` workers (together, and the distinct boxes they need:
+what one receiver per node would take in once), each trainer rank sends, the largest link, what no worker needs, and the floor
 at a fabric (hal.tools.plan.fabric: the figure and its source, and the floors at the other
 named fabrics), with the plan's own wall time and peak memory (hal.tools.plan.run). `--json PATH` writes a record that stands alone
 (hal.tools.bench.record; docs/results/).
@@ -38,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fabric = parser.add_mutually_exclusive_group()
     fabric.add_argument("--fabric", choices=("ib-ndr", "nvlink4", "hccs-910b"), default="ib-ndr", help="the link model of the floor (default ib-ndr)")
     fabric.add_argument("--bandwidth", type=float, metavar="GB/s", help="the floor at this bandwidth per port per direction instead")
+    parser.add_argument("--per-node", type=int, default=8, metavar="N",
+                        help="engine workers a node, in worker order (default 8): bytes into each node, and the distinct boxes its workers need")
     parser.add_argument("--layers", type=int, metavar="N", help="plan the model's first N decoder layers only (a quick look)")
     parser.add_argument("--no-templates", action="store_true", help="record every layer of every worker (slow; the templates' check)")
     parser.add_argument("--json", metavar="PATH", help="write the plan as a record (docs/results/)")

@@ -12,34 +12,61 @@ from hal.sync.plan.needs import WorkerNeeds
 from hal.tools.plan.fabric import FABRICS, Fabric, floor
 
 
-def replicated_bytes(needs: Sequence[WorkerNeeds], per_engine: int) -> list[int]:
-    """Per worker, the bytes of the boxes it needs that another worker of its engine
-    (workers `per_engine` at a time) needs too (norms, routers, a KV head two TP ranks
-    serve, attention under DP): the rest is its own shard of its engine."""
+def _boxes(needs: Sequence[WorkerNeeds], per_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Every box every worker needs as a row (its group of `per_group` workers, the tensor,
+    the offsets, the sizes), with the worker and the bytes of each; None when none needs any."""
     dims = max((len(s.shape) for s in needs[0].specs), default=0)
     rows, owner, nbytes = array("q"), array("q"), array("q")
     for w, record in enumerate(needs):
         sizes = [s.dtype.itemsize for s in record.specs]
         for need in record.needs:
             pad = dims - len(need.sizes)
-            rows.extend((w // per_engine, need.tensor, *need.offsets, *(0,) * pad, *need.sizes, *(1,) * pad))
+            rows.extend((w // per_group, need.tensor, *need.offsets, *(0,) * pad, *need.sizes, *(1,) * pad))
             owner.append(w)
             nbytes.append(need.numel * sizes[need.tensor])
     if not owner:
-        return [0] * len(needs)
+        return None
     table = torch.frombuffer(rows, dtype=torch.int64).reshape(len(owner), -1)
+    return table, torch.frombuffer(owner, dtype=torch.int64), torch.frombuffer(nbytes, dtype=torch.int64)
+
+
+def replicated_bytes(needs: Sequence[WorkerNeeds], per_engine: int) -> list[int]:
+    """Per worker, the bytes of the boxes it needs that another worker of its engine
+    (workers `per_engine` at a time) needs too (norms, routers, a KV head two TP ranks
+    serve, attention under DP): the rest is its own shard of its engine."""
+    boxes = _boxes(needs, per_engine)
+    if boxes is None:
+        return [0] * len(needs)
+    table, owner, nbytes = boxes
     _, inverse, counts = torch.unique(table, dim=0, return_inverse=True, return_counts=True)
-    shared = counts[inverse] > 1
     out = torch.zeros(len(needs), dtype=torch.int64)
-    out.scatter_add_(0, torch.frombuffer(owner, dtype=torch.int64), torch.frombuffer(nbytes, dtype=torch.int64) * shared)
+    out.scatter_add_(0, owner, nbytes * (counts[inverse] > 1))
     return out.tolist()
 
 
-def summarize(plan: MxNPlan, fabric: Fabric, per_engine: int) -> dict[str, Any]:
+def node_bytes(needs: Sequence[WorkerNeeds], per_node: int) -> tuple[list[int], list[int]]:
+    """Per node of `per_node` workers (in worker order): the bytes its workers take in
+    together, and the bytes of the distinct boxes they need (what one receiver per node would
+    take in once, then hand on inside the node: a later transport's gain, told apart here)."""
+    nodes = -(-len(needs) // per_node)
+    boxes = _boxes(needs, per_node)
+    if boxes is None:
+        return [0] * nodes, [0] * nodes
+    table, owner, nbytes = boxes
+    total = torch.zeros(nodes, dtype=torch.int64).scatter_add_(0, owner // per_node, nbytes)
+    distinct, inverse = torch.unique(table, dim=0, return_inverse=True)
+    once = torch.zeros(len(distinct), dtype=torch.int64).scatter_reduce_(0, inverse, nbytes, "amax")  # the same box: the same bytes
+    union = torch.zeros(nodes, dtype=torch.int64).scatter_add_(0, distinct[:, 0], once)
+    return total.tolist(), union.tolist()
+
+
+def summarize(plan: MxNPlan, fabric: Fabric, per_engine: int, per_node: int = 8) -> dict[str, Any]:
     """The plan's numbers: bytes per worker (its shard and what other workers of its engine,
-    of `per_engine` workers, need too) and per sender, the largest link, what is dropped,
-    and the floor at `fabric` with the figure and its source (and at every named fabric)."""
+    of `per_engine` workers, need too), per node of `per_node` workers (their sum and their
+    distinct boxes) and per sender, the largest link, what is dropped, and the floor at
+    `fabric` with the figure and its source (and at every named fabric)."""
     replicated = replicated_bytes(plan.needs, per_engine)
+    node_sum, node_union = node_bytes(plan.needs, per_node)
     link = plan.largest_link
     busiest = max(range(len(plan.bytes_in)), key=plan.bytes_in.__getitem__)
     low = floor(fabric, max(plan.bytes_in), max(plan.bytes_out), link.nbytes)
@@ -57,6 +84,11 @@ def summarize(plan: MxNPlan, fabric: Fabric, per_engine: int) -> dict[str, Any]:
         "bytes_in_max": max(plan.bytes_in),
         "busiest_worker": {"worker": busiest, "bytes": plan.bytes_in[busiest], "shard": plan.bytes_in[busiest] - replicated[busiest],
                            "replicated": replicated[busiest]},
+        "per_node": per_node,
+        "node_in": node_sum,
+        "node_union_in": node_union,
+        "node_in_max": max(node_sum),
+        "node_union_in_max": max(node_union),
         "bytes_out": list(plan.bytes_out),
         "bytes_out_min": min(plan.bytes_out),
         "bytes_out_max": max(plan.bytes_out),
@@ -101,6 +133,8 @@ def engine_lines(engine: str, numbers: dict[str, Any], timing: dict[str, Any]) -
         f"pieces       {n['pieces']:,}",
         f"worker in    min {_gb(n['bytes_in_min'])}, max {_gb(n['bytes_in_max'])} (worker {busy['worker']}: its shard {_gb(busy['shard'])} "
         f"+ replicated {_gb(busy['replicated'])})",
+        f"node in      {n['per_node']} workers a node: max {_gb(n['node_in_max'])} into a node's workers together; "
+        f"the distinct boxes they need, max {_gb(n['node_union_in_max'])} (what one receiver per node would take in once)",
         f"sender out   min {_gb(n['bytes_out_min'])}, max {_gb(n['bytes_out_max'])}",
         f"largest link trainer rank {link['sender']} -> worker {link['worker']}: {_gb(link['bytes'])} in {link['pieces']:,} pieces",
         f"dropped      {dropped}",

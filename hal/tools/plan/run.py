@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from hal.tools.bench import record
 
     date, load_start = record.utc_now(), record.load_average()
+    if args.per_node < 1:
+        raise ValueError(f"--per-node {args.per_node}: at least one engine worker a node")
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers {args.layers}: at least one decoder layer")
     trainer, engines = parse_trainer(args.trainer), [parse_engine(text) for text in args.engine]
@@ -119,7 +121,7 @@ def _plans(args: argparse.Namespace, trainer: Any, engines: list[Any], fabric: A
         plan = build_mxn_plan(held, needs)
         timing["mxn_s"] = time.perf_counter() - at
         at = time.perf_counter()
-        numbers = summarize(plan, fabric, engine.per_engine)
+        numbers = summarize(plan, fabric, engine.per_engine, args.per_node)
         timing["summary_s"] = time.perf_counter() - at
         timing["plan_s"] = shared["checkpoint_s"] + shared["holdings_s"] + sum(timing.values())
         timing["layer_templates"] = None if args.no_templates else sorted(set(meta.template_of.values()))
