@@ -210,6 +210,10 @@ class HalWeightTransferEngine(WeightTransferEngine[HalInitInfo, HalUpdateInfo]):
     def shard_word(self, specs: list[TensorSpec], worker: int) -> Any:
         """This worker's needs and landing for a shard receive (`worker`: its index, its
         group rank - 1), or why it takes whole tensors (hal.integrations.vllm.shard_receive)."""
+        if getattr(self.parallel_config, "enable_eplb", False):
+            # EPLB moves experts between workers while the engine serves: needs recorded at
+            # init would send an expert to the worker that held it then
+            return shard_receive.EPLB_REFUSAL
         return shard_receive.record(self.model, specs, self.device, worker, self.reload)
 
     def accepted_specs(self, init_info: HalInitInfo, checkpoint: list[TensorSpec]) -> list[TensorSpec]:

@@ -61,6 +61,7 @@ VLLM_NEEDS: tuple[Need, ...] = (
     Need(target=f"{_WT}.base:WeightTransferEngine", call=Call(4), implemented_by="hal.integrations.vllm.engine:HalWeightTransferEngine",
          why="HalWeightTransferEngine(config, vllm_config, device, model) completes vLLM's engine", **_OWNS),
     Need(target=f"{_WT}.base:WeightTransferEngine.parallel_config", why="HalWeightTransferEngine.group_rank"),
+    Need(target="vllm.config.parallel:ParallelConfig.enable_eplb", why="HalWeightTransferEngine.shard_word: EPLB takes whole tensors"),
     Need(target=f"{_WT}.base:WeightTransferEngine.model_config", why="HalWeightTransferEngine.init_transfer_engine", **_OWNS),
     Need(target=f"{_WT}.base:WeightTransferEngine.vllm_config", why="HalLoraWeightTransferEngine (lora_config)", **_OWNS),
     Need(target=f"{_WT}.base:WeightTransferEngine.model", why="HalWeightTransferEngine.apply"),

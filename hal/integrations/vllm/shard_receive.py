@@ -70,6 +70,13 @@ class LandingLayers:
         self.landing.abort()
 
 
+EPLB_REFUSAL = (
+    "the engine balances its experts (parallel_config.enable_eplb): EPLB moves experts between workers "
+    "while it serves, so needs recorded at init go stale; whole tensors reach every worker"
+)
+"""Why a worker of an engine with EPLB takes whole tensors ("auto"), or refuses ("shard")."""
+
+
 def record(model: torch.nn.Module, specs: Sequence[TensorSpec], device: torch.device, worker: int,
            reload: LayerwiseReload) -> tuple[WorkerNeeds, LayerLanding] | str:
     """This worker's needs and its landing, or why it has none (the refusal's message)."""

@@ -83,3 +83,24 @@ def test_a_worker_whose_loaders_cannot_be_recorded_refuses_shards_by_name(engine
         sync.sync(model, version=2)  # whole tensors travel, and the worker takes them
     finally:
         sync.close()
+
+
+def test_an_engine_that_balances_its_experts_takes_whole_tensors(engine, monkeypatch):
+    """EPLB moves experts between workers while the engine serves: a worker's needs recorded
+    at init would go stale, so its worker refuses shards by name and "auto" takes whole."""
+    from hal.integrations.vllm import shard_receive, shard_sync
+
+    llm, model = engine
+    parallel = llm.llm_engine.vllm_config.parallel_config  # in-process: the worker's own
+    monkeypatch.setattr(parallel, "enable_eplb", True)
+    sync = sync_of(llm, "shard")
+    with pytest.raises(Exception, match=r"receive='shard': engine worker 0: the engine balances its experts \(parallel_config.enable_eplb\)"):
+        sync.init()
+    sync.close()
+    monkeypatch.setattr(shard_sync, "asked_receive", lambda receive, **kwargs: receive)  # asked, though of one worker
+    sync = sync_of(llm, "auto")
+    sync.init()
+    try:
+        assert sync.receive == "whole" and sync.receive_why == f"engine worker 0: {shard_receive.EPLB_REFUSAL}"
+    finally:
+        sync.close()
