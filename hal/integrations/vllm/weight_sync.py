@@ -46,7 +46,7 @@ from hal.sync import SENDING, Sender, SyncConfig, SyncError
 from hal.canary import DEFAULT, Canary, as_canary
 from hal.sync.config import ALL, GATHER, ONE
 from hal.sync.errors import check_version
-from hal.sync.plan.exchange import SHARD, WHOLE_TENSORS, check_receive
+from hal.sync.plan.exchange import AUTO, SHARD, check_receive
 from hal.integrations.vllm.shard_sync import shard_problem
 from hal.sync.wire import GroupChannel
 from hal.sync.source import as_source
@@ -86,12 +86,13 @@ class WeightSync:
     rank 0 at `init`). Over the "broadcast" transport only.
 
     `receive` (hal.sync.plan.exchange.RECEIVE): how each engine worker takes a sync.
-    "whole" (the default): every tensor whole, its engine's loaders cut out its shard.
-    "shard": each worker only its own pieces, point to point from the trainer rank(s) that
-    hold them (senders "one" or "all", the "broadcast" transport), landed straight in its
-    layers (hal.integrations.vllm.shard_receive); refused at `init` by name where an engine
-    worker's loaders cannot be recorded. "auto": "shard" for engines of several workers
-    that all recorded their needs, over the "broadcast" transport, else "whole" (`receive_why`).
+    "auto" (the default): "shard" for engines of several workers that all recorded their
+    needs, over the "broadcast" transport with senders "one" or "all", else "whole"
+    (`receive_why` says why). "shard": each worker only its own pieces, point to point from
+    the trainer rank(s) that hold them, landed straight in its layers
+    (hal.integrations.vllm.shard_receive); refused at `init` by name where an engine
+    worker's loaders cannot be recorded. "whole": every tensor whole, its engine's loaders
+    cut out its shard (every sync before issue 41).
     docs/topologies.md says when each is used.
 
     `canary` (a `hal.canary.policy.CanaryConfig` or `Canary`; None: off): every few completed
@@ -117,7 +118,7 @@ class WeightSync:
         trainer_group: Any = None,
         senders: str | None = None,
         canary: Any = DEFAULT,
-        receive: str = WHOLE_TENSORS,
+        receive: str = AUTO,
     ) -> None:
         if transport != "auto" and transport not in ENGINE_TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(ENGINE_TRANSPORTS)}, got {transport!r}")

@@ -79,9 +79,9 @@ def add_arguments(parser: Any) -> None:
         "(`--tp` is the trainer's layout of `--senders`)",
     )
     parser.add_argument(
-        "--receive", choices=RECEIVE, default="whole",
-        help="--engine vllm: WeightSync(receive=...): whole (default), every worker every tensor whole; shard, each "
-        "worker only its own pieces (needs --engine-tp >= 2 and the broadcast transport); auto, shard where it can",
+        "--receive", choices=RECEIVE, default="auto",
+        help="--engine vllm: WeightSync(receive=...): auto (default, as WeightSync), shard where it can; whole, every "
+        "worker every tensor whole; shard, each worker only its own pieces (needs --engine-tp >= 2 and the broadcast transport)",
     )
     parser.add_argument(
         "--vllm-methods", type=comma_list(VLLM_METHODS, "method"), default=VLLM_METHODS,

@@ -58,7 +58,7 @@ def _megatron_vllm_rank(rank: int, address: tuple[str, int], workers: int) -> di
     optimizer = torch.optim.Adam(meg.model.parameters(), lr=1e-3)
     engine = RemoteEngine(address if rank == 0 else None, name="engine", num_workers=workers)
     config = SyncConfig(bucket_bytes=256 << 10, segment_bytes=64 << 10, timeout_s=30.0)
-    sync = WeightSync([engine], config=config, timeout_s=TIMEOUT_S, token=TOKEN, trainer_group=dist.group.WORLD, senders="all")
+    sync = WeightSync([engine], config=config, timeout_s=TIMEOUT_S, token=TOKEN, trainer_group=dist.group.WORLD, senders="all", receive="whole")
     sync.init()
     if rank == 0:
         engine.call("record")

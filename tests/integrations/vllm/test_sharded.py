@@ -241,7 +241,7 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
     # 1. three syncs, an optimizer step before each; the canary after each (every rank takes part in its forward)
     sync = WeightSync(
         [engine], config=SyncConfig(**SYNC_CONFIG), timeout_s=TIMEOUT_S, token=TOKEN, trainer_group=dist.group.WORLD, senders="all",
-        canary=CanaryConfig(mode="enforce"),
+        canary=CanaryConfig(mode="enforce"), receive="whole",  # whole tensors to each worker: the shard receive is test_shard_receive's
     )
     sync.init()
     if rank == 0:
@@ -285,7 +285,7 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
     from hal.sync import DeltaConfig
 
     config = SyncConfig(**SYNC_CONFIG, delta=DeltaConfig(anchor_every=100, choose="bytes"))
-    sync = WeightSync([engine], config=config, timeout_s=TIMEOUT_S, token=TOKEN, trainer_group=dist.group.WORLD, senders="all")
+    sync = WeightSync([engine], config=config, timeout_s=TIMEOUT_S, token=TOKEN, trainer_group=dist.group.WORLD, senders="all", receive="whole")
     sync.init()
     if rank == 0:
         engine.call("record")
