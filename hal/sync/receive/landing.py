@@ -151,6 +151,7 @@ class Landing:
         self.discard = False  # the sync failed: take pieces, keep none
         self.touched = False  # a layer was handed to the engine's close_layer
         self.closed: list[str] = []
+        self.apply_s = 0.0  # in the engine's close_layer and finish: its processing of what landed
         self._cond = threading.Condition()
         self._open: dict[int, dict[int, torch.Tensor]] = {}  # layer -> target -> where it lands
         self._held: dict[int, dict[str, torch.Tensor]] = {}  # layer -> targets the sink holds
@@ -314,7 +315,9 @@ class Landing:
                 base = regions[fill.target]
                 base.as_strided(fill.shape, fill.stride, base.storage_offset() + fill.offset).fill_(fill.value)
             self.touched = True  # the engine's weights change from here on
+            start = time.perf_counter()
             self.engine.close_layer(name, self._held.pop(layer, {}))
+            self.apply_s += time.perf_counter() - start
             self.closed.append(name)
         except Exception as exc:  # noqa: BLE001 - reported at the agreement
             self._failed(exc)
@@ -339,7 +342,9 @@ class Landing:
 
     def finish(self) -> None:
         """Every layer closed and nothing failed here: the engine ends the landing."""
+        start = time.perf_counter()
         self.engine.finish()
+        self.apply_s += time.perf_counter() - start
 
     def abort(self) -> None:
         """The sync failed: the engine puts back what did not close, once (if it began)."""

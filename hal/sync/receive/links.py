@@ -110,6 +110,7 @@ class LinkReceiver(FromEverySender):
             buckets=sum(len(i.plan.buckets) for i in incoming),
             tensors=sum(len(i.plan.specs) for i in incoming),
             transfer_s=max((i.timer.get("transfer") or 0.0) for i in incoming),
+            apply_s=landing.apply_s,
             total_s=time.perf_counter() - start,
             host_s=time.thread_time() - host_start,
             senders=self.sender_count,

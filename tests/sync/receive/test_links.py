@@ -31,7 +31,7 @@ def test_two_fsdp2_ranks_send_each_worker_its_shard_and_the_replicated_norms_exa
             assert rank[step][0] == ("ok", plan.bytes_out[r], WORKERS, links, plan.model_bytes, 2, step > 0), rank[step]
         for w, worker in enumerate((worker0, worker1)):
             outcome, state, closed, calls, _ = worker[step]
-            assert outcome == ("ok", version, plan.needs[w].nbytes, 2, layers[w], True), outcome
+            assert outcome == ("ok", version, plan.needs[w].nbytes, 2, layers[w], True, True), outcome
             assert set(state.values()) == {"new"} and sorted(closed) == sorted(state) and calls == ["begin", "finish"]
     # bytes in: the worker's shard plus every norm, whole (replicated), and nothing more
     for w in range(WORKERS):

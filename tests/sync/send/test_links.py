@@ -90,7 +90,8 @@ def _links_worker(rank, world, scenario, timeout_s):
         start = time.monotonic()
         try:
             m = receiver.receive(sink, plan) if scenario == "checksum" else receiver.receive(sink)  # the plan, or the headers
-            outcome = ("ok", receiver.version, m.bytes, m.links, m.layers, receiver.consistent)
+            # apply: the engine's processing of the landed layers (close_layer, finish), within the sync's time
+            outcome = ("ok", receiver.version, m.bytes, m.links, m.layers, receiver.consistent, 0 < (m.apply_s or 0) <= m.total_s)
         except SyncError as exc:
             outcome = (type(exc).__name__, str(exc)[:500], receiver.consistent, receiver.version)
         state = engine.state(version, before=held)
@@ -126,7 +127,7 @@ def test_one_sender_sends_each_worker_exactly_its_shard_and_a_checksum_mismatch_
         for w, worker in enumerate((worker0, worker1)):
             outcome, state, closed, calls, _ = worker[step]
             # bytes in == this worker's shard and its replicated tensors, exactly (the needs it recorded)
-            assert outcome == ("ok", version, plan.needs[w].nbytes, 1, layers[w], True), outcome
+            assert outcome == ("ok", version, plan.needs[w].nbytes, 1, layers[w], True, True), outcome
             assert set(state.values()) == {"new"} and calls == ["begin", "finish"]
     assert plan.bytes_in[0] != plan.bytes_in[1] and sum(plan.bytes_in) < 2 * plan.model_bytes  # each its own, not the whole model
     kind, message = sender[1][0]
