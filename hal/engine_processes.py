@@ -150,6 +150,12 @@ class EngineProcesses:
             names |= _held_by(p.pid)
         return cls(processes, names)
 
+    def merged(self, other: EngineProcesses) -> EngineProcesses:
+        """Both records at once: an engine recorded while it ran (every process alive) and
+        again at its stop (a process that died meanwhile is only in the first)."""
+        known = set(self.processes)
+        return EngineProcesses([*self.processes, *(p for p in other.processes if p not in known)], self.names | other.names)
+
     def release(self, *, grace_s: float = 5.0) -> list[str]:
         """After the stop: wait up to `grace_s` for the recorded processes to exit, kill
         those still running (and wait for them as long again), then unlink every recorded

@@ -118,6 +118,25 @@ def test_a_killed_tree_leaves_nothing_of_what_it_mapped(shm_paths, start_tree):
     assert not Path(parent_path).exists() and not Path(child_path).exists()
 
 
+def test_a_process_dead_before_the_stop_is_released_from_the_record_made_while_it_ran(shm_paths, start_tree):
+    # a vLLM worker that died mid-sync: at the stop its names are in no live process, so only
+    # the record made while it ran knows them (vllm internals.record_llm_processes)
+    parent_path, child_path = shm_paths(), shm_paths()
+    proc, child = start_tree(parent_path, child_path)
+    while_running = EngineProcesses.record([proc.pid])
+    _kill(child)
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:  # SIGKILL lands asynchronously
+        time.sleep(0.01)
+    at_stop = EngineProcesses.record([proc.pid])
+    assert {n.path for n in at_stop.names} == {parent_path}  # the dead child's name: found by no one now
+    engine = while_running.merged(at_stop)
+    assert sorted(p.pid for p in engine.processes) == sorted({proc.pid, child})
+    _kill(proc.pid)
+    proc.wait(timeout=10)
+    assert sorted(engine.release(grace_s=5)) == sorted([parent_path, child_path])
+
+
 def test_processes_left_running_after_the_stop_are_killed_first(shm_paths, start_tree):
     # the parent is killed (as vLLM kills its engine core); its child ignores SIGTERM and
     # would run on, orphaned, holding its mapping: release kills it, then unlinks

@@ -199,7 +199,7 @@ NOT_VLLM = {
     "Filter", "LogRecord", "Module", "Tensor", "__name__", "add", "addFilter", "append", "args", "contextmanager",
     "endswith", "filters", "functional", "get", "getLogger", "import_module", "items", "join", "linear", "lru_cache",
     "msg", "named_modules", "named_parameters", "nn", "no_grad", "parameters", "setdefault", "update", "warning",
-    "cpu", "unknown", "pid", "record", "release",  # BaseProcess.pid; hal.engine_processes
+    "cpu", "unknown", "pid", "record", "release", "merged", "WeakKeyDictionary",  # BaseProcess.pid; hal.engine_processes; weakref
 }
 _TABLES = {"VLLM_NEEDS", "UNSUPPORTED_VLLM", "SUPPORTED_VLLM", "_WT"}
 # Names of Python's own the fence reads (the call stack in creating_worker_vllm_config, torch's

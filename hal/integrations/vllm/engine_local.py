@@ -38,6 +38,7 @@ class OfflineEngine:
         self.llm = llm
         self.name = name
         self._update_open = False
+        vllm_internals.record_llm_processes(llm)  # while every process runs: see shutdown_llm
         if num_workers is None:
             pc = llm.llm_engine.vllm_config.parallel_config
             num_workers = pc.world_size * max(1, getattr(pc, "data_parallel_size_local", 1) or 1)
@@ -109,6 +110,7 @@ class ExtensionEngine:
         self.llm = llm
         self.name = name
         self.num_workers = OfflineEngine(llm).num_workers if num_workers is None else num_workers
+        vllm_internals.record_llm_processes(llm)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.collective_rpc("hal_init", kwargs={"init_info": init_info})

@@ -61,6 +61,7 @@ from hal.integrations.vllm.internals.workers import (  # noqa: F401 - re-exporte
     lora_enabled,
     quiet_refused_syncs,
     reload_weights,
+    record_llm_processes,
     shutdown_llm,
     worker_closes_failed_updates,
     worker_model,

@@ -6,6 +6,7 @@ model and vLLM's own reload from tensors, and vLLM's tracebacks of a sync hal re
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -63,6 +64,24 @@ def engine_process_ids(llm: Any) -> list[int]:
     return [p.pid for p in procs if p is not None and p.pid is not None]
 
 
+_RECORDED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def record_llm_processes(llm: Any) -> None:
+    """Record an offline `LLM`'s processes and the /dev/shm names they hold now, while all
+    of them run (hal does when it is handed the `LLM`: `OfflineEngine`, `ExtensionEngine`):
+    a worker that dies later (killed, crashed) takes its names with it from a record made
+    at the stop, and `shutdown_llm` then unlinks them from this one. Once per `LLM`."""
+    from hal.engine_processes import EngineProcesses
+
+    if llm in _RECORDED:
+        return
+    try:
+        _RECORDED[llm] = EngineProcesses.record(engine_process_ids(llm))
+    except Exception:  # noqa: BLE001 - not an offline LLM of a known release: the stop records what it can
+        pass
+
+
 def shutdown_llm(llm: Any, timeout_s: float = 30.0) -> None:
     """Stop an offline `LLM`'s engine core now (`llm.llm_engine.engine_core.shutdown(timeout=)`)
     and leave nothing of it behind: without the stop, its processes outlive a test and exit
@@ -71,13 +90,16 @@ def shutdown_llm(llm: Any, timeout_s: float = 30.0) -> None:
     loaded 2-core machine). A killed process leaves the shared memory it created
     (`psm_*`, `vllm_dist_*`) in /dev/shm, so the engine's processes and the names they hold
     are recorded first, and after vLLM's shutdown whatever is left of either is removed
-    (hal.engine_processes)."""
+    (hal.engine_processes), with what `record_llm_processes` recorded while they all ran."""
     from hal.engine_processes import EngineProcesses
 
     try:
         engine = EngineProcesses.record(engine_process_ids(llm))
     except Exception:  # noqa: BLE001 - an engine that failed to start has no processes to find
         engine = EngineProcesses()
+    earlier = _RECORDED.pop(llm, None)  # a process dead by now is only in this one
+    if earlier is not None:
+        engine = earlier.merged(engine)
     try:
         llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
     finally:
