@@ -37,6 +37,13 @@ parameters, 1.84 GiB in fp32, 290 tensors), built locally with random weights.
 vocabulary 64, 1.6 MiB): a run that shows every method works end to end in seconds (the
 docs' commands are run that way in the suite), whose times measure start-up, not transfer.
 
+`--engine-tp N` serves the model from N worker processes, and `--receive` says what each
+takes: every tensor whole (`whole`), or only its own pieces over a link of its own (`shard`);
+the summary then gives the bytes into each worker, out of the trainer and over the largest
+link, checked against the plan's. `--senders M` (with `--tp T`: a Megatron-shaped layout)
+times M trainer ranks instead of this process, each sending only the part it holds, through
+`WeightSync(senders="all")`: hal's sync alone, hal.tools.bench.vllm_senders.
+
 `--vllm-canary SxL[,SxL...]` also times the canary (hal.canary, docs/canary.md) after
 each sync of the rounds, outside the sync's time, once per probe shape: the trainer's
 log-probs of a probe of S sequences of L tokens (a transformers model holding the synced
