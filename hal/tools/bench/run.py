@@ -70,6 +70,10 @@ def main(args: argparse.Namespace) -> int:
 
         report = _run_delta(args)
         print(format_delta_table(report))
+    elif args.engine == "vllm" and getattr(args, "senders", None) is not None:
+        from hal.tools.bench.vllm_senders import run as run_vllm_senders
+
+        report = run_vllm_senders(args)  # prints its own summary
     elif args.engine == "vllm":
         report = importlib.import_module(VLLM_MODULE).run(args)  # prints its own summary
     else:

@@ -237,12 +237,8 @@ def start_engine(args: argparse.Namespace, model_dir: Path) -> Any:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the preset's model, start vLLM on it, run the methods (hal.tools.bench.
-    vllm_engine_methods), print the summary; the report. With `--senders M`, M trainer
-    ranks send instead (hal.tools.bench.vllm_senders)."""
-    if getattr(args, "senders", None) is not None:
-        from hal.tools.bench.vllm_senders import run as run_senders
-
-        return run_senders(args)
+    vllm_engine_methods), print the summary; the report. (`--senders M`: hal.tools.bench.
+    vllm_senders.run instead.)"""
     check_engine_args(args)  # refuses --receive shard over ipc before building anything
 
     from safetensors.torch import load_file
