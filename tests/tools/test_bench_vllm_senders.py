@@ -110,3 +110,26 @@ def _session(pid: int) -> int | None:
         return os.getsid(pid)
     except OSError:
         return None
+
+
+def test_a_megatron_shaped_rank_sends_its_blocks_as_its_own_part():
+    """With --tp, a rank's source is its blocks and whole norms (what WeightSync(senders="all")
+    reads of each rank), declaring the whole tensors' shapes: not pairs of tensors, which a
+    sync would take as the whole model (the first run of `--senders 4 --tp 2` failed so)."""
+    from hal.sync import TensorSpec
+    from hal.sync.source import LocalSource, as_source
+    from hal.tools.bench.vllm_senders_rank import Job, _pairs, held_by
+
+    params = [
+        TensorSpec("model.layers.0.self_attn.o_proj.weight", (4, 6), torch.float32),
+        TensorSpec("model.layers.0.self_attn.q_proj.weight", (6, 4), torch.float32),
+        TensorSpec("model.norm.weight", (4,), torch.float32),
+    ]
+    job = Job(checkpoint="", model_dir="", address=("127.0.0.1", 1), engine_name="llm", engine_tp=2, senders=2, tp=2,
+              receive="shard", bucket_bytes=1 << 20, timeout_s=10.0, warmup=0, repeats=1, tied=False)
+    held = held_by(params, job, 1)
+    source = as_source(_pairs(held, [torch.zeros(h.block) for h in held], job))
+    assert isinstance(source, LocalSource)
+    assert [(s.name, s.shape) for s in source.metadata()] == [(p.name, p.shape) for p in params]
+    assert [tuple(t.shape) if isinstance(t, torch.Tensor) else t.shape for _, t in source.local_tensors()] == [(4, 6), (6, 4), (4,)]
+    assert [h.block for h in held] == [(4, 3), (3, 4), (4,)]  # o_proj's columns, q_proj's rows, the norm whole

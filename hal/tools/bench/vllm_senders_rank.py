@@ -161,7 +161,7 @@ def _pairs(held: list[Any], values: list[torch.Tensor], job: Job) -> list[tuple[
     if job.tp is not None:
         from hal.sync.plan import Block
 
-        return [(h.param.name, v if h.whole else Block(v, tuple(h.param.shape), h.offsets)) for h, v in zip(held, values)]
+        return _BlockSource([(h.param.name, v if h.whole else Block(v, tuple(h.param.shape), h.offsets)) for h, v in zip(held, values)])
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -171,6 +171,26 @@ def _pairs(held: list[Any], values: list[torch.Tensor], job: Job) -> list[tuple[
                                           stride=torch.empty(h.param.shape, device="meta").stride()))
         for h, v in zip(held, values)
     ]
+
+
+class _BlockSource:
+    """A Megatron-shaped rank's blocks and whole norms as a source every rank sends its own
+    part of (hal.sync.source.LocalSource, as hal.integrations.megatron.MegatronSource)."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        self.pairs = pairs
+
+    def local_tensors(self) -> list[tuple[str, Any]]:
+        return list(self.pairs)
+
+    def metadata(self) -> list[Any]:
+        from hal.sync import TensorSpec
+        from hal.sync.plan import Block
+
+        return [TensorSpec(n, held.shape if isinstance(held, Block) else tuple(held.shape), held.dtype) for n, held in self.pairs]
+
+    def __iter__(self) -> Any:
+        raise TypeError("the bench's Megatron-shaped blocks are sent by every rank, each its own: WeightSync(senders='all')")
 
 
 def _engine_side(job: Job, engine: Any, result: Any, every: list[dict[str, Any]]) -> dict[str, Any]:
