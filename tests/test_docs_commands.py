@@ -80,6 +80,9 @@ ELSEWHERE = {
     # its cheap form there, whose report's bytes per engine worker it checks against each worker's shard
     "hal bench --engine vllm --engine-tp 2 --receive shard --vllm-methods hal,apply,floor --vllm-transports broadcast --json run.json":
         "tests/tools/test_bench_vllm_shard.py::test_the_bench_reports_each_worker_its_shard",
+    # its cheap form there (tiny model, the engine multi-process), which checks the bytes per rank and per worker
+    "hal bench --engine vllm --senders 2 --engine-tp 2 --receive shard --json run.json":
+        "tests/tools/test_bench_vllm_senders.py::test_two_fsdp2_ranks_into_two_workers_report_and_check_each_workers_shard",
     "make test-vllm-versions": "Makefile:test-vllm-versions",  # 10 minutes with its environments built (docs/ci.md)
     "make test-megatron": "Makefile:test-megatron",  # the megatron lane, about 10 minutes (docs/ci.md)
     "bash ci/megatron.sh": "Makefile:test-megatron",

@@ -63,6 +63,17 @@ With `--json PATH`, every mode's report begins with "run": when it started (UTC)
 command line, the git commit of the hal checkout, and the machine (hal.tools.bench.record),
 so the file is a record that stands alone: docs/results/ keeps them (docs/benchmarks.md).
 
+    hal bench --engine vllm --senders 2 --engine-tp 2 --receive shard   # hal.tools.bench.vllm_senders
+
+`--engine vllm --senders M` spawns M trainer ranks holding FSDP2 `Shard(0)` rows of the
+engine's model (`--tp T`: the Megatron-shaped layout above) that send into the live engine
+of `--engine-tp` workers with `WeightSync(senders="all", receive=--receive)`, rank 0 driving
+it (hal.integrations.vllm.engine_proxy); beside each sync's time it reports the bytes out of
+each rank, into each worker and over the largest link, fails unless every worker took the
+plan's bytes, and after the last sync checks the engine's log-probs against the weights the
+ranks hold. The JSON holds {"engine": "vllm", "mode": "senders", "results": [the hal row],
+"sender_bytes", "worker_bytes", "largest_link_bytes", "check"}.
+
 `--engine vllm` hands the parsed arguments to `hal.tools.bench.vllm_engine.run(args)`, which
 returns a dict; that module is imported only then (it needs vllm). If it defines
 `add_arguments(parser)`, its options are declared here too.

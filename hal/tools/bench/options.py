@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     senders.add_argument(
         "--senders", type=positive_int, default=None, metavar="M",
         help="M-to-N: M trainer ranks holding the preset as FSDP2 Shard(0) DTensors, each sending only its own rows "
-        "(hal.sync.send.sharded) to --receivers, against 1 sender into the same receivers; checks every rank's bytes",
+        "(hal.sync.send.sharded) to --receivers, against 1 sender into the same receivers; checks every rank's bytes. "
+        "With --engine vllm: M trainer ranks into the live engine of --engine-tp workers (hal.tools.bench.vllm_senders)",
     )
     senders.add_argument(
         "--tp", type=positive_int, default=None, metavar="T",

@@ -18,7 +18,8 @@ DEFAULT_TIMEOUT_S = {"senders": 600.0, "delta-kernels": 300.0, "device-transfer"
 def _benchmark(args: argparse.Namespace) -> str:
     """Which benchmark `args` ask for (a key of DEFAULT_TIMEOUT_S)."""
     if getattr(args, "senders", None) is not None:
-        return "senders"
+        # into a live engine (`--engine vllm --senders M`): the vllm benchmark, its report's "mode" "senders"
+        return "vllm" if getattr(args, "engine", "transfer") == "vllm" else "senders"
     for flag, name in (("delta_kernels", "delta-kernels"), ("device_transfer", "device-transfer"), ("delta", "delta")):
         if getattr(args, flag, False):
             return name
@@ -31,18 +32,17 @@ def main(args: argparse.Namespace) -> int:
     started, load_average = record.utc_now(), record.load_average()
     if getattr(args, "timeout", None) is None:
         args.timeout = DEFAULT_TIMEOUT_S[_benchmark(args)]
+        if _benchmark(args) == "vllm" and getattr(args, "senders", None) is not None:
+            args.timeout = DEFAULT_TIMEOUT_S["senders"]  # the trainer ranks' deadline: set-up, syncs and the engine's check
     if getattr(args, "profile", False) and _benchmark(args) != "device-transfer":
         raise SystemExit("hal bench: --profile applies to --device-transfer only")
     if getattr(args, "layout", "flat") != "flat" and _benchmark(args) != "transfer":
         raise SystemExit(f"hal bench: --layout applies to the transfer benchmark only, not to {_benchmark(args)}")
     if getattr(args, "tp", None) is not None and getattr(args, "senders", None) is None:
         raise SystemExit("hal bench: --tp T describes the layout of --senders M trainer ranks: give --senders too")
-    if getattr(args, "engine", "transfer") == "vllm" and getattr(args, "senders", None) is not None:
-        raise SystemExit("hal bench: --senders M into a live vLLM engine is not built yet: --senders runs hal's receivers "
-                         "(tests/integrations/vllm/test_shard_receive.py drives two FSDP2 ranks into a TP=2 engine)")
     if _benchmark(args) != "vllm" and (getattr(args, "engine_tp", 1) != 1 or getattr(args, "receive", "whole") != "whole"):
         raise SystemExit("hal bench: --engine-tp and --receive describe the engine of --engine vllm: give --engine vllm too")
-    if getattr(args, "senders", None) is not None:
+    if _benchmark(args) == "senders":
         from hal.tools.bench.senders import format_table as format_senders_table, run_from_args
 
         report = run_from_args(args)
@@ -70,6 +70,10 @@ def main(args: argparse.Namespace) -> int:
 
         report = _run_delta(args)
         print(format_delta_table(report))
+    elif args.engine == "vllm" and getattr(args, "senders", None) is not None:
+        from hal.tools.bench.vllm_senders import run as run_vllm_senders
+
+        report = run_vllm_senders(args)  # prints its own summary
     elif args.engine == "vllm":
         report = importlib.import_module(VLLM_MODULE).run(args)  # prints its own summary
     else:

@@ -37,6 +37,13 @@ parameters, 1.84 GiB in fp32, 290 tensors), built locally with random weights.
 vocabulary 64, 1.6 MiB): a run that shows every method works end to end in seconds (the
 docs' commands are run that way in the suite), whose times measure start-up, not transfer.
 
+`--engine-tp N` serves the model from N worker processes, and `--receive` says what each
+takes: every tensor whole (`whole`), or only its own pieces over a link of its own (`shard`);
+the summary then gives the bytes into each worker, out of the trainer and over the largest
+link, checked against the plan's. `--senders M` (with `--tp T`: a Megatron-shaped layout)
+times M trainer ranks instead of this process, each sending only the part it holds, through
+`WeightSync(senders="all")`: hal's sync alone, hal.tools.bench.vllm_senders.
+
 `--vllm-canary SxL[,SxL...]` also times the canary (hal.canary, docs/canary.md) after
 each sync of the rounds, outside the sync's time, once per probe shape: the trainer's
 log-probs of a probe of S sequences of L tokens (a transformers model holding the synced
@@ -174,19 +181,16 @@ def _mb_list(text: str) -> tuple[float, ...]:
     return values
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the preset's model, start vLLM on it, run the methods (hal.tools.bench.
-    vllm_engine_methods), print the summary; the report."""
-    args.vllm_transports = transports_of(args)  # refuses --receive shard over ipc before building anything
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Refuse, before anything is built, what the engine's options cannot do together
+    (`--vllm-transports` is resolved for `--receive` here)."""
+    args.vllm_transports = transports_of(args)
     if getattr(args, "receive", "whole") == "shard" and int(getattr(args, "engine_tp", 1)) < 2:
         raise SystemExit("hal bench: --receive shard needs an engine of several workers: give --engine-tp 2 or more")
-    if args.vllm_in_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-    from safetensors.torch import load_file
 
-    from hal.tools.bench.vllm_engine_methods import VllmBench
+def build_model(args: argparse.Namespace) -> tuple[Any, Path]:
+    """The `--vllm-preset`'s spec and the folder its checkpoint was built (or reused) in."""
     from hal.tools.tiny_model import build_tiny_llama
 
     preset = getattr(args, "vllm_preset", DEFAULT_VLLM_PRESET)
@@ -199,9 +203,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = Path(args.vllm_model_dir or default_dir)
     print(f"[bench vllm] model {spec.nbytes_fp32() / GIB:.2f} GiB fp32{' (tied embeddings)' if tied else ''} in {model_dir}", flush=True)
     build_tiny_llama(model_dir, spec)
-    (checkpoint,) = sorted(model_dir.glob("*.safetensors"))
-    weights = load_file(str(checkpoint))
+    return spec, model_dir
 
+
+def start_engine(args: argparse.Namespace, model_dir: Path) -> Any:
+    """A vLLM engine (`LLM`) on `model_dir`: fp32, backend "hal", the bench's worker
+    extension, `--engine-tp` workers; its starter shuts it down (`vllm_internals.shutdown_llm`)."""
+    if args.vllm_in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
@@ -212,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(cores[i % len(cores)]) for i in range(tp)))
         engine_options = dict(tensor_parallel_size=tp, distributed_executor_backend="mp")
     print(f"[bench vllm] starting vLLM (fp32, backend 'hal', tensor parallel {tp}) ...", flush=True)
-    llm = LLM(
+    return LLM(
         model=str(model_dir),
         dtype="float32",
         enforce_eager=True,
@@ -223,6 +233,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         worker_extension_cls="hal.tools.vllm_bench_worker.BenchWorkerExtension",
         **engine_options,
     )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the preset's model, start vLLM on it, run the methods (hal.tools.bench.
+    vllm_engine_methods), print the summary; the report. (`--senders M`: hal.tools.bench.
+    vllm_senders.run instead.)"""
+    check_engine_args(args)  # refuses --receive shard over ipc before building anything
+
+    from safetensors.torch import load_file
+
+    from hal.tools.bench.vllm_engine_methods import VllmBench
+
+    spec, model_dir = build_model(args)
+    tied = spec.tie_word_embeddings
+    (checkpoint,) = sorted(model_dir.glob("*.safetensors"))
+    weights = load_file(str(checkpoint))
+    llm = start_engine(args, model_dir)
     bench = None
     try:
         bench = VllmBench(args, llm, model_dir=model_dir, weights=weights, tied=tied)
@@ -233,6 +260,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bench.close()
         with contextlib.suppress(Exception):
             vllm_internals.shutdown_llm(llm)
-    report = bench.report(preset)
+    report = bench.report(getattr(args, "vllm_preset", DEFAULT_VLLM_PRESET))
     print_summary(report)
     return report

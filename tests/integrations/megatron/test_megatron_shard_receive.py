@@ -48,7 +48,7 @@ def _megatron_rank(rank: int, address: tuple[str, int]) -> dict[str, Any]:
     from hal.sync import SyncConfig
     from hal.tools.demo_rl import trainer_greedy
     from tests.integrations.megatron import harness as h
-    from tests.integrations.vllm.test_sharded import RemoteEngine
+    from hal.integrations.vllm.engine_proxy import RemoteEngine
 
     torch.set_num_threads(1)
     meg = h.build(2, 2, seed=3)
@@ -89,7 +89,7 @@ def run(tmp_path_factory) -> Iterator[list[dict[str, Any]]]:
     from hal.procs import PRELOAD
     from hal.tools.demo_rl import engine_greedy
     from tests.integrations.megatron.test_megatron_vllm import build_model_dir
-    from tests.integrations.vllm.test_sharded import ENGINE_CALLS, serve_calls
+    from hal.integrations.vllm.engine_proxy import ENGINE_CALLS, serve_calls
     from tests.integrations.vllm.test_topologies import multiprocess_llm, no_process_left_behind
     from tests.multiproc import run_group
 

@@ -5,7 +5,7 @@ Four spawned Megatron ranks (tests/integrations/megatron/harness.py) run
 rank sends only its own shards under Hugging Face names over a sync group of its own with
 every engine worker; the workers assemble whole tensors and load them through vLLM's
 loaders. The engine (`vllm.LLM`, vLLM's default multi-process mode) lives in this process
-and is driven by trainer rank 0 through a loopback socket (test_vllm_sharded.py's
+and is driven by trainer rank 0 through a loopback socket (hal.integrations.vllm.engine_proxy's
 `RemoteEngine`). Three syncs, an Adam step before the second and the third; after each:
 
 - every worker was handed every tensor bit for bit the Hugging Face conversion of the
@@ -50,7 +50,8 @@ def _megatron_vllm_rank(rank: int, address: tuple[str, int], workers: int) -> di
     from hal.sync import SyncConfig
     from hal.tools.demo_rl import trainer_greedy
     from tests.integrations.megatron import harness as h
-    from tests.integrations.vllm.test_sharded import RemoteEngine, sha
+    from hal.integrations.vllm.engine_proxy import RemoteEngine
+    from tests.integrations.vllm.test_sharded import sha
 
     torch.set_num_threads(1)
     meg = h.build(2, 2, seed=3)

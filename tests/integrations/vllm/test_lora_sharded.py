@@ -9,7 +9,7 @@ drives the engine.
 
 The engine has one worker (tensor_parallel_size=1), in this process (vLLM's single-process
 mode, as tests/integrations/vllm/test_lora.py), and serves its calls to trainer rank 0 on a
-loopback socket (`RemoteEngine` of test_vllm_sharded); the two trainer ranks are spawned
+loopback socket (`RemoteEngine` of hal.integrations.vllm.engine_proxy); the two trainer ranks are spawned
 (tests.multiproc). TP=1 keeps it to one engine start-up on the shared 2 cores, and a
 refusal by one worker is read back correctly (vLLM 0.32's multi-process executor misreads
 the replies after a call that failed on several workers: vllm-project/vllm#49972); the
@@ -57,7 +57,7 @@ def served(llm: Any, adapter_dir: str) -> Iterator[tuple[str, int]]:
     from hal.integrations.vllm.lora import lora_request
     from tests.integrations.vllm.test_lora import PROMPTS, engine_greedy, lose_engine_weights
     from tests.integrations.vllm.llm import weight_version
-    from tests.integrations.vllm.test_sharded import ENGINE_CALLS, serve_calls
+    from hal.integrations.vllm.engine_proxy import ENGINE_CALLS, serve_calls
 
     engine = OfflineEngine(llm, name=NAME)
     calls = {name: getattr(engine, name) for name in ENGINE_CALLS}
@@ -85,7 +85,7 @@ def trainer_rank(rank: int, world: int, address: tuple[str, int], model_dir: str
     from hal.sync import SyncConfig, SyncError, TensorSource
     from hal.sync.lora import adapter_config, adapter_tensors
     from tests.integrations.vllm.test_lora import base_greedy, peft_greedy, peft_trainer
-    from tests.integrations.vllm.test_sharded import RemoteEngine
+    from hal.integrations.vllm.engine_proxy import RemoteEngine
 
     torch.set_num_threads(1)
     model = peft_trainer(model_dir)  # the same adapter on both ranks (seeded), then sharded

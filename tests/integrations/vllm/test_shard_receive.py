@@ -268,7 +268,7 @@ def fsdp2_rank(rank: int, world: int, address: tuple[str, int], model_dir: str) 
     from hal.integrations.vllm.client import WeightSync
     from hal.sync import SyncConfig, SyncError
     from hal.tools.tiny_model import load_trainer_model
-    from tests.integrations.vllm.test_sharded import RemoteEngine
+    from hal.integrations.vllm.engine_proxy import RemoteEngine
 
     torch.set_num_threads(1)
     model = load_trainer_model(model_dir)
@@ -318,7 +318,7 @@ def fsdp2(engine, tmp_path_factory) -> dict[str, Any]:
     from hal.integrations.vllm.canary import llm_prompt_logprobs
     from hal.tools.tiny_model import load_trainer_model
     from tests.integrations.vllm.families import PROMPTS
-    from tests.integrations.vllm.test_sharded import ENGINE_CALLS, serve_calls
+    from hal.integrations.vllm.engine_proxy import ENGINE_CALLS, serve_calls
     from tests.multiproc import run_group
 
     from hal.integrations.vllm.client import OfflineEngine

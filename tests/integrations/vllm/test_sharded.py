@@ -8,8 +8,8 @@ layerwise reload whole tensors. Trainer rank 0 alone drives the engine.
 
 Processes: this one holds the engine (`vllm.LLM`, tensor_parallel_size=2, vLLM's default
 multi-process mode, one core per worker) and serves its calls on a loopback socket (one
-JSON request per connection: `RemoteEngine` below is the `Engine` trainer rank 0 drives it
-through); the two trainer ranks are spawned (tests.multiproc). The whole scenario runs once
+JSON request per connection: hal.integrations.vllm.engine_proxy's `RemoteEngine` is the
+`Engine` trainer rank 0 drives it through); the two trainer ranks are spawned (tests.multiproc). The whole scenario runs once
 for the module (`scenario`), and each test below checks one part of what it recorded:
 
 1. three syncs with an Adam step before each: after every one, each worker was handed
@@ -44,9 +44,6 @@ import hashlib
 import json
 import multiprocessing
 import multiprocessing.forkserver
-import socket
-import socketserver
-import threading
 from typing import Any, Iterator
 
 import pytest
@@ -57,6 +54,7 @@ pytest.importorskip("transformers", reason="transformers is not installed; insta
 import torch  # noqa: E402
 
 from hal.integrations.vllm import HalInitInfo, HalWorkerExtension  # noqa: E402
+from hal.integrations.vllm.engine_proxy import RemoteEngine, serve_engine  # noqa: E402
 from hal.sync import AuthError  # noqa: E402
 from tests.integrations.vllm.llm import weight_version  # noqa: E402
 
@@ -109,90 +107,7 @@ class RecordingExtension(HalWorkerExtension):
         return got
 
 
-# ---- the engine, served to trainer rank 0 ---------------------------------------------------
-class RemoteEngine:
-    """The `Engine` trainer rank 0 drives: each call goes to the process that holds the LLM.
-    The other trainer ranks hold one too (WeightSync counts its workers) with no address: a
-    call there fails the test, since only rank 0 may drive the engine."""
-
-    same_node = False
-
-    def __init__(self, address: tuple[str, int] | None, *, name: str = "tp2", num_workers: int = 2) -> None:
-        self.address, self.name, self.num_workers = address, name, num_workers
-
-    def call(self, method: str, *args: Any) -> Any:
-        if self.address is None:
-            raise AssertionError(f"a trainer rank other than 0 called the engine's {method}")
-        with socket.create_connection(self.address, timeout=300) as conn:
-            conn.sendall(json.dumps({"m": method, "a": list(args)}).encode() + b"\n")
-            reply = json.loads(conn.makefile("rb").readline())
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        return reply["result"]
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.call("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self.call("start_weight_update")
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.call("finish_weight_update", weight_version)
-
-    def update_weight_version(self, weight_version: str) -> None:
-        self.call("update_weight_version", weight_version)
-
-    def get_weight_version(self) -> str:
-        return self.call("get_weight_version")
-
-    def reset_prefix_cache(self) -> None:
-        self.call("reset_prefix_cache")
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.call("shutdown_weight_transfer_engine")
-
-    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
-        """The canary's probe, computed by the engine's own generate (hal.integrations.vllm.canary)."""
-        return self.call("prompt_logprobs", prompts)
-
-
-ENGINE_CALLS = (
-    "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
-    "update_weight_version", "get_weight_version", "reset_prefix_cache", "shutdown_weight_transfer_engine",
-)
-
-
-@contextlib.contextmanager
-def serve_calls(calls: dict[str, Any]) -> Iterator[tuple[str, int]]:
-    """Serve `calls` (name -> callable) on a loopback port, one JSON request per connection,
-    one call at a time (as WeightSync makes them): what `RemoteEngine` calls."""
-    lock = threading.Lock()
-
-    class Handler(socketserver.StreamRequestHandler):
-        def handle(self) -> None:
-            request = json.loads(self.rfile.readline())
-            try:
-                with lock:
-                    reply = {"result": calls[request["m"]](*request["a"])}
-            except Exception as exc:  # noqa: BLE001 - the caller raises it
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            self.wfile.write(json.dumps(reply).encode() + b"\n")
-
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, name="engine calls", daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[:2]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
-
-
+# ---- the engine, served to trainer rank 0 (hal.integrations.vllm.engine_proxy) ---------------
 @contextlib.contextmanager
 def served(llm: Any) -> Iterator[tuple[str, int]]:
     """Serve `OfflineEngine(llm)`'s calls, and `check` / `record`, on a loopback port."""
@@ -201,16 +116,17 @@ def served(llm: Any) -> Iterator[tuple[str, int]]:
     from hal.tools.demo_rl import engine_greedy
 
     engine = OfflineEngine(llm, name="tp2")
-    calls = {name: getattr(engine, name) for name in ENGINE_CALLS}
-    calls["record"] = lambda: llm.collective_rpc("hal_record_received")
-    calls["prompt_logprobs"] = lambda prompts: llm_prompt_logprobs(llm, prompts, where="engine 'tp2'")
-    calls["check"] = lambda: {
-        "received": llm.collective_rpc("hal_received"),
-        "states": llm.collective_rpc("hal_state"),
-        "version": weight_version(llm),
-        "greedy": engine_greedy(llm, PROMPTS, MAX_TOKENS),
+    extra = {
+        "record": lambda: llm.collective_rpc("hal_record_received"),
+        "prompt_logprobs": lambda prompts: llm_prompt_logprobs(llm, prompts, where="engine 'tp2'"),
+        "check": lambda: {
+            "received": llm.collective_rpc("hal_received"),
+            "states": llm.collective_rpc("hal_state"),
+            "version": weight_version(llm),
+            "greedy": engine_greedy(llm, PROMPTS, MAX_TOKENS),
+        },
     }
-    with serve_calls(calls) as address:
+    with serve_engine(engine, extra=extra) as address:
         yield address
 
 
