@@ -237,15 +237,19 @@ class EngineCalls:
                 logger.warning("engine %s: could not set its weight version to %r: %s", engine.name, label, version_exc)
 
     def shut_down(self) -> None:
-        """Every engine that joined lets go of this trainer's group(s); the engines keep serving."""
+        """Every engine that joined lets go of this trainer's group(s); the engines keep
+        serving. Each call is bounded by `timeout_s`: vLLM 0.32's client can wait forever on a
+        call to an engine that died meanwhile (a worker killed part-way through a sync)."""
         for engine in self.engines:
             if engine.name not in self.connected:
                 continue  # never connected to us (a refused init): it may serve another trainer
             self.connected.discard(engine.name)
+            what = f"{engine.name}: shutdown_weight_transfer_engine"
             try:
-                engine.shutdown_weight_transfer_engine()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
+                result_within(in_daemon_thread(f"hal-{engine.name}-shutdown", engine.shutdown_weight_transfer_engine), what,
+                              self.settings.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - best effort at teardown
+                logger.warning("hal weight sync: %s did not complete at close: %s", what, exc)
 
 
 def release_group(group: Any) -> None:

@@ -40,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"hal bench: --layout applies to the transfer benchmark only, not to {_benchmark(args)}")
     if getattr(args, "tp", None) is not None and getattr(args, "senders", None) is None:
         raise SystemExit("hal bench: --tp T describes the layout of --senders M trainer ranks: give --senders too")
-    if _benchmark(args) != "vllm" and (getattr(args, "engine_tp", 1) != 1 or getattr(args, "receive", "whole") != "whole"):
+    if _benchmark(args) != "vllm" and (getattr(args, "engine_tp", 1) != 1 or getattr(args, "receive", "auto") != "auto"):
         raise SystemExit("hal bench: --engine-tp and --receive describe the engine of --engine vllm: give --engine vllm too")
     if _benchmark(args) == "senders":
         from hal.tools.bench.senders import format_table as format_senders_table, run_from_args

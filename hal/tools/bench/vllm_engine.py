@@ -78,7 +78,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--vllm-transports", type=comma_list(TRANSPORTS, "transport"), default=None,
         help="--engine vllm: hal transport(s), comma-separated; the first is reported as 'hal' (default ipc,broadcast; "
-        "broadcast with --receive shard or auto: a shard receive travels over links, ipc shares whole buckets)",
+        "broadcast alone with --receive shard: a shard receive travels over links, ipc shares whole buckets; with auto, ipc takes whole tensors)",
     )
     parser.add_argument(
         "--engine-tp", type=positive_int, default=1, metavar="N",
@@ -165,10 +165,10 @@ RECEIVE = ("whole", "shard", "auto")  # hal.sync.plan.exchange.RECEIVE
 
 def transports_of(args: argparse.Namespace) -> tuple[str, ...]:
     """`--vllm-transports`, or its default for `--receive`: a shard receive goes over links."""
-    receive = getattr(args, "receive", "whole")
+    receive = getattr(args, "receive", "auto")
     given = getattr(args, "vllm_transports", None)
     if given is None:
-        return TRANSPORTS if receive == "whole" else ("broadcast",)
+        return ("broadcast",) if receive == "shard" else TRANSPORTS
     if receive == "shard" and "ipc" in given:
         raise SystemExit("hal bench: --receive shard travels over links: give --vllm-transports broadcast (ipc shares whole buckets)")
     return tuple(given)
@@ -185,7 +185,7 @@ def check_engine_args(args: argparse.Namespace) -> None:
     """Refuse, before anything is built, what the engine's options cannot do together
     (`--vllm-transports` is resolved for `--receive` here)."""
     args.vllm_transports = transports_of(args)
-    if getattr(args, "receive", "whole") == "shard" and int(getattr(args, "engine_tp", 1)) < 2:
+    if getattr(args, "receive", "auto") == "shard" and int(getattr(args, "engine_tp", 1)) < 2:
         raise SystemExit("hal bench: --receive shard needs an engine of several workers: give --engine-tp 2 or more")
 
 

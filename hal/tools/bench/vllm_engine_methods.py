@@ -65,7 +65,7 @@ class VllmBench:
         self.repeats, self.warmup, self.timeout_s = args.repeats, args.warmup, float(args.timeout)
         self.methods = tuple(args.vllm_methods)
         self.transports = tuple(args.vllm_transports)  # resolved for --receive by vllm_engine.run
-        self.receive, self.engine_tp = getattr(args, "receive", "whole"), int(getattr(args, "engine_tp", 1))
+        self.receive, self.engine_tp = getattr(args, "receive", "auto"), int(getattr(args, "engine_tp", 1))
         self.configs = [(t, mb) for t in self.transports for mb in tuple(args.vllm_bucket_mb)]
         self.bucket_bytes = int(args.vllm_bucket_mb[0] * MIB)
         self.llm, self.tied = llm, tied

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with serve_engine(OfflineEngine(llm, name=ENGINE_NAME), extra=extra, timeout_s=timeout_s) as address:
                 job = Job(
                     checkpoint=str(checkpoint), model_dir=str(model_dir), address=tuple(address), engine_name=ENGINE_NAME,
-                    engine_tp=engine_tp, senders=senders, tp=getattr(args, "tp", None), receive=getattr(args, "receive", "whole"),
+                    engine_tp=engine_tp, senders=senders, tp=getattr(args, "tp", None), receive=getattr(args, "receive", "auto"),
                     bucket_bytes=int(tuple(args.vllm_bucket_mb)[0] * MIB), timeout_s=0.8 * timeout_s, warmup=args.warmup,
                     repeats=args.repeats, tied=spec.tie_word_embeddings, threads=getattr(args, "threads", 1),
                 )

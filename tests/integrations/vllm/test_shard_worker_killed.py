@@ -73,7 +73,7 @@ def test_a_worker_killed_part_way_fails_the_sync_in_bound_and_leaves_nothing(tmp
                 held = {os.path.basename(n.path) for n in EngineProcesses.record(vllm_internals.engine_process_ids(llm)).names}
                 assert any("-cpushm_1" in n for n in held), held  # worker 1's shared memory: unlinked by no one once it is killed
                 sync = WeightSync([OfflineEngine(llm, name="tp2")], config=SyncConfig(bucket_bytes=256 << 10, segment_bytes=64 << 10,
-                                  timeout_s=SYNC_TIMEOUT_S), timeout_s=60.0, transport="broadcast", receive="shard", canary=None)
+                                  timeout_s=SYNC_TIMEOUT_S), timeout_s=30.0, transport="broadcast", receive="shard", canary=None)
                 sync.init()
                 try:
                     perturb(model, seed=1)
