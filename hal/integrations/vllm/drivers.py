@@ -44,6 +44,7 @@ logger = logging.getLogger("hal.integrations.vllm.weight_sync")
 # What an engine holding some tensors of a failed sync and old ones for the rest reports
 # as its weight version, followed by the last version it held completely.
 INCONSISTENT_PREFIX = "inconsistent:"
+SHUTDOWN_BOUND_S = 10.0  # an engine's shutdown call at close (EngineCalls.shut_down)
 
 Calls = list[tuple[str, "concurrent.futures.Future[Any]"]]  # (what, the call running in its own thread)
 
@@ -238,8 +239,9 @@ class EngineCalls:
 
     def shut_down(self) -> None:
         """Every engine that joined lets go of this trainer's group(s); the engines keep
-        serving. Each call is bounded by `timeout_s`: vLLM 0.32's client can wait forever on a
-        call to an engine that died meanwhile (a worker killed part-way through a sync)."""
+        serving. Each call is bounded (`SHUTDOWN_BOUND_S`, or `timeout_s` if shorter): vLLM
+        0.32's client can wait forever on a call to an engine that died meanwhile (a worker
+        killed part-way through a sync), and a live engine lets go of a group in milliseconds."""
         for engine in self.engines:
             if engine.name not in self.connected:
                 continue  # never connected to us (a refused init): it may serve another trainer
@@ -247,7 +249,7 @@ class EngineCalls:
             what = f"{engine.name}: shutdown_weight_transfer_engine"
             try:
                 result_within(in_daemon_thread(f"hal-{engine.name}-shutdown", engine.shutdown_weight_transfer_engine), what,
-                              self.settings.timeout_s)
+                              min(SHUTDOWN_BOUND_S, self.settings.timeout_s))
             except Exception as exc:  # noqa: BLE001 - best effort at teardown
                 logger.warning("hal weight sync: %s did not complete at close: %s", what, exc)
 
