@@ -30,12 +30,11 @@ import socketserver
 import threading
 from typing import Any, Callable, Iterator
 
-# The `Engine` protocol's calls (hal.integrations.vllm.engines.Engine), which
-# `serve_engine` serves of the engine it is given.
-ENGINE_CALLS = (
-    "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
-    "update_weight_version", "get_weight_version", "reset_prefix_cache", "shutdown_weight_transfer_engine",
-)
+from hal.integrations.vllm.engines import Engine
+
+# The `Engine` protocol's calls, read from it (one list), which `serve_engine` serves of the
+# engine it is given.
+ENGINE_CALLS = tuple(name for name, value in vars(Engine).items() if callable(value) and not name.startswith("_"))
 MAX_REQUEST_BYTES = 1 << 20  # a request is a call's name and its JSON arguments: init info, update info
 HOST = "127.0.0.1"
 

@@ -33,7 +33,7 @@ import hashlib
 import math
 from array import array
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -93,7 +93,7 @@ class Link:
         pieces by their first row (made on each call: keep the result)."""
         rows = slice(self.start, self.start + self.count)
         t = self.table
-        with _no_collection():
+        with no_collection():
             return tuple(
                 Piece(tensor, tuple(o[:d]), tuple(s[:d]), share, need)
                 for tensor, o, s, share, need, d in zip(
@@ -144,10 +144,10 @@ class MxNPlan:
 
 
 @contextlib.contextmanager
-def _no_collection():
-    """No cyclic garbage collection for the block: a plan makes hundreds of thousands of
-    small acyclic objects, and the collector's passes over them cost more than making them
-    (8x for a link's pieces of a 91k-tensor model)."""
+def no_collection() -> Iterator[None]:
+    """No cyclic garbage collection for the block (nested blocks leave it to the outermost):
+    a plan makes hundreds of thousands of small acyclic objects, and the collector's passes
+    over them cost more than making them (8x for a link's pieces of a 91k-tensor model)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -160,7 +160,7 @@ def _no_collection():
 def build_mxn_plan(holdings: ShardPlan, needs: Sequence[WorkerNeeds]) -> MxNPlan:
     """The plan of `holdings` (per trainer rank, what it sends) into `needs` (per worker,
     index = the worker), or `SpecMismatchError` naming what does not fit."""
-    with _no_collection():
+    with no_collection():
         return _build(holdings, tuple(needs))
 
 

@@ -52,21 +52,6 @@ def rank_main(rank: int, out: Any, port: int, job: Job) -> None:
     run_gloo_rank(out, rank, job.senders, port, job.timeout_s, lambda: _body(rank, job))
 
 
-def checkpoint_params(path: str) -> list[Any]:
-    """The checkpoint's tensors as `TensorSpec`s, in its order, from its header alone."""
-    from safetensors import safe_open
-
-    from hal.sync import TensorSpec
-
-    with safe_open(path, framework="pt") as f:
-        out = []
-        for name in f.keys():
-            piece = f.get_slice(name)
-            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[piece.get_dtype()]
-            out.append(TensorSpec(name, tuple(piece.get_shape()), dtype))
-    return out
-
-
 def held_by(params: list[Any], job: Job, rank: int) -> list[Any]:
     """What `rank` holds of each tensor (`senders_megatron.Held`): FSDP2's Shard(0) rows, or the Megatron layout's."""
     from hal.tools.bench.senders_config import chunk_rows
@@ -108,9 +93,10 @@ def _run(rank: int, job: Job) -> dict[str, Any]:
     from hal.integrations.vllm.client import WeightSync
     from hal.integrations.vllm.engine_proxy import RemoteEngine
     from hal.sync import SyncConfig
+    from hal.sync.receive import specs_from_safetensors
 
     began = time.perf_counter()
-    params = checkpoint_params(job.checkpoint)
+    params = specs_from_safetensors(job.checkpoint)  # from its header alone
     held = held_by(params, job, rank)
     base = []
     with safe_open(job.checkpoint, framework="pt") as f:

@@ -4,16 +4,15 @@ holdings, the M x N plan, each step timed; the lines printed and the record writ
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import pathlib
 import resource
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from hal.sync.plan.mxn import no_collection
 from hal.tools.plan.checkpoint import checkpoint_specs_of, model_folder, read_config
 from hal.tools.plan.fabric import FABRICS, given
 from hal.tools.plan.layouts import holdings, parse_engine, parse_trainer
@@ -57,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
     shared["imports_s"] = time.perf_counter() - started
     shared["rss_after_imports_bytes"] = _rss_bytes()
-    with _no_collection():
+    # no cyclic collection while plans are made and freed: left to the collector at exit, their
+    # millions of acyclic objects cost more than the whole plan (40 s for DeepSeek-V3, FSDP2 x 64)
+    with no_collection():
         rows = _plans(args, trainer, engines, fabric, folder, config, dtype, shared)
     shared["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
@@ -77,21 +78,6 @@ def run(args: argparse.Namespace) -> int:
         report = {"run": run_info, "model": model, "trainer": args.trainer, "results": results}
         pathlib.Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
-
-
-@contextlib.contextmanager
-def _no_collection() -> Iterator[None]:
-    """No cyclic garbage collection while plans are made and freed: millions of small
-    acyclic objects (shares, needs), whose passes would cost more than making them (and,
-    left to the collector at exit, more than the whole plan: 40 s for DeepSeek-V3 under
-    FSDP2 x 64 here)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plans(args: argparse.Namespace, trainer: Any, engines: list[Any], fabric: Any, folder: pathlib.Path, config: dict[str, Any],
