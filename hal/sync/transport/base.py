@@ -132,7 +132,7 @@ class Transport:
         if staged:  # a copy on the current stream, which follows the work that wrote the tensor
             tensor = tensor.to("cpu")
         try:
-            work = self.channel.keep(self.group.send([tensor], peer, tag))
+            work = self.channel.keep(self.group.send([tensor], peer, tag), tensor)
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} to rank {peer} failed on rank {self.rank}: {exc}") from exc
         return StagedWork(work, tensor, None, None) if staged else work
@@ -142,7 +142,7 @@ class Transport:
         if target is not None:
             tensor = torch.empty(target.shape, dtype=target.dtype)
         try:
-            work = self.channel.keep(self.group.recv([tensor], peer, tag))
+            work = self.channel.keep(self.group.recv([tensor], peer, tag), tensor)
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} from rank {peer} failed on rank {self.rank}: {exc}") from exc
         return StagedWork(work, tensor, target, self._backend) if target is not None else work

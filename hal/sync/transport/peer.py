@@ -94,13 +94,13 @@ class PeerChannel(SyncChannel):
 
     def _send(self, tensor: torch.Tensor, rank: int, what: str) -> Any:
         try:
-            return self.keep(self.group.send([tensor], rank, self.HEADER_TAG))
+            return self.keep(self.group.send([tensor], rank, self.HEADER_TAG), tensor)
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} to rank {rank} failed on rank {self.rank}: {exc}") from exc
 
     def _recv(self, tensor: torch.Tensor, what: str) -> Any:
         try:
-            return self.keep(self.group.recv([tensor], self.src, self.HEADER_TAG))
+            return self.keep(self.group.recv([tensor], self.src, self.HEADER_TAG), tensor)
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} from rank {self.src} failed on rank {self.rank}: {exc}") from exc
 

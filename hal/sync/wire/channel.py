@@ -16,15 +16,11 @@ outcome) are `GroupChannel.agree` over it.
 
 from __future__ import annotations
 
-import atexit
-import collections
 import contextlib
-import ctypes
 import datetime
 import hashlib
 import secrets
 import struct
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -36,6 +32,7 @@ from hal.backends.interface import Backend
 from hal.kernels.delta import Encoding
 from hal.sync.errors import AuthError, HeaderError, PeerError, RankReport
 from hal.sync.wire.header_json import MAX_HEADER_BYTES
+from hal.sync.wire.kept_works import KeptWorks
 
 # Largest status report one rank contributes to an agreement (its error message, JSON).
 MAX_REPORT_BYTES = 8192
@@ -127,24 +124,6 @@ def control_device_of(group: Any, backend: Backend) -> torch.device:
     return backend.control_device(name)
 
 
-_CHANNELS: "weakref.WeakSet[GroupChannel]" = weakref.WeakSet()
-
-
-@atexit.register
-def _keep_recent_works_past_exit() -> None:
-    """Let Python never free the channels' last collectives' work objects: at the end of
-    the interpreter, the deque that keeps them (`GroupChannel.__init__`) goes too, and a
-    gloo worker thread that has not yet dropped its own reference to a work completed a
-    moment ago (under load it can lag by milliseconds) then drops the last one, needs the
-    GIL while the interpreter finalizes, and the process aborts ("terminate called
-    without an active exception": a fresh clone's `make test` under load 5, 2026-11-27,
-    once in 19 runs). Run at exit, before the interpreter tears down: the process's memory
-    goes with it anyway."""
-    for channel in list(_CHANNELS):
-        for work in channel._recent:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
-
-
 class GroupChannel:
     """Small control collectives over one process group, with errors that say which rank
     and what: the agreement every rank of a sync ends with, used by transports (over the
@@ -166,21 +145,13 @@ class GroupChannel:
         self._bound_s: float | None = None  # while `bounded`: the longest wait of any one step
         self._challenge: str | None = None  # drawn in the last agreement, for the next header
         self._forged: str | None = None  # why the challenge drawn last cannot be trusted (`_drawn`)
-        # The last collectives' work objects, so that this thread, not the library's, lets go
-        # of them last: a gloo worker thread that drops the last reference to a finished
-        # work releases its tensors, and a tensor Python already let go of then needs the
-        # GIL; while the interpreter shuts down that kills the thread inside a destructor,
-        # and the process aborts ("terminate called without an active exception", issue 18).
-        # The library lets go microseconds after a work completes, so the last few suffice;
-        # few, because a staged transfer's work holds its host copy of a segment.
-        self._recent: collections.deque = collections.deque(maxlen=4)
-        _CHANNELS.add(self)
+        self._kept = KeptWorks()  # the last collectives' works, held past the library's threads (kept_works)
 
-    def keep(self, work: Any) -> Any:
-        """Hold `work` (a collective's work object) among the last few (see `__init__`);
+    def keep(self, work: Any, tensor: torch.Tensor) -> Any:
+        """Hold `work`, a collective on `tensor` just posted on this channel's group, so that
+        no thread of the collective library lets go of it last (hal.sync.wire.kept_works);
         returns it. Whoever issues a collective on this channel's group calls this."""
-        self._recent.append(work)
-        return work
+        return self._kept.keep(work, tensor)
 
     @contextlib.contextmanager
     def bounded(self, timeout_s: float) -> Iterator[None]:
@@ -221,7 +192,7 @@ class GroupChannel:
         opts = dist.AllreduceOptions()
         opts.timeout = self.collective_timeout()
         try:
-            work = self.keep(self.group.allreduce([tensor], opts))
+            work = self.keep(self.group.allreduce([tensor], opts), tensor)
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
         self.wait(work, what)
@@ -344,7 +315,7 @@ class SyncChannel(GroupChannel):
         opts.rootRank = self.src
         opts.timeout = self.collective_timeout()
         try:
-            return self.keep(self.group.broadcast([tensor], opts))
+            return self.keep(self.group.broadcast([tensor], opts), tensor)
         except RuntimeError as exc:
             raise PeerError(f"{self.name}: {what} failed on rank {self.rank}: {exc}") from exc
 
