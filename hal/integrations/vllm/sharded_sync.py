@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 from hal.backends.interface import Backend
 from hal.integrations.vllm import shard_sync
-from hal.integrations.vllm.drivers import Driver, fold_engine_errors
+from hal.integrations.vllm.drivers import Driver
+from hal.integrations.vllm.engine_calls import fold_engine_errors
 from hal.integrations.vllm.info import check_rendezvous
 from hal.procs import free_port
 from hal.sync import Sender, SyncError, SyncMetrics, TrainerSide

@@ -38,7 +38,8 @@ from typing import Any, Sequence
 from hal import env
 from hal.integrations._shared import SyncResult, keep_stdout
 from hal.integrations.vllm.canary import check_after_sync
-from hal.integrations.vllm.drivers import INCONSISTENT_PREFIX, Driver, EngineCalls, GatherThenSend, OneSender, Settings
+from hal.integrations.vllm.drivers import Driver, GatherThenSend, OneSender
+from hal.integrations.vllm.engine_calls import INCONSISTENT_PREFIX, EngineCalls, Settings
 from hal.integrations.vllm.engines import Engine, as_engine
 from hal.integrations.vllm.info import ENGINE_TRANSPORTS
 from hal.integrations.vllm.sharded_sync import EveryRankSends
@@ -174,7 +175,8 @@ class WeightSync:
         self._attempt = 0
         self.version: int | None = None
         self.inconsistent: set[str] = set()
-        """Engines holding part of a failed sync (some tensors new, some old), by name."""
+        """Engines holding part of a failed sync (some tensors new, some old), or that may
+        (a peer died or fell silent part-way, and no worker could report), by name."""
         self.canary: Canary | None = as_canary(canary)
         """The canary (hal.canary): `Canary.default()` unless told otherwise; None when off."""
 

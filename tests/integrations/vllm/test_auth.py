@@ -222,7 +222,7 @@ def test_a_refusal_that_crossed_a_process_boundary_is_still_an_auth_error(token)
     message: the trainer must still raise AuthError, naming the engine."""
     import concurrent.futures
 
-    from hal.integrations.vllm.drivers import EngineCalls
+    from hal.integrations.vllm.engine_calls import EngineCalls
     from hal.sync.wire import check_init_proof, init_proof
 
     fields = dict(master_address="127.0.0.1", master_port=1234, world_size=2)

@@ -454,6 +454,7 @@ def test_a_worker_killed_part_way_fails_the_sync_in_bound_and_leaves_nothing(eng
         with pytest.raises(SyncError) as failed:
             sync.sync(model, version=2)
         seconds = time.monotonic() - start
+        assert sync.inconsistent == {"tp2"}  # no worker could report what it applied: the engine may hold part
     finally:
         sync.close()  # bounded by timeout_s even on an engine that died (vLLM's client may wait forever)
     vllm_internals.shutdown_llm(llm)  # what the engine fixture's exit does again, on nothing
