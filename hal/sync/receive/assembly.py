@@ -115,6 +115,7 @@ class Assembler:
         self.discard = False  # the sync already failed: take shares, keep nothing
         self.error: BaseException | None = None  # the first failure of handing over
         self.touched = False  # the engine's sink got a tensor or a destination was written
+        self.apply_s = 0.0  # handing whole tensors over: their copies into destinations and the sink's apply
         self._cond = threading.Condition()
         self._open: dict[str, _Open] = {}
         self._open_bytes = 0
@@ -197,11 +198,13 @@ class Assembler:
                 if not batch and not self._running:
                     return
             if not self.discard:
+                start = time.perf_counter()
                 try:
                     self._hand_over(self.sink, batch)
                 except Exception as exc:  # noqa: BLE001 - reported at the agreement; the others keep receiving
                     self.error = exc
                     self.discard = True
+                self.apply_s += time.perf_counter() - start
             for _, _, raw in batch:
                 self.pool.give(raw)
             with self._cond:

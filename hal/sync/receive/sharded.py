@@ -94,6 +94,7 @@ class ShardedReceiver(FromEverySender):
             buckets=sum(len(i.plan.buckets) for i in incoming),
             tensors=len(self._index_kept[2]) if self._index_kept is not None else 0,
             transfer_s=max((i.timer.get("transfer") or 0.0) for i in incoming),
+            apply_s=assembler.apply_s,
             total_s=time.perf_counter() - start,
             host_s=time.thread_time() - host_start,
             senders=self.sender_count,

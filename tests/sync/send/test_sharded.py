@@ -155,6 +155,8 @@ def _sharded_worker(rank, world, scenario):
         try:
             metrics = receiver.receive(sink)
             outcome = ("ok", receiver.version, metrics.bytes)
+            if scenario == "ok":  # the hand-over of whole tensors to the engine's sink is timed
+                outcome += (0 < (metrics.apply_s or 0) <= metrics.total_s,)
             if scenario == "hierarchical":
                 outcome += ([t.leader for t in transports],)
         except SyncError as exc:
@@ -175,7 +177,7 @@ def test_two_fsdp2_ranks_each_send_their_shard_bit_exact_into_two_receivers(back
         assert sent0 == sent1 == total // 2, (sent0, sent1, total)
         assert full1 == full
         for engine in (engine2, engine3):
-            assert engine[step][0] == ("ok", step + 1, total)
+            assert engine[step][0] == ("ok", step + 1, total, True)
             assert engine[step][1] == full, f"sync {step + 1}: the engine does not hold the trainer's weights"
     assert trainer0[0][1] != trainer0[1][1] != trainer0[2][1]  # the optimizer moved the weights each step
 
