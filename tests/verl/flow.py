@@ -183,34 +183,48 @@ async def start(
 
 
 @contextlib.contextmanager
-def running(model_dir: Path, *, hal_settings: dict[str, Any], num_cpus: int = 6, **start_kwargs: Any) -> Iterator[Flow]:
-    """Ray on loopback with the workers' environment, the model in `model_dir`, and the
-    started flow (`start`); at the end every actor and placement group is checked gone,
-    then Ray stops."""
+def running(model_dir: Path, *, hal_settings: dict[str, Any], **start_kwargs: Any) -> Iterator[Flow]:
+    """The started flow (`start`) on the Ray instance of the lane (`loopback_ray`, which
+    must be running), with the model in `model_dir`; at the end every actor and placement
+    group is checked gone."""
     import pytest
 
-    from hal.integrations import ray as hal_ray
     from hal.integrations.ray import ActorScope
 
     with pytest.MonkeyPatch.context() as patch:
         for key, value in worker_env().items():
-            patch.setenv(key, value)  # the workers inherit the driver's environment
-        hal_ray.init_loopback(num_cpus=num_cpus)
-        import ray
-
+            patch.setenv(key, value)  # the driver's side of the flow reads them too
+        started = asyncio.run(start(build_model(model_dir), hal_settings=hal_settings, **start_kwargs))
         try:
-            started = asyncio.run(start(build_model(model_dir), hal_settings=hal_settings, **start_kwargs))
-            try:
-                yield started
-            finally:
-                scope = ActorScope(timeout_s=60)
-                for actor in started.actors():
-                    scope.add(actor)
-                for pg in started.placement_groups():
-                    scope.add_placement_group(pg)
-                scope.close()  # raises naming any actor, process or placement group left behind
+            yield started
         finally:
-            ray.shutdown()
+            scope = ActorScope(timeout_s=60)
+            for actor in started.actors():
+                scope.add(actor)
+            for pg in started.placement_groups():
+                scope.add_placement_group(pg)
+            scope.close()  # raises naming any actor, process or placement group left behind
+
+
+@contextlib.contextmanager
+def loopback_ray(num_cpus: int = 6) -> Iterator[None]:
+    """Ray on loopback, its processes started with the workers' environment (`worker_env`),
+    which this process keeps only while Ray starts; stopped at the end. Once for every flow
+    of the lane (tests/verl/conftest.py): Ray's start and stop take ~11 s here."""
+    import pytest
+
+    from hal.integrations import ray as hal_ray
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in worker_env().items():
+            patch.setenv(key, value)  # Ray's workers inherit the environment Ray starts in
+        hal_ray.init_loopback(num_cpus=num_cpus)
+    import ray
+
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def states(group: Any) -> list[dict[str, Any]]:

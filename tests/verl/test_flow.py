@@ -6,7 +6,7 @@ each followed by verl's `check_weights()`. Then, with the same trainer processes
 second rollout group that can die on request: bit-exact chunked and verified updates, a
 stale `global_steps` refused on every rank, delta updates of weights the trainers changed,
 a rollout worker killed mid-update, and verl's rollout group updated again after it. The
-tests run in file order (one flow, one Ray).
+tests run in file order (one flow; one Ray for the lane, tests/verl/conftest.py).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ HAL_SETTINGS = {
 
 
 @pytest.fixture(scope="module")
-def verl_flow(tmp_path_factory):
-    """Ray on loopback with the workers' environment, the model, and the started flow;
-    at the end every actor and placement group is checked gone, then Ray stops."""
+def verl_flow(tmp_path_factory, loopback_ray):
+    """The model and the started flow on the lane's Ray (loopback, the workers' environment);
+    at the end every actor and placement group is checked gone."""
     with flow.running(tmp_path_factory.mktemp("verl-model"), hal_settings=HAL_SETTINGS) as started:
         yield started
 

@@ -38,7 +38,7 @@ CHANGE = 8.0
 
 
 @pytest.fixture(scope="module")
-def verl_flow(tmp_path_factory):
+def verl_flow(tmp_path_factory, loopback_ray):
     with flow.running(tmp_path_factory.mktemp("verl-model"), hal_settings=HAL_SETTINGS) as started:
         yield started
 

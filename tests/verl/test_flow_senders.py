@@ -44,7 +44,7 @@ TRAINERS = 2
 
 
 @pytest.fixture(scope="module")
-def verl_flow(tmp_path_factory):
+def verl_flow(tmp_path_factory, loopback_ray):
     with flow.running(tmp_path_factory.mktemp("verl-model"), hal_settings=HAL_SETTINGS, num_trainer=TRAINERS) as started:
         yield started
 
