@@ -9,7 +9,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 from hal import env
 from hal.integrations.vllm.engines import Engine
@@ -218,24 +218,28 @@ class EngineCalls:
         for engine in self.engines:
             if engine.name not in names:
                 continue
-            try:  # bounded: an engine that lost a worker may have died, and vLLM's client can wait on it forever
-                result_within(in_daemon_thread(f"hal-{engine.name}-label", lambda e=engine: e.update_weight_version(label)),
-                              f"{engine.name}: update_weight_version", min(LATE_CALL_BOUND_S, self.settings.timeout_s))
+            try:  # an engine that lost a worker may have died
+                self._late_call(engine, "update_weight_version", lambda e=engine: e.update_weight_version(label))
             except Exception as version_exc:  # noqa: BLE001 - the sync's own error is the one to raise
                 logger.warning("engine %s: could not set its weight version to %r: %s", engine.name, label, version_exc)
 
     def shut_down(self) -> None:
         """Every engine that joined lets go of this trainer's group(s); the engines keep
-        serving. Each call is bounded (`LATE_CALL_BOUND_S`, or `timeout_s` if shorter): vLLM
-        0.32's client can wait forever on a call to an engine that died meanwhile (a worker
-        killed part-way through a sync), and a live engine lets go of a group in milliseconds."""
+        serving. Each call is bounded (`_late_call`); a live engine lets go of a group in
+        milliseconds."""
         for engine in self.engines:
             if engine.name not in self.connected:
                 continue  # never connected to us (a refused init): it may serve another trainer
             self.connected.discard(engine.name)
-            what = f"{engine.name}: shutdown_weight_transfer_engine"
             try:
-                result_within(in_daemon_thread(f"hal-{engine.name}-shutdown", engine.shutdown_weight_transfer_engine), what,
-                              min(LATE_CALL_BOUND_S, self.settings.timeout_s))
+                self._late_call(engine, "shutdown_weight_transfer_engine", engine.shutdown_weight_transfer_engine)
             except Exception as exc:  # noqa: BLE001 - best effort at teardown
-                logger.warning("hal weight sync: %s did not complete at close: %s", what, exc)
+                logger.warning("hal weight sync: %s: shutdown_weight_transfer_engine did not complete at close: %s", engine.name, exc)
+
+    def _late_call(self, engine: Engine, what: str, call: Callable[[], Any]) -> Any:
+        """`call` on `engine` after a failure or at close, within `LATE_CALL_BOUND_S` (or
+        `timeout_s` if shorter), in a daemon thread: vLLM 0.32's client can wait forever on
+        an engine that died meanwhile (a worker killed part-way through a sync), and the
+        thread then stays blocked until the process exits."""
+        return result_within(in_daemon_thread(f"hal-{engine.name}-{what}", call), f"{engine.name}: {what}",
+                             min(LATE_CALL_BOUND_S, self.settings.timeout_s))

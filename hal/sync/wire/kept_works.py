@@ -1,4 +1,4 @@
-"""Collectives' work objects, held until the collective library's threads have let go.
+"""Collectives' work objects, held so that the collective library's threads never let go of one last.
 
 A gloo worker thread marks a collective complete, and only then (after re-taking its queue's
 lock) drops its own reference to the work. Under load that lags by milliseconds. If Python
